@@ -1,0 +1,125 @@
+"""Small validated configuration types shared by the loaders, the model and the engine.
+
+Glossary:
+  ModelConfig  -- the architecture of a Llama-family decoder, independent of file format.
+  StageSpec    -- which slice of the model one pipeline stage holds: layers [start, end),
+                  plus the token embedding (first stage) and final norm + LM head (last stage).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message is meant for the user."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3 style frequency-dependent RoPE scaling ("rope_type": "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    max_position: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has biases on q/k/v
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {self.arch!r}; SpecPipe runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @staticmethod
+    def from_hf_dict(cfg: dict) -> "ModelConfig":
+        """Build from a Hugging Face config.json dictionary."""
+        model_type = cfg.get("model_type", "")
+        arch = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}.get(model_type)
+        if arch is None:
+            raise ConfigError(
+                f"unsupported model_type {model_type!r} in config.json; SpecPipe runs "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            scaling = None
+            rs = cfg.get("rope_scaling") or None
+            if rs is not None:
+                kind = rs.get("rope_type", rs.get("type"))
+                if kind == "llama3":
+                    scaling = RopeScaling(
+                        factor=float(rs["factor"]),
+                        low_freq_factor=float(rs["low_freq_factor"]),
+                        high_freq_factor=float(rs["high_freq_factor"]),
+                        original_max_position=int(rs["original_max_position_embeddings"]),
+                    )
+                elif kind not in (None, "default"):
+                    raise ConfigError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            return ModelConfig(
+                arch=arch,
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                rope_scaling=scaling,
+                max_position=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except KeyError as e:
+            raise ConfigError(f"config.json is missing the field {e.args[0]!r}") from None
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """The part of the model one pipeline stage holds."""
+
+    start: int  # first layer (inclusive)
+    end: int  # last layer (exclusive)
+    first: bool  # holds the token embedding
+    last: bool  # holds the final norm and the LM head
+
+    @staticmethod
+    def whole(cfg: ModelConfig) -> "StageSpec":
+        return StageSpec(0, cfg.num_layers, True, True)

@@ -1,0 +1,166 @@
+"""The driver: tokenizer, pipeline, speculative source, and the decode loop of each mode.
+
+    prompt -> tokenizer -> Request -> decode_<mode>(pipeline, request, source)
+           -> committed tokens -> incremental detokenizer -> text
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from specpipe.config import ConfigError
+from specpipe.engine.decode_rounds import decode_rounds
+from specpipe.engine.decode_specpipe import decode_specpipe
+from specpipe.engine.default_model import default_model_path
+from specpipe.engine.sources import build_source
+from specpipe.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from specpipe.loader import open_checkpoint
+from specpipe.loader.partition import partition_layers
+from specpipe.messages import Pipeline
+from specpipe.model.stage import build_stage
+from specpipe.request import Request
+from specpipe.sampling import SamplingParams
+from specpipe.spec.sources import TokenSource
+from specpipe.worker.local_pipeline import LocalPipeline
+from specpipe.worker.stage_worker import StageWorker
+
+MODES = ("pp", "tree", "specpipe")
+DEFAULT_DRAFT = "ngram"
+
+
+@dataclass
+class EngineConfig:
+    model: Optional[str] = None  # GGUF file or HF directory; None = the embedded default model
+    mode: str = "pp"
+    stages: int = 1
+    stage_layers: Optional[list[int]] = None
+    draft: Optional[str] = None  # source spec (see engine/sources.py); tree/specpipe default: ngram
+    tree_width: int = 8  # W: nodes per tree layer
+    tree_depth: int = 4  # D: layers per round in mode `tree`
+    max_context: int = 4096  # tokens of prompt + output a request may hold
+    device: str = "cpu"
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.stages < 1:
+            raise ConfigError(f"--stages must be at least 1, got {self.stages}")
+        if self.tree_width < 1:
+            raise ConfigError(f"--tree-width must be at least 1, got {self.tree_width}")
+        if self.tree_depth < 1:
+            raise ConfigError(f"--tree-depth must be at least 1, got {self.tree_depth}")
+        if self.max_context < 2:
+            raise ConfigError(f"--max-context must be at least 2, got {self.max_context}")
+        if self.mode == "pp" and self.draft:
+            raise ConfigError("--draft has no effect in mode pp; choose --mode tree or specpipe")
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        try:
+            return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+        except KeyError:
+            raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}") from None
+
+    def num_slots(self) -> int:
+        """KV slots per stage: the context plus room for the live speculative tree."""
+        tree = self.tree_width * (self.stages + self.tree_depth + 2) + 1
+        return self.max_context + tree
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    stats: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {"text": self.text, "prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
+                "finish_reason": self.finish_reason, "stats": self.stats}
+
+
+class Engine:
+    """Loads the model once and serves generate() calls one request at a time."""
+
+    def __init__(self, config: EngineConfig, pipeline: Optional[Pipeline] = None) -> None:
+        config.validate()
+        self.config = config
+        self.model_path = Path(config.model) if config.model else default_model_path()
+        self.checkpoint = open_checkpoint(self.model_path)
+        self.tokenizer = Tokenizer.from_path(self.model_path)
+        cfg = self.checkpoint.config
+        self.max_context = min(config.max_context, cfg.max_position)
+        self.stage_specs = partition_layers(cfg.num_layers, config.stages, config.stage_layers)
+        self.pipeline = pipeline if pipeline is not None else self._local_pipeline()
+        self.source: Optional[TokenSource] = None
+        if config.mode != "pp":
+            self.source = build_source(config.draft or DEFAULT_DRAFT, self.checkpoint, self.tokenizer,
+                                       config.num_slots(), config.device, config.torch_dtype())
+        self._ids = itertools.count()
+
+    def _local_pipeline(self) -> LocalPipeline:
+        workers = [StageWorker(build_stage(self.checkpoint, spec, self.config.device, self.config.torch_dtype()),
+                               self.config.num_slots()) for spec in self.stage_specs]
+        return LocalPipeline(workers)
+
+    def encode_prompt(self, prompt: str, chat: Optional[bool] = None) -> list[int]:
+        use_chat = self.tokenizer.has_chat_template if chat is None else chat
+        if use_chat:
+            if not self.tokenizer.has_chat_template:
+                raise ConfigError("--chat: this model has no chat template; use --no-chat")
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            # The template already holds the special tokens (BOS included where the model has one).
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
+
+    def generate(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
+                 chat: Optional[bool] = None, on_text: Optional[Callable[[str], None]] = None) -> GenerationResult:
+        prompt_ids = list(prompt) if not isinstance(prompt, str) else self.encode_prompt(prompt, chat)
+        if not prompt_ids:
+            raise ConfigError("the prompt is empty")
+        if len(prompt_ids) + sampling.max_tokens > self.max_context:
+            raise ConfigError(
+                f"the prompt ({len(prompt_ids)} tokens) plus --max-tokens ({sampling.max_tokens}) exceeds "
+                f"the context of {self.max_context} tokens; shorten the prompt or lower --max-tokens")
+        vocab = self.checkpoint.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ConfigError(f"prompt token ids must be in [0, {vocab})")
+        sampling = sampling.resolved()
+        detok = IncrementalDetokenizer(self.tokenizer)
+        pieces: list[str] = []
+
+        def on_token(tok: int) -> None:
+            piece = detok.add(tok)
+            if piece:
+                pieces.append(piece)
+                if on_text is not None:
+                    on_text(piece)
+
+        req = Request(next(self._ids), prompt_ids, sampling, frozenset(self.tokenizer.eos_token_ids), on_token)
+        mode, c = self.config.mode, self.config
+        if mode == "pp":
+            decode_rounds(self.pipeline, req)
+        elif mode == "tree":
+            decode_rounds(self.pipeline, req, self.source, c.tree_depth, c.tree_width)
+        else:
+            decode_specpipe(self.pipeline, req, self.source, c.tree_width)
+        tail = detok.flush()
+        if tail:
+            pieces.append(tail)
+            if on_text is not None:
+                on_text(tail)
+        stats = req.summary(self.pipeline.num_stages)
+        stats.update(mode=mode, draft=self.source.name if self.source else None,
+                     seed=sampling.seed, stages=self.pipeline.stage_stats())
+        return GenerationResult("".join(pieces), prompt_ids, list(req.output_ids), req.finish_reason or "length", stats)
+
+    def close(self) -> None:
+        self.pipeline.close()

@@ -1,0 +1,37 @@
+"""Turning tree nodes and prompts into the Rows that enter stage 1 (and the source)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from specpipe.messages import NO_PARENT, Rows
+from specpipe.spec.sources import SourceRows
+from specpipe.spec.tree import Node
+
+
+def prompt_node_ids(prompt_len: int, root_id: int) -> list[int]:
+    """Prompt tokens before the root get negative ids (-2, -3, ...) that never meet a tree id;
+    the last prompt token is the tree's root."""
+    return [-2 - i for i in range(prompt_len - 1)] + [root_id]
+
+
+def prompt_rows(request_id: int, prompt: Sequence[int], root_id: int) -> Rows:
+    ids = prompt_node_ids(len(prompt), root_id)
+    return Rows(request_id, ids, [NO_PARENT] + ids[:-1], list(range(len(prompt))),
+                torch.tensor(list(prompt), dtype=torch.long), head_rows=[len(prompt) - 1])
+
+
+def node_rows(request_id: int, nodes: Sequence[Node], root_parent: int | None = None) -> Rows:
+    """Rows for tree nodes (parents first). A node without a tree parent is a new root whose
+    parent, for the stages, is the previous root `root_parent` (already committed)."""
+    parents = [n.parent if n.parent is not None else root_parent for n in nodes]
+    if any(p is None for p in parents):
+        raise ValueError("a new root needs the previous root as its parent")
+    return Rows(request_id, [n.node_id for n in nodes], parents, [n.position for n in nodes],
+                torch.tensor([n.token for n in nodes], dtype=torch.long))
+
+
+def source_rows(rows: Rows) -> SourceRows:
+    return SourceRows(list(rows.node_ids), list(rows.parent_ids), list(rows.positions), rows.data.tolist())

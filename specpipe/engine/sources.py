@@ -1,0 +1,54 @@
+"""Build the speculative token source named on the command line.
+
+  ngram          prompt lookup, no model
+  self:K         the target's first K layers plus its final norm and LM head (early exit)
+  PATH           a draft model (GGUF file or Hugging Face directory) with the target's tokenizer
+  A+B[+C...]     several of these merged into one layer
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specpipe.config import ConfigError, StageSpec
+from specpipe.engine.tokenizer import Tokenizer
+from specpipe.loader import Checkpoint, open_checkpoint
+from specpipe.model.stage import build_stage
+from specpipe.spec.draft_model import DraftModelSource
+from specpipe.spec.sources import MergedSource, NgramSource, TokenSource
+
+
+def build_source(spec: str, target: Checkpoint, tokenizer: Tokenizer, num_slots: int,
+                 device: str = "cpu", dtype: torch.dtype = torch.float32) -> TokenSource:
+    parts = [p.strip() for p in spec.split("+") if p.strip()]
+    if not parts:
+        raise ConfigError("--draft is empty")
+    sources = [_one(p, target, tokenizer, num_slots, device, dtype) for p in parts]
+    return sources[0] if len(sources) == 1 else MergedSource(sources)
+
+
+def _one(part: str, target: Checkpoint, tokenizer: Tokenizer, num_slots: int, device, dtype) -> TokenSource:
+    if part == "ngram":
+        return NgramSource()
+    if part.startswith("self:"):
+        try:
+            k = int(part[len("self:"):])
+        except ValueError:
+            raise ConfigError(f"--draft {part}: K must be an integer number of layers") from None
+        n = target.config.num_layers
+        if not 1 <= k < n:
+            raise ConfigError(f"--draft self:K needs 1 <= K < {n} (the target's layer count), got {k}")
+        model = build_stage(target, StageSpec(0, k, first=True, last=True), device, dtype)
+        return DraftModelSource(model, num_slots, f"self:{k}", tokenizer.fingerprint())
+    ckpt = open_checkpoint(part)
+    draft_tok = Tokenizer.from_path(part)
+    if draft_tok.fingerprint() != tokenizer.fingerprint():
+        raise ConfigError(
+            f"--draft {part}: its tokenizer differs from the target's; a draft model must share the "
+            "target's vocabulary so that its tokens mean the same thing")
+    if ckpt.config.vocab_size != target.config.vocab_size:
+        raise ConfigError(
+            f"--draft {part}: vocabulary size {ckpt.config.vocab_size} differs from the target's "
+            f"{target.config.vocab_size}")
+    model = build_stage(ckpt, StageSpec.whole(ckpt.config), device, dtype)
+    return DraftModelSource(model, num_slots, part, draft_tok.fingerprint())

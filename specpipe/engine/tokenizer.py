@@ -1,0 +1,476 @@
+"""Text <-> token ids, for Hugging Face model directories and GGUF files alike.
+
+The Rust `tokenizers` library does the work. A HF directory's tokenizer.json is used as is. A GGUF
+file carries no tokenizer.json, only llama.cpp's metadata (vocabulary, merges, token types and the
+*name* of a pre-tokenizer), so the equivalent pipeline is rebuilt here, following llama.cpp's
+llama-vocab.cpp: that is the implementation every GGUF file was converted for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import mmap
+import struct
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+from tokenizers import Tokenizer as _Backend
+
+log = logging.getLogger(__name__)
+
+
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be loaded or used; the message is meant for the user."""
+
+
+# --- GGUF metadata ---------------------------------------------------------------------------
+
+_GGUF_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
+    """All key/value metadata of a GGUF file (v2/v3), without reading its tensors.
+
+    gguf.GGUFReader builds a numpy view per array element and needs ~2.5 s for SmolLM2's 49k
+    tokens + 49k merges; walking the header with struct is an order of magnitude faster.
+    """
+    path = Path(path)
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            if buf[:4] != b"GGUF":
+                raise TokenizerError(f"{path}: not a GGUF file (it does not start with 'GGUF')")
+            # A small version number read the wrong way round has its low half zero: the file is big-endian.
+            end = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"
+            (version,) = struct.unpack_from(end + "I", buf, 4)
+            if version not in (2, 3):
+                raise TokenizerError(f"{path}: GGUF version {version} is not supported (only 2 and 3)")
+            (n_kv,) = struct.unpack_from(end + "Q", buf, 16)
+
+            def string(off: int) -> tuple[str, int]:
+                (n,) = struct.unpack_from(end + "Q", buf, off)
+                if off + 8 + n > len(buf):  # slicing past the end would quietly return less
+                    raise struct.error("string runs past the end of the file")
+                return buf[off + 8 : off + 8 + n].decode("utf-8", "replace"), off + 8 + n
+
+            def value(vtype: int, off: int) -> tuple[Any, int]:
+                if vtype == _GGUF_STRING:
+                    return string(off)
+                if vtype in _GGUF_SCALAR:
+                    fmt = end + _GGUF_SCALAR[vtype]
+                    return struct.unpack_from(fmt, buf, off)[0], off + struct.calcsize(fmt)
+                if vtype != _GGUF_ARRAY:
+                    raise TokenizerError(f"{path}: unknown GGUF value type {vtype}")
+                etype, count = struct.unpack_from(end + "IQ", buf, off)
+                off += 12
+                if etype in _GGUF_SCALAR:  # numbers: one unpack for the whole array
+                    fmt = f"{end}{count}{_GGUF_SCALAR[etype]}"
+                    return list(struct.unpack_from(fmt, buf, off)), off + struct.calcsize(fmt)
+                items = []
+                for _ in range(count):
+                    item, off = value(etype, off)
+                    items.append(item)
+                return items, off
+
+            meta: dict[str, Any] = {}
+            off = 24
+            for _ in range(n_kv):
+                key, off = string(off)
+                (vtype,) = struct.unpack_from(end + "I", buf, off)
+                meta[key], off = value(vtype, off + 4)
+            return meta
+    except (struct.error, ValueError, OSError) as e:
+        if isinstance(e, TokenizerError):
+            raise
+        raise TokenizerError(f"{path}: cannot read GGUF metadata ({e}); the file may be truncated") from e
+
+
+# --- byte-level BPE from GGUF ("gpt2") ----------------------------------------------------------
+
+# Pre-tokenizer regexes, as in the models' own tokenizer.json (llama.cpp carries equivalent ones).
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# family: (regexes applied one after the other, ignore_merges, add BOS when the file does not say)
+_FAMILIES: dict[str, tuple[list[str], bool, bool]] = {
+    # llama.cpp's fallback: punctuation runs, then GPT-2, then numbers and groups of 3 digits
+    "default": ([r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"], False, False),
+    "gpt2": ([_GPT2], False, False),
+    # StarCoder-style vocabularies (SmolLM, SmolLM2): every digit alone, then GPT-2
+    "starcoder": ([r"\p{N}", _GPT2], False, False),
+    # Llama 3 looks a whole pre-token up before merging (HF "ignore_merges": true)
+    "llama3": ([_LLAMA3], True, True),
+    "qwen2": ([_QWEN2], False, False),
+}
+# tokenizer.ggml.pre -> family, the names llama.cpp gives them
+_PRE_NAMES = {
+    "default": "default",
+    **dict.fromkeys(("gpt-2", "gpt2", "phi-2", "mpt", "olmo"), "gpt2"),
+    **dict.fromkeys(("smollm", "starcoder", "refact", "codeshell", "command-r"), "starcoder"),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3"), "llama3"),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "megrez", "stablelm2"), "qwen2"),
+}
+
+_CONTROL, _USER_DEFINED, _UNKNOWN, _NORMAL = 3, 4, 2, 1
+# End-of-generation tokens besides eos/eot that llama.cpp also stops on, when marked as control.
+_EOG_TEXTS = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<EOT>"}
+
+
+def _byte_level_from_gguf(meta: dict[str, Any], path: Path) -> tuple[_Backend, bool]:
+    pre = meta.get("tokenizer.ggml.pre")
+    if not pre:
+        log.warning("%s: no tokenizer.ggml.pre; using llama.cpp's 'default' pre-tokenizer", path)
+        pre = "default"
+    if pre not in _PRE_NAMES:
+        raise TokenizerError(
+            f"{path}: pre-tokenizer {pre!r} is not supported; supported: {', '.join(sorted(_PRE_NAMES))}"
+        )
+    family = _PRE_NAMES[pre]
+    regexes, ignore_merges, add_bos_default = _FAMILIES[family]
+    tokens = meta["tokenizer.ggml.tokens"]
+    merges = meta.get("tokenizer.ggml.merges")
+    if not merges:
+        raise TokenizerError(f"{path}: byte-level BPE vocabulary without tokenizer.ggml.merges")
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    # Byte-level tokens spell a space as "Ġ", so the one real space in a merge separates the pair.
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    backend = _Backend(models.BPE(vocab, pairs, ignore_merges=ignore_merges))
+    if family == "qwen2":  # Qwen2's tokenizer.json normalizes to NFC before splitting
+        backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+        + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    backend.decoder = decoders.ByteLevel()
+    return backend, add_bos_default
+
+
+# --- SentencePiece from GGUF ("llama": Llama 2, Mistral v0.1) ----------------------------------
+
+
+def _sentencepiece_from_gguf(meta: dict[str, Any], path: Path) -> tuple[_Backend, bool]:
+    """SentencePiece BPE as HF's Llama converter builds it: BPE whose merges follow the scores.
+
+    SentencePiece merges the pair whose result scores highest; ranking merges by that score gives
+    tokenizers' BPE the same order. Characters outside the vocabulary fall back to <0xNN> tokens.
+    """
+    tokens = meta["tokenizer.ggml.tokens"]
+    scores = meta.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))]
+    types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        vocab.setdefault(tok, i)
+    normal = {t for t, ty in zip(tokens, types) if ty == _NORMAL}
+    ranked = []
+    for i, merged in enumerate(tokens):
+        if types[i] != _NORMAL:  # control, byte and user-defined pieces never come out of merging
+            continue
+        for cut in range(1, len(merged)):
+            left, right = merged[:cut], merged[cut:]
+            if left in normal and right in normal:
+                ranked.append((-scores[i], i, vocab[left], (left, right)))
+    ranked.sort()
+    unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+    unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
+    backend = _Backend(
+        models.BPE(vocab, [r[3] for r in ranked], unk_token=unk, fuse_unk=True, byte_fallback=True)
+    )
+    # llama.cpp puts the dummy-prefix space before the text and after every special token; a
+    # normalizer does exactly that, because it runs on each piece between added tokens.
+    replace = normalizers.Replace(" ", "\u2581")
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if meta.get("tokenizer.ggml.add_space_prefix", True):
+        backend.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), replace])
+        steps.append(decoders.Strip(" ", 1, 0))
+    else:
+        backend.normalizer = replace
+    backend.decoder = decoders.Sequence(steps)
+    return backend, True
+
+
+def _from_gguf(path: Path) -> Tokenizer:
+    meta = read_gguf_metadata(path)
+    kind = meta.get("tokenizer.ggml.model")
+    if "tokenizer.ggml.tokens" not in meta:
+        raise TokenizerError(f"{path}: this GGUF file holds no tokenizer (no tokenizer.ggml.tokens)")
+    if kind == "gpt2":
+        backend, add_bos_default = _byte_level_from_gguf(meta, path)
+    elif kind == "llama":
+        backend, add_bos_default = _sentencepiece_from_gguf(meta, path)
+    else:
+        raise TokenizerError(
+            f"{path}: tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE "
+            "and 'llama' SentencePiece)"
+        )
+    tokens = meta["tokenizer.ggml.tokens"]
+    types = meta.get("tokenizer.ggml.token_type") or []
+    # Matched whole in the text, so "<|im_start|>" is one id; control ones are dropped when
+    # decoding with skip_special_tokens, user-defined ones (like "<think>") are kept, as in HF.
+    backend.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in (_CONTROL, _UNKNOWN)]
+    )
+    backend.add_tokens(
+        [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
+    )
+
+    def token_id(key: str) -> int | None:
+        i = meta.get(f"tokenizer.ggml.{key}")
+        return i if isinstance(i, int) and 0 <= i < len(tokens) else None
+
+    bos, eos = token_id("bos_token_id"), token_id("eos_token_id")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", add_bos_default)) and bos is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    _set_post_processor(backend, tokens, bos if add_bos else None, eos if add_eos else None)
+    eog = [eos, token_id("eot_token_id"), token_id("eom_token_id")]
+    eog += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _CONTROL and t in _EOG_TEXTS]
+    return Tokenizer(
+        backend,
+        bos_token_id=bos,
+        eos_token_ids=eog,
+        chat_template=meta.get("tokenizer.chat_template"),
+        source=str(path),
+    )
+
+
+def _set_post_processor(backend: _Backend, tokens: list[str], bos: int | None, eos: int | None) -> None:
+    if bos is None and eos is None:
+        return
+    pre = [tokens[bos]] if bos is not None else []
+    post = [tokens[eos]] if eos is not None else []
+    backend.post_processor = processors.TemplateProcessing(
+        single=pre + ["$A"] + post,
+        pair=pre + ["$A"] + post + [f"{t}:1" for t in pre] + ["$B:1"] + [f"{t}:1" for t in post],
+        special_tokens=[(tokens[i], i) for i in dict.fromkeys(x for x in (bos, eos) if x is not None)],
+    )
+
+
+# --- Hugging Face directories ------------------------------------------------------------------
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise TokenizerError(f"{path}: not readable JSON ({e})") from e
+
+
+def _from_hf_dir(d: Path) -> Tokenizer:
+    tokenizer_json = d / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        raise TokenizerError(
+            f"{d}: no tokenizer.json in this directory; only 'fast' tokenizers are supported "
+            "(transformers' AutoTokenizer(...).save_pretrained() writes one)"
+        )
+    try:
+        backend = _Backend.from_file(str(tokenizer_json))
+    except Exception as e:  # the Rust side raises a bare Exception for malformed files
+        raise TokenizerError(f"{tokenizer_json}: cannot be loaded ({e})") from e
+    # Some tokenizer.json files ship with truncation/padding on, which would silently cut prompts.
+    backend.no_truncation()
+    backend.no_padding()
+    config = _read_json(d / "tokenizer_config.json")
+    template_file = d / "chat_template.jinja"  # newer transformers save it apart, and prefer it
+    template = template_file.read_text(encoding="utf-8") if template_file.is_file() else config.get("chat_template")
+    if isinstance(template, list):  # several named templates: the one named "default", else the first
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default") or next(iter(named.values()), None)
+
+    def content(token: Any) -> str | None:
+        return token.get("content") if isinstance(token, dict) else token
+
+    bos_text, eos_text = content(config.get("bos_token")), content(config.get("eos_token"))
+    eos_ids: list[int | None] = [backend.token_to_id(eos_text) if eos_text else None]
+    for extra in (_read_json(d / "generation_config.json"), _read_json(d / "config.json")):
+        ids = extra.get("eos_token_id")
+        eos_ids += ids if isinstance(ids, list) else [ids]
+    return Tokenizer(
+        backend,
+        bos_token_id=backend.token_to_id(bos_text) if bos_text else None,
+        eos_token_ids=eos_ids,
+        chat_template=template,
+        source=str(d),
+    )
+
+
+# --- chat templates ----------------------------------------------------------------------------
+
+
+def _raise_exception(message: str) -> None:
+    raise TokenizerError(f"chat template: {message}")
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False):
+    # Jinja's own tojson escapes HTML characters; templates are written against HF's plain json.dumps.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _compile_template(source: str):
+    """Compile a chat template in the environment transformers renders it in."""
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise TokenizerError(f"the model's chat template is not valid Jinja (line {e.lineno}: {e.message})") from e
+
+
+# --- the tokenizer -----------------------------------------------------------------------------
+
+
+class Tokenizer:
+    """Encode, decode and chat-format for one model; build it with `Tokenizer.from_path`."""
+
+    def __init__(
+        self,
+        backend: _Backend,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: list[int | None],
+        chat_template: str | None,
+        source: str,
+    ):
+        self._backend = backend
+        self.source = source
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.bos_token_id = bos_token_id
+        # deduplicated, primary eos first
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in eos_token_ids if isinstance(i, int)))
+        self.bos_token = backend.id_to_token(bos_token_id) if bos_token_id is not None else None
+        self.eos_token = backend.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
+        self._chat_template = chat_template or None
+        self._compiled_template = None
+        self._fingerprint: str | None = None
+
+    @staticmethod
+    def from_path(path: str | Path) -> Tokenizer:
+        """Load from a Hugging Face model directory or a .gguf file."""
+        p = Path(path).expanduser()
+        if not p.exists():
+            raise TokenizerError(f"tokenizer not found: {p}")
+        return _from_hf_dir(p) if p.is_dir() else _from_gguf(p)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special-token text such as "<|im_start|>" becomes its single id.
+
+        add_special_tokens adds BOS/EOS only where the model asks for them.
+        """
+        if not isinstance(text, str):
+            raise TokenizerError(f"can only encode text, not {type(text).__name__}")
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._backend.token_to_id(token)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """Render `messages` with the model's template, as transformers does (tokenize=False).
+
+        Extra keyword arguments (e.g. tools) are passed to the template.
+        """
+        if self._chat_template is None:
+            raise TokenizerError(
+                f"{self.source}: the model has no chat template; send a plain prompt instead of chat messages"
+            )
+        if self._compiled_template is None:
+            self._compiled_template = _compile_template(self._chat_template)
+        import jinja2
+
+        context = {"tools": None, "documents": None, "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
+        context.update(kwargs)
+        try:
+            return self._compiled_template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **context
+            )
+        except jinja2.TemplateError as e:
+            raise TokenizerError(f"the model's chat template failed: {e}") from e
+
+    def fingerprint(self) -> str:
+        """SHA-256 of the token strings in id order and the merges.
+
+        Two tokenizers with the same fingerprint map text to the same ids, whichever file they
+        came from; speculative decoding needs that of its draft and target models.
+        """
+        if self._fingerprint is None:
+            spec = json.loads(self._backend.to_str())
+            model = spec.get("model", {})
+            vocab = model.get("vocab") or {}
+            by_id = dict(enumerate(t for t, _ in vocab)) if isinstance(vocab, list) else {i: t for t, i in vocab.items()}
+            by_id.update({a["id"]: a["content"] for a in spec.get("added_tokens", [])})
+            merges = [m.split(" ", 1) if isinstance(m, str) else list(m) for m in model.get("merges") or []]
+            tokens = [by_id.get(i) for i in range(max(by_id, default=-1) + 1)]
+            blob = json.dumps({"tokens": tokens, "merges": merges}, ensure_ascii=False)
+            self._fingerprint = hashlib.sha256(blob.encode("utf-8")).hexdigest()
+        return self._fingerprint
+
+
+# --- streaming ---------------------------------------------------------------------------------
+
+_PROMPT_CONTEXT = 6  # prompt tokens kept as left context: enough to settle spacing and merging
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids into text piece by piece, for streaming.
+
+    Each call decodes a short window of recent ids twice (with and without the new one) and returns
+    what the new one added. Text ending in U+FFFD is held back: it is a character whose UTF-8 bytes
+    are spread over several tokens and not all have arrived. The pieces plus flush() equal
+    decode(generated ids) for byte-level tokenizers; prompt_ids give left context so SentencePiece
+    keeps the leading space a continuation of the prompt needs (decode() alone would strip it).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        context = list(prompt_ids or [])[-_PROMPT_CONTEXT:]
+        if self._decode(context).endswith("\ufffd"):  # the prompt ends mid-character: no usable context
+            context = []
+        self._ids = context
+        self._prefix = 0  # window start: ids before it are done with
+        self._read = len(context)  # ids before it have had their text returned
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""
+
+    def add(self, token_id: int) -> str:
+        """Append one generated id; returns the text it completes (often "", never a broken character)."""
+        self._ids.append(token_id)
+        return self._advance(final=False)
+
+    def flush(self) -> str:
+        """Whatever is still held back, at the end of generation."""
+        return self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        done = self._decode(self._ids[self._prefix : self._read])
+        text = self._decode(self._ids[self._prefix :])
+        if len(text) <= len(done) or (text.endswith("\ufffd") and not final):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(done) :]

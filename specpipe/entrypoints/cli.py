@@ -1,0 +1,98 @@
+"""`specpipe` command line: `specpipe generate [options] PROMPT`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional, Sequence
+
+from specpipe import __version__
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {v}")
+    return v
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specpipe", description="Pipeline-parallel LLM inference with SpecPipe speculative decoding.")
+    p.add_argument("--version", action="version", version=f"specpipe {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="stream a completion of PROMPT to the terminal")
+    g.add_argument("prompt", help="the prompt text ('-' reads it from standard input)")
+    g.add_argument("--model", help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--max-tokens", type=_positive_int, default=128, help="stop after this many new tokens (default 128)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--seed", type=int, default=None, help="reproduce a sampled completion")
+    g.add_argument("--chat", dest="chat", action="store_true", default=None,
+                   help="wrap the prompt in the model's chat template (default when it has one)")
+    g.add_argument("--no-chat", dest="chat", action="store_false")
+    g.add_argument("--json", action="store_true", help="print one JSON object with tokens and stats as the last line")
+    g.add_argument("--mode", default="pp", help="pp | tree | specpipe (default pp)")
+    g.add_argument("--stages", type=int, default=1, help="pipeline stages S (default 1)")
+    g.add_argument("--stage-layers", default=None, help="layers per stage, e.g. 8,8,7,7 (default: even split)")
+    g.add_argument("--draft", default=None,
+                   help="speculative source: ngram, self:K, a draft model PATH, or A+B combinations (default ngram)")
+    g.add_argument("--tree-width", type=int, default=8, help="W: nodes per tree layer (default 8)")
+    g.add_argument("--tree-depth", type=int, default=4, help="D: tree layers per round in mode tree (default 4)")
+    g.add_argument("--max-context", type=int, default=4096, help="prompt + output tokens per request (default 4096)")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)")
+    return p
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from specpipe.engine.engine import Engine, EngineConfig
+    from specpipe.loader.partition import parse_stage_layers
+    from specpipe.sampling import SamplingParams
+
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              seed=args.seed, max_tokens=args.max_tokens)
+    config = EngineConfig(model=args.model, mode=args.mode, stages=args.stages,
+                          stage_layers=parse_stage_layers(args.stage_layers), draft=args.draft,
+                          tree_width=args.tree_width, tree_depth=args.tree_depth,
+                          max_context=args.max_context, device=args.device, dtype=args.dtype)
+    config.validate()
+    engine = Engine(config)
+    try:
+        stream = None if args.json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
+        result = engine.generate(prompt, sampling, chat=args.chat, on_text=stream)
+    finally:
+        engine.close()
+    if args.json:
+        print(json.dumps(result.as_dict()))
+    else:
+        sys.stdout.write("\n")
+        print(_summary(result.stats, len(result.token_ids)), file=sys.stderr)
+    return 0
+
+
+def _summary(s: dict, n: int) -> str:
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+    return (f"[{s['mode']}, S={s['num_stages']}] {n} tokens, {s['pipeline_steps']} pipeline steps, "
+            f"{fmt(s['tokens_per_step'], '.3f')} tokens/step, hit rate {fmt(s['hit_rate'], '.1%')}, "
+            f"TTFT {fmt(s['ttft_ms'], '.0f')} ms, TBT {fmt(s['tbt_ms'], '.1f')} ms")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from specpipe.errors import user_errors
+
+    with user_errors() as status:
+        if args.command == "generate":
+            return _generate(args)
+    return status.code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

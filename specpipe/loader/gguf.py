@@ -1,0 +1,359 @@
+"""GGUF checkpoints (llama.cpp's single-file format), read lazily into canonical names.
+
+The file is memory-mapped once at open; only the metadata and the tensor directory are
+parsed then. A tensor's bytes are touched when `load` asks for it, so a pipeline stage
+pays only for its own slice of the model.
+
+Differences from the Hugging Face layout that this module undoes:
+  * GGUF lists dimensions fastest-first, so its [in, out] is torch's (out, in).
+  * llama.cpp's converter permutes the rows of Q and K (weights and biases) of
+    llama-architecture models from Hugging Face's rotate_half RoPE layout to the
+    interleaved-pairs layout llama.cpp's kernels use. Qwen2 files use llama.cpp's
+    NEOX RoPE, which is the rotate_half layout already, so they are left alone.
+  * Llama 3.x RoPE scaling is normally not in the metadata at all: the converter
+    stores the per-frequency factor table as a `rope_freqs.weight` tensor instead.
+    ModelConfig describes llama3 scaling by its four parameters, so we rebuild the
+    table from the parameters and accept it only if it matches the stored one; a
+    table we cannot explain is an error, because ignoring it would silently
+    corrupt every position's rotation.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import gguf
+import numpy as np
+import torch
+
+from specpipe.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig, RopeScaling
+from specpipe.loader.checkpoint import Checkpoint, CheckpointError
+
+# Architectures whose Q/K rows llama.cpp's converter permutes. llama.cpp itself calls
+# Mistral "llama"; a file that says "mistral" came from a llama-style writer too.
+PERMUTED_ARCHS = ("llama", "mistral")
+
+# llama.cpp's defaults for llama3 scaling parameters the GGUF metadata has no key for.
+LLAMA3_DEFAULT_LOW_FREQ_FACTOR = 1.0
+LLAMA3_DEFAULT_HIGH_FREQ_FACTOR = 4.0
+LLAMA3_DEFAULT_ORIGINAL_CONTEXT = 8192
+
+_TOP_LEVEL_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_PARTS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
+
+
+def canonical_name(gguf_name: str) -> Optional[str]:
+    """The canonical name of a GGUF tensor, or None for tensors SpecPipe does not use."""
+    if gguf_name in _TOP_LEVEL_NAMES:
+        return _TOP_LEVEL_NAMES[gguf_name]
+    m = _LAYER_NAME.fullmatch(gguf_name)
+    if m is None or m.group(2) not in _LAYER_PARTS:
+        return None
+    return f"layers.{int(m.group(1))}.{_LAYER_PARTS[m.group(2)]}.{m.group(3)}"
+
+
+def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Inverse of convert_hf_to_gguf.py's Q/K permutation (rows only; works for biases).
+
+    The converter does reshape(n_head, 2, rows_per_half, ...).swapaxes(1, 2): each head's
+    two rotate_half halves become interleaved pairs. Swapping the same axes back on the
+    (n_head, rows_per_half, 2, ...) view restores the halves.
+    """
+    rows = w.shape[0]
+    half = rows // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class _Truncated(Exception):
+    def __init__(self, end: int, size: int) -> None:
+        super().__init__(f"needs {end} bytes, file has {size}")
+
+
+class _BoundedReader(gguf.GGUFReader):
+    """GGUFReader whose every read is bounds-checked.
+
+    The stock reader slices the memory map, and slicing past the end silently yields a
+    short array, which then fails somewhere unrelated (a reshape, an index) or, for a
+    tensor, only when its data is finally used. `_get` is the reader's single read
+    primitive, so checking there turns every truncation into one clear error.
+    """
+
+    def _get(self, offset, dtype, count=1, *args, **kwargs):
+        # Checked after the read, not before: this runs once per metadata string (100k+
+        # times for a tokenizer), and a short result is the cheap sign of a read past the end.
+        try:
+            arr = super()._get(offset, dtype, count, *args, **kwargs)
+        except ValueError:  # a short slice that is not a whole number of items
+            arr = None
+        if arr is None or len(arr) != int(count):
+            end = int(offset) + np.dtype(dtype).itemsize * int(count)
+            raise _Truncated(end, self.data.shape[0])
+        return arr
+
+
+def _open_reader(path: Path) -> gguf.GGUFReader:
+    name = path.name
+    if not path.exists():
+        raise CheckpointError(f"model not found: {path}")
+    if not path.is_file():
+        raise CheckpointError(f"{name}: not a file; a GGUF checkpoint is a single .gguf file")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise CheckpointError(f"{name}: not a GGUF file (bad magic {magic!r}, expected b'GGUF')")
+    try:
+        reader = _BoundedReader(path)
+    except _Truncated as e:
+        raise CheckpointError(f"{name}: truncated GGUF file ({e})") from None
+    except Exception as e:  # the reader reports corruption as assorted ValueError/KeyError/...
+        raise CheckpointError(f"{name}: corrupt GGUF file ({type(e).__name__}: {e})") from None
+    if reader.byte_order != "I":
+        raise CheckpointError(f"{name}: big-endian GGUF files are not supported")
+    # Explicit, even though _BoundedReader already checks reads: this one uses only the
+    # reader's public tensor records, so it holds if the reader's internals change.
+    size = reader.data.shape[0]
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise CheckpointError(
+                f"{name}: truncated GGUF file (tensor {t.name} ends at byte "
+                f"{t.data_offset + t.n_bytes}, file has {size})"
+            )
+    return reader
+
+
+_REQUIRED = object()
+
+
+class _Metadata:
+    """Typed access to GGUF key/values, with errors that name the file and the key."""
+
+    def __init__(self, reader: gguf.GGUFReader, file_name: str) -> None:
+        self._fields = reader.fields
+        self._file = file_name
+
+    def array_len(self, key: str) -> Optional[int]:
+        field = self._fields.get(key)
+        return None if field is None else len(field.data)
+
+    def _get(self, key: str, default: Any, accepts: tuple[type, ...], what: str) -> Any:
+        field = self._fields.get(key)
+        if field is None:
+            if default is _REQUIRED:
+                raise CheckpointError(f"{self._file}: metadata is missing {key}")
+            return default
+        if field.types and field.types[0] == gguf.GGUFValueType.ARRAY:
+            raise CheckpointError(f"{self._file}: metadata {key} is an array (per-layer values are not supported)")
+        try:
+            value = field.contents()
+        except UnicodeDecodeError:
+            raise CheckpointError(f"{self._file}: metadata {key} is not valid UTF-8") from None
+        # bool is an int subclass, but a flag where a count belongs means a broken file.
+        if isinstance(value, bool) or not isinstance(value, accepts):
+            raise CheckpointError(f"{self._file}: metadata {key} should be {what}, got {value!r}")
+        return value
+
+    def get_int(self, key: str, default: Any = _REQUIRED) -> Any:
+        return self._get(key, default, (int,), "an integer")
+
+    def get_float(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self._get(key, default, (int, float), "a number")
+        return value if value is default else float(value)
+
+    def get_str(self, key: str, default: Any = _REQUIRED) -> Any:
+        return self._get(key, default, (str,), "a string")
+
+
+def llama3_factor_table(scaling: RopeScaling, theta: float, rope_dim: int) -> np.ndarray:
+    """The per-frequency divisors convert_hf_to_gguf.py stores as rope_freqs.weight."""
+    freqs = 1.0 / theta ** (np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+    wavelen = 2 * math.pi / freqs
+    low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    blended = 1.0 / ((1 - smooth) / scaling.factor + smooth)
+    return np.where(wavelen < high_wavelen, 1.0, np.where(wavelen > low_wavelen, scaling.factor, blended))
+
+
+def _rope_scaling(
+    md: _Metadata, arch: str, theta: float, rope_dim: int, table: Optional[np.ndarray], file_name: str
+) -> Optional[RopeScaling]:
+    prefix = f"{arch}.rope.scaling."
+    kind = md.get_str(prefix + "type", None)
+    factor = md.get_float(prefix + "factor", None)
+    params = dict(
+        low_freq_factor=md.get_float(prefix + "low_freq_factor", LLAMA3_DEFAULT_LOW_FREQ_FACTOR),
+        high_freq_factor=md.get_float(prefix + "high_freq_factor", LLAMA3_DEFAULT_HIGH_FREQ_FACTOR),
+        original_max_position=md.get_int(prefix + "original_context_length", LLAMA3_DEFAULT_ORIGINAL_CONTEXT),
+    )
+    if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
+        scaling = None
+    elif kind == "llama3":
+        if factor is None:
+            raise CheckpointError(f"{file_name}: llama3 RoPE scaling without {prefix}factor")
+        scaling = RopeScaling(factor=factor, **params)
+    else:
+        raise CheckpointError(f"{file_name}: unsupported RoPE scaling type {kind!r} (supported: llama3)")
+
+    if table is None:
+        return scaling
+    if scaling is None:
+        if np.allclose(table, 1.0):
+            return None
+        # The usual case for Llama 3.x: only the table is stored. Its largest entry is
+        # the scaling factor; the other parameters are llama.cpp's defaults.
+        scaling = RopeScaling(factor=float(table.max()), **params)
+    expected = llama3_factor_table(scaling, theta, rope_dim)
+    if expected.shape != table.shape or not np.allclose(table, expected, rtol=1e-4):
+        raise CheckpointError(
+            f"{file_name}: rope_freqs.weight is not a llama3 RoPE scaling table SpecPipe can "
+            f"reproduce (tried {scaling}); this RoPE variant is not supported"
+        )
+    return scaling
+
+
+def _read_config(reader: gguf.GGUFReader, tensors: dict[str, Any], file_name: str) -> ModelConfig:
+    md = _Metadata(reader, file_name)
+    arch = md.get_str("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise CheckpointError(
+            f"{file_name}: unsupported architecture {arch!r}; SpecPipe runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    hidden = md.get_int(f"{arch}.embedding_length")
+    heads = md.get_int(f"{arch}.attention.head_count")
+    head_dim = md.get_int(f"{arch}.attention.key_length", None)
+    rope_dim = md.get_int(f"{arch}.rope.dimension_count", None)
+    head_dim = head_dim or rope_dim or hidden // max(heads, 1)
+    rope_dim = rope_dim or head_dim
+    if rope_dim != head_dim:
+        raise CheckpointError(
+            f"{file_name}: partial rotary embeddings (rope dimension {rope_dim}, head dim {head_dim}) "
+            "are not supported"
+        )
+    theta = md.get_float(f"{arch}.rope.freq_base", 10000.0)
+
+    # The embedding's row count is what the weights need; the metadata must agree with it
+    # (llama.cpp refuses a mismatch too, so such a file is broken, not merely unusual).
+    embd = tensors.get("embed_tokens.weight")
+    embd_rows = int(embd.shape[-1]) if embd is not None else None  # GGUF dims: [hidden, vocab]
+    vocab = md.get_int(f"{arch}.vocab_size", None) or md.array_len("tokenizer.ggml.tokens") or embd_rows
+    if vocab is None:
+        raise CheckpointError(f"{file_name}: cannot tell the vocabulary size (no vocab_size, tokens or token_embd)")
+    if embd_rows is not None and vocab != embd_rows:
+        raise CheckpointError(
+            f"{file_name}: vocabulary size {vocab} does not match token_embd.weight ({embd_rows} rows)"
+        )
+
+    table = None
+    if "rope_freqs.weight" in tensors:  # tiny (rope_dim / 2 floats), so reading it here is free
+        t = tensors["rope_freqs.weight"]
+        if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            raise CheckpointError(f"{file_name}: rope_freqs.weight has unexpected type {t.tensor_type.name}")
+        table = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64).reshape(-1)
+
+    eos = md.get_int("tokenizer.ggml.eos_token_id", None)
+    eot = md.get_int("tokenizer.ggml.eot_token_id", None)
+    eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))  # ordered, no duplicates
+    try:
+        return ModelConfig(
+            arch=arch,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=md.get_int(f"{arch}.feed_forward_length"),
+            num_layers=md.get_int(f"{arch}.block_count"),
+            num_heads=heads,
+            num_kv_heads=md.get_int(f"{arch}.attention.head_count_kv", heads),
+            head_dim=head_dim,
+            rms_norm_eps=md.get_float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+            rope_theta=theta,
+            rope_scaling=_rope_scaling(md, arch, theta, rope_dim, table, file_name),
+            max_position=md.get_int(f"{arch}.context_length", 2048),
+            tie_word_embeddings="lm_head.weight" not in tensors,
+            attention_bias=arch == "qwen2" or any(n.endswith("_proj.bias") for n in tensors),
+            bos_token_id=md.get_int("tokenizer.ggml.bos_token_id", None),
+            eos_token_ids=eos_ids,
+        )
+    except ConfigError as e:
+        raise CheckpointError(f"{file_name}: {e}") from None
+
+
+class GGUFCheckpoint(Checkpoint):
+    """A GGUF file seen through canonical names, torch layouts and float32 tensors."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._reader = _open_reader(self.path)
+        # Canonical name -> the reader's record; unknown tensors (e.g. rope_freqs) are kept
+        # out of names() but stay reachable under their GGUF name for config building.
+        self._tensors: dict[str, Any] = {}
+        extras: dict[str, Any] = {}
+        for t in self._reader.tensors:
+            name = canonical_name(t.name)
+            if name is None:
+                extras[t.name] = t
+            else:
+                self._tensors[name] = t
+        self.config = _read_config(self._reader, {**extras, **self._tensors}, self.path.name)
+        self._permuted = self.config.arch in PERMUTED_ARCHS
+
+    def names(self) -> set[str]:
+        return set(self._tensors)
+
+    def _record(self, name: str) -> Any:
+        if self._reader is None:
+            raise CheckpointError(f"{self.path.name}: checkpoint is closed")
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise CheckpointError(f"{self.path.name}: no tensor {name!r}") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(self._record(name).shape.tolist()))
+
+    def load(self, name: str) -> torch.Tensor:
+        t = self._record(name)
+        shape = self.shape(name)
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError:
+            raise CheckpointError(
+                f"{self.path.name}: tensor {t.name} ({name}) has type {t.tensor_type.name}, "
+                "which SpecPipe cannot dequantize"
+            ) from None
+        w = w.reshape(shape)
+        if self._permuted and re.search(r"\.(q|k)_proj\.", name):
+            n_head = self.config.num_heads if ".q_proj." in name else self.config.num_kv_heads
+            if shape[0] % (2 * n_head):
+                raise CheckpointError(
+                    f"{self.path.name}: {t.name} has {shape[0]} rows, not a multiple of 2 x {n_head} heads"
+                )
+            w = unpermute_rows(w, n_head)
+        # F32 tensors come back as read-only views of the memory map; copy those (and any
+        # non-contiguous result) so the caller owns ordinary, writable memory.
+        if w.dtype != np.float32 or not w.flags.writeable or not w.flags.c_contiguous:
+            w = np.array(w, dtype=np.float32, order="C")
+        return torch.from_numpy(w)
+
+    def close(self) -> None:
+        # The memory map is released once nothing references the reader or its arrays.
+        self._reader = None
+        self._tensors = {}
