@@ -75,7 +75,12 @@ class ModelConfig:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
             scaling = None
+            # transformers >= 5 writes "rope_parameters" (theta, type and scaling in one dict)
+            # instead of the older top-level "rope_theta" and "rope_scaling".
+            rope_params = cfg.get("rope_parameters") or {}
             rs = cfg.get("rope_scaling") or None
+            if rs is None and rope_params.get("rope_type", rope_params.get("type")) not in (None, "default"):
+                rs = rope_params
             if rs is not None:
                 kind = rs.get("rope_type", rs.get("type"))
                 if kind == "llama3":
@@ -99,7 +104,7 @@ class ModelConfig:
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                rope_theta=float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
                 rope_scaling=scaling,
                 max_position=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

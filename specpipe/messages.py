@@ -44,10 +44,11 @@ class Control:
     admit: list[Admit] = field(default_factory=list)
     prune: list[Prune] = field(default_factory=list)
     release: list[int] = field(default_factory=list)  # finished request ids: free all their KV
+    report: bool = False  # every stage sends its cumulative StageStats to the driver
     shutdown: bool = False
 
     def empty(self) -> bool:
-        return not (self.admit or self.prune or self.release or self.shutdown)
+        return not (self.admit or self.prune or self.release or self.report or self.shutdown)
 
 
 @dataclass

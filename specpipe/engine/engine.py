@@ -14,6 +14,9 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from specpipe.config import ConfigError
+from specpipe.dist.launch import RankEnv
+from specpipe.dist.transport import LinkOptions
+from specpipe.engine import launcher
 from specpipe.engine.decode_rounds import decode_rounds
 from specpipe.engine.decode_specpipe import decode_specpipe
 from specpipe.engine.default_model import default_model_path
@@ -22,12 +25,9 @@ from specpipe.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 from specpipe.loader import open_checkpoint
 from specpipe.loader.partition import partition_layers
 from specpipe.messages import Pipeline
-from specpipe.model.stage import build_stage
 from specpipe.request import Request
 from specpipe.sampling import SamplingParams
 from specpipe.spec.sources import TokenSource
-from specpipe.worker.local_pipeline import LocalPipeline
-from specpipe.worker.stage_worker import StageWorker
 
 MODES = ("pp", "tree", "specpipe")
 DEFAULT_DRAFT = "ngram"
@@ -45,6 +45,16 @@ class EngineConfig:
     max_context: int = 4096  # tokens of prompt + output a request may hold
     device: str = "cpu"
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    transport: str = "auto"  # inproc | processes; auto = inproc for one stage, processes for more
+    link_delay_ms: float = 0.0  # emulated per-message link latency between ranks
+    link_bandwidth_mbps: float = 0.0  # emulated link bandwidth; 0 = unlimited
+    stage_timeout_s: float = 30.0  # a stage silent this long fails the in-flight requests
+
+    def link(self) -> LinkOptions:
+        return LinkOptions(self.link_delay_ms, self.link_bandwidth_mbps, self.stage_timeout_s)
+
+    def uses_processes(self) -> bool:
+        return self.transport == "processes" or (self.transport == "auto" and self.stages > 1)
 
     def validate(self) -> None:
         if self.mode not in MODES:
@@ -57,6 +67,12 @@ class EngineConfig:
             raise ConfigError(f"--tree-depth must be at least 1, got {self.tree_depth}")
         if self.max_context < 2:
             raise ConfigError(f"--max-context must be at least 2, got {self.max_context}")
+        if self.transport not in ("auto", "inproc", "processes"):
+            raise ConfigError(f"--transport must be auto, inproc or processes, got {self.transport!r}")
+        if self.link_delay_ms < 0 or self.link_bandwidth_mbps < 0:
+            raise ConfigError("--link-delay-ms and --link-bandwidth-mbps must be >= 0")
+        if self.stage_timeout_s <= 0:
+            raise ConfigError(f"--stage-timeout must be positive, got {self.stage_timeout_s}")
         if self.mode == "pp" and self.draft:
             raise ConfigError("--draft has no effect in mode pp; choose --mode tree or specpipe")
 
@@ -90,7 +106,8 @@ class GenerationResult:
 class Engine:
     """Loads the model once and serves generate() calls one request at a time."""
 
-    def __init__(self, config: EngineConfig, pipeline: Optional[Pipeline] = None) -> None:
+    def __init__(self, config: EngineConfig, rank_env: Optional[RankEnv] = None,
+                 progress: Optional[Callable[[str], None]] = None) -> None:
         config.validate()
         self.config = config
         self.model_path = Path(config.model) if config.model else default_model_path()
@@ -99,17 +116,20 @@ class Engine:
         cfg = self.checkpoint.config
         self.max_context = min(config.max_context, cfg.max_position)
         self.stage_specs = partition_layers(cfg.num_layers, config.stages, config.stage_layers)
-        self.pipeline = pipeline if pipeline is not None else self._local_pipeline()
+        dtype, slots = config.torch_dtype(), config.num_slots()
+        if rank_env is not None:
+            self.pipeline: Pipeline = launcher.torchrun_driver(rank_env, config.stages, config.device,
+                                                               config.link(), progress=progress)
+        elif config.uses_processes():
+            self.pipeline = launcher.local_processes(self.model_path, self.stage_specs, slots, config.device,
+                                                     dtype, config.link(), progress=progress)
+        else:
+            self.pipeline = launcher.in_process(self.checkpoint, self.stage_specs, slots, config.device, dtype)
         self.source: Optional[TokenSource] = None
         if config.mode != "pp":
             self.source = build_source(config.draft or DEFAULT_DRAFT, self.checkpoint, self.tokenizer,
                                        config.num_slots(), config.device, config.torch_dtype())
         self._ids = itertools.count()
-
-    def _local_pipeline(self) -> LocalPipeline:
-        workers = [StageWorker(build_stage(self.checkpoint, spec, self.config.device, self.config.torch_dtype()),
-                               self.config.num_slots()) for spec in self.stage_specs]
-        return LocalPipeline(workers)
 
     def encode_prompt(self, prompt: str, chat: Optional[bool] = None) -> list[int]:
         use_chat = self.tokenizer.has_chat_template if chat is None else chat
@@ -144,6 +164,7 @@ class Engine:
                 if on_text is not None:
                     on_text(piece)
 
+        stages_before = self.pipeline.stage_stats()
         req = Request(next(self._ids), prompt_ids, sampling, frozenset(self.tokenizer.eos_token_ids), on_token)
         mode, c = self.config.mode, self.config
         if mode == "pp":
@@ -159,8 +180,27 @@ class Engine:
                 on_text(tail)
         stats = req.summary(self.pipeline.num_stages)
         stats.update(mode=mode, draft=self.source.name if self.source else None,
-                     seed=sampling.seed, stages=self.pipeline.stage_stats())
+                     seed=sampling.seed, stages=_stage_deltas(stages_before, self.pipeline.stage_stats()))
         return GenerationResult("".join(pieces), prompt_ids, list(req.output_ids), req.finish_reason or "length", stats)
 
     def close(self) -> None:
         self.pipeline.close()
+
+
+_CUMULATIVE = ("steps", "compute_s", "wait_s", "bytes_sent", "rows_computed", "rows_committed")
+
+
+def _stage_deltas(before: list[dict], after: list[dict]) -> list[dict]:
+    """Per-stage figures for one request: cumulative counters differenced, per-step means added."""
+    out = []
+    for b, a in zip(before, after):
+        d = dict(a)
+        for k in _CUMULATIVE:
+            d[k] = a[k] - b[k]
+        steps = max(d["steps"], 1)
+        d["compute_ms_per_step"] = d["compute_s"] / steps * 1e3
+        d["wait_ms_per_step"] = d["wait_s"] / steps * 1e3
+        d["bytes_per_step"] = d["bytes_sent"] / steps
+        d["occupancy"] = d["rows_committed"] / d["rows_computed"] if d["rows_computed"] else None
+        out.append(d)
+    return out

@@ -83,10 +83,12 @@ def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
                 (vtype,) = struct.unpack_from(end + "I", buf, off)
                 meta[key], off = value(vtype, off + 4)
             return meta
-    except (struct.error, ValueError, OSError) as e:
+    except struct.error as e:
+        raise TokenizerError(f"{path}: GGUF metadata is cut short ({e}); the file may be truncated") from e
+    except (OSError, ValueError) as e:  # ValueError: mmap of an empty file
         if isinstance(e, TokenizerError):
             raise
-        raise TokenizerError(f"{path}: cannot read GGUF metadata ({e}); the file may be truncated") from e
+        raise TokenizerError(f"{path}: cannot read GGUF metadata ({e})") from e
 
 
 # --- byte-level BPE from GGUF ("gpt2") ----------------------------------------------------------
@@ -123,6 +125,7 @@ _PRE_NAMES = {
 }
 
 _CONTROL, _USER_DEFINED, _UNKNOWN, _NORMAL = 3, 4, 2, 1
+_ADDED = (_CONTROL, _USER_DEFINED, _UNKNOWN)  # token types matched whole in the text
 # End-of-generation tokens besides eos/eot that llama.cpp also stops on, when marked as control.
 _EOG_TEXTS = {"<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<EOT>"}
 
@@ -140,7 +143,7 @@ def _byte_level_from_gguf(meta: dict[str, Any], path: Path) -> tuple[_Backend, b
     regexes, ignore_merges, add_bos_default = _FAMILIES[family]
     tokens = meta["tokenizer.ggml.tokens"]
     merges = meta.get("tokenizer.ggml.merges")
-    if not merges:
+    if merges is None:
         raise TokenizerError(f"{path}: byte-level BPE vocabulary without tokenizer.ggml.merges")
     vocab: dict[str, int] = {}
     for i, tok in enumerate(tokens):
@@ -162,7 +165,7 @@ def _byte_level_from_gguf(meta: dict[str, Any], path: Path) -> tuple[_Backend, b
 
 
 def _sentencepiece_from_gguf(meta: dict[str, Any], path: Path) -> tuple[_Backend, bool]:
-    """SentencePiece BPE as HF's Llama converter builds it: BPE whose merges follow the scores.
+    """SentencePiece BPE rebuilt as tokenizers' BPE, the way HF converts Llama 2's tokenizer.
 
     SentencePiece merges the pair whose result scores highest; ranking merges by that score gives
     tokenizers' BPE the same order. Characters outside the vocabulary fall back to <0xNN> tokens.
@@ -206,25 +209,28 @@ def _from_gguf(path: Path) -> Tokenizer:
     kind = meta.get("tokenizer.ggml.model")
     if "tokenizer.ggml.tokens" not in meta:
         raise TokenizerError(f"{path}: this GGUF file holds no tokenizer (no tokenizer.ggml.tokens)")
-    if kind == "gpt2":
-        backend, add_bos_default = _byte_level_from_gguf(meta, path)
-    elif kind == "llama":
-        backend, add_bos_default = _sentencepiece_from_gguf(meta, path)
-    else:
+    builders = {"gpt2": _byte_level_from_gguf, "llama": _sentencepiece_from_gguf}
+    if kind not in builders:
         raise TokenizerError(
             f"{path}: tokenizer model {kind!r} is not supported (only 'gpt2' byte-level BPE "
             "and 'llama' SentencePiece)"
         )
     tokens = meta["tokenizer.ggml.tokens"]
     types = meta.get("tokenizer.ggml.token_type") or []
+    if any(len(meta.get(f"tokenizer.ggml.{k}") or tokens) != len(tokens) for k in ("token_type", "scores")):
+        raise TokenizerError(f"{path}: tokenizer metadata is inconsistent (types/scores vs tokens)")
+    try:
+        backend, add_bos_default = builders[kind](meta, path)
+    except TokenizerError:
+        raise
+    except Exception as e:  # the Rust side raises a bare Exception, e.g. for a merge of unknown tokens
+        raise TokenizerError(f"{path}: tokenizer metadata is inconsistent ({e})") from e
     # Matched whole in the text, so "<|im_start|>" is one id; control ones are dropped when
     # decoding with skip_special_tokens, user-defined ones (like "<think>") are kept, as in HF.
-    backend.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in (_CONTROL, _UNKNOWN)]
-    )
-    backend.add_tokens(
-        [AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types) if ty == _USER_DEFINED]
-    )
+    typed = list(zip(tokens, types))
+    added = [AddedToken(t, special=ty != _USER_DEFINED, normalized=False) for t, ty in typed if ty in _ADDED]
+    backend.add_special_tokens([a for a in added if a.special])
+    backend.add_tokens([a for a in added if not a.special])
 
     def token_id(key: str) -> int | None:
         i = meta.get(f"tokenizer.ggml.{key}")
@@ -235,26 +241,18 @@ def _from_gguf(path: Path) -> Tokenizer:
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     _set_post_processor(backend, tokens, bos if add_bos else None, eos if add_eos else None)
     eog = [eos, token_id("eot_token_id"), token_id("eom_token_id")]
-    eog += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _CONTROL and t in _EOG_TEXTS]
-    return Tokenizer(
-        backend,
-        bos_token_id=bos,
-        eos_token_ids=eog,
-        chat_template=meta.get("tokenizer.chat_template"),
-        source=str(path),
-    )
+    eog += [i for i, (t, ty) in enumerate(typed) if ty == _CONTROL and t in _EOG_TEXTS]
+    template = meta.get("tokenizer.chat_template")
+    return Tokenizer(backend, bos_token_id=bos, eos_token_ids=eog, chat_template=template, source=str(path))
 
 
 def _set_post_processor(backend: _Backend, tokens: list[str], bos: int | None, eos: int | None) -> None:
+    """BOS/EOS around every encoded text, for the models whose metadata asks for them."""
     if bos is None and eos is None:
         return
-    pre = [tokens[bos]] if bos is not None else []
-    post = [tokens[eos]] if eos is not None else []
-    backend.post_processor = processors.TemplateProcessing(
-        single=pre + ["$A"] + post,
-        pair=pre + ["$A"] + post + [f"{t}:1" for t in pre] + ["$B:1"] + [f"{t}:1" for t in post],
-        special_tokens=[(tokens[i], i) for i in dict.fromkeys(x for x in (bos, eos) if x is not None)],
-    )
+    single = ([tokens[bos]] if bos is not None else []) + ["$A"] + ([tokens[eos]] if eos is not None else [])
+    ends = [(tokens[i], i) for i in dict.fromkeys(i for i in (bos, eos) if i is not None)]
+    backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=ends)
 
 
 # --- Hugging Face directories ------------------------------------------------------------------
@@ -284,8 +282,9 @@ def _from_hf_dir(d: Path) -> Tokenizer:
     backend.no_truncation()
     backend.no_padding()
     config = _read_json(d / "tokenizer_config.json")
-    template_file = d / "chat_template.jinja"  # newer transformers save it apart, and prefer it
-    template = template_file.read_text(encoding="utf-8") if template_file.is_file() else config.get("chat_template")
+    template = config.get("chat_template")
+    if (d / "chat_template.jinja").is_file():  # newer transformers save it apart, and prefer it
+        template = (d / "chat_template.jinja").read_text(encoding="utf-8")
     if isinstance(template, list):  # several named templates: the one named "default", else the first
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default") or next(iter(named.values()), None)
@@ -298,13 +297,8 @@ def _from_hf_dir(d: Path) -> Tokenizer:
     for extra in (_read_json(d / "generation_config.json"), _read_json(d / "config.json")):
         ids = extra.get("eos_token_id")
         eos_ids += ids if isinstance(ids, list) else [ids]
-    return Tokenizer(
-        backend,
-        bos_token_id=backend.token_to_id(bos_text) if bos_text else None,
-        eos_token_ids=eos_ids,
-        chat_template=template,
-        source=str(d),
-    )
+    bos = backend.token_to_id(bos_text) if bos_text else None
+    return Tokenizer(backend, bos_token_id=bos, eos_token_ids=eos_ids, chat_template=template, source=str(d))
 
 
 # --- chat templates ----------------------------------------------------------------------------
@@ -314,7 +308,7 @@ def _raise_exception(message: str) -> None:
     raise TokenizerError(f"chat template: {message}")
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None, sort_keys: bool = False):
+def _tojson(x: Any, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
     # Jinja's own tojson escapes HTML characters; templates are written against HF's plain json.dumps.
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
@@ -332,7 +326,7 @@ def _compile_template(source: str):
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
-        raise TokenizerError(f"the model's chat template is not valid Jinja (line {e.lineno}: {e.message})") from e
+        raise TokenizerError(f"chat template is not valid Jinja (line {e.lineno}: {e.message})") from e
 
 
 # --- the tokenizer -----------------------------------------------------------------------------
@@ -341,21 +335,14 @@ def _compile_template(source: str):
 class Tokenizer:
     """Encode, decode and chat-format for one model; build it with `Tokenizer.from_path`."""
 
-    def __init__(
-        self,
-        backend: _Backend,
-        *,
-        bos_token_id: int | None,
-        eos_token_ids: list[int | None],
-        chat_template: str | None,
-        source: str,
-    ):
+    def __init__(self, backend: _Backend, *, bos_token_id: int | None, eos_token_ids: list[int | None],
+                 chat_template: str | None, source: str):
         self._backend = backend
         self.source = source
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
         # deduplicated, primary eos first
-        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in eos_token_ids if isinstance(i, int)))
+        self.eos_token_ids = tuple(dict.fromkeys(i for i in eos_token_ids if isinstance(i, int)))
         self.bos_token = backend.id_to_token(bos_token_id) if bos_token_id is not None else None
         self.eos_token = backend.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
         self._chat_template = chat_template or None
@@ -389,7 +376,7 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Render `messages` with the model's template, as transformers does (tokenize=False).
 
         Extra keyword arguments (e.g. tools) are passed to the template.
@@ -402,12 +389,11 @@ class Tokenizer:
             self._compiled_template = _compile_template(self._chat_template)
         import jinja2
 
-        context = {"tools": None, "documents": None, "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}
-        context.update(kwargs)
+        context = {"tools": None, "documents": None}
+        context.update(bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        context.update(kwargs, messages=messages, add_generation_prompt=add_generation_prompt)
         try:
-            return self._compiled_template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **context
-            )
+            return self._compiled_template.render(**context)
         except jinja2.TemplateError as e:
             raise TokenizerError(f"the model's chat template failed: {e}") from e
 
@@ -420,8 +406,9 @@ class Tokenizer:
         if self._fingerprint is None:
             spec = json.loads(self._backend.to_str())
             model = spec.get("model", {})
-            vocab = model.get("vocab") or {}
-            by_id = dict(enumerate(t for t, _ in vocab)) if isinstance(vocab, list) else {i: t for t, i in vocab.items()}
+            vocab = model.get("vocab") or {}  # {token: id}, or [[token, score], ...] for Unigram
+            pairs = vocab.items() if isinstance(vocab, dict) else ((t, i) for i, (t, _) in enumerate(vocab))
+            by_id = {i: t for t, i in pairs}
             by_id.update({a["id"]: a["content"] for a in spec.get("added_tokens", [])})
             merges = [m.split(" ", 1) if isinstance(m, str) else list(m) for m in model.get("merges") or []]
             tokens = [by_id.get(i) for i in range(max(by_id, default=-1) + 1)]
@@ -445,7 +432,7 @@ class IncrementalDetokenizer:
     keeps the leading space a continuation of the prompt needs (decode() alone would strip it).
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens=True):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         context = list(prompt_ids or [])[-_PROMPT_CONTEXT:]
@@ -472,5 +459,7 @@ class IncrementalDetokenizer:
         text = self._decode(self._ids[self._prefix :])
         if len(text) <= len(done) or (text.endswith("\ufffd") and not final):
             return ""
-        self._prefix, self._read = self._read, len(self._ids)
+        # The next window starts at the ids whose text was just returned; older ones are dropped.
+        del self._ids[: self._read]
+        self._prefix, self._read = 0, len(self._ids)
         return text[len(done) :]

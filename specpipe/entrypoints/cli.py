@@ -46,23 +46,37 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-context", type=int, default=4096, help="prompt + output tokens per request (default 4096)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--transport", default="auto",
+                   help="inproc (all stages in this process) | processes (one per stage); auto: processes when --stages > 1")
+    g.add_argument("--link-delay-ms", type=float, default=0.0, help="emulated per-message link latency between ranks")
+    g.add_argument("--link-bandwidth-mbps", type=float, default=0.0, help="emulated link bandwidth (0 = unlimited)")
+    g.add_argument("--stage-timeout", type=float, default=30.0,
+                   help="seconds without an answer from the pipeline before requests fail (default 30)")
+    g.add_argument("--quiet", action="store_true", help="no progress or stats on stderr")
     return p
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from specpipe.dist.launch import RankEnv
     from specpipe.engine.engine import Engine, EngineConfig
     from specpipe.loader.partition import parse_stage_layers
     from specpipe.sampling import SamplingParams
 
-    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               seed=args.seed, max_tokens=args.max_tokens)
     config = EngineConfig(model=args.model, mode=args.mode, stages=args.stages,
                           stage_layers=parse_stage_layers(args.stage_layers), draft=args.draft,
                           tree_width=args.tree_width, tree_depth=args.tree_depth,
-                          max_context=args.max_context, device=args.device, dtype=args.dtype)
-    config.validate()
-    engine = Engine(config)
+                          max_context=args.max_context, device=args.device, dtype=args.dtype,
+                          transport=args.transport, link_delay_ms=args.link_delay_ms,
+                          link_bandwidth_mbps=args.link_bandwidth_mbps, stage_timeout_s=args.stage_timeout)
+    config.validate()  # bad configuration is reported before any process starts
+    rank_env = RankEnv.from_environ()
+    if rank_env is not None and rank_env.rank > 0:
+        return _serve_stage(config, rank_env)
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    progress = None if args.quiet else (lambda msg: print(f"specpipe: {msg}", file=sys.stderr))
+    engine = Engine(config, rank_env=rank_env, progress=progress)
     try:
         stream = None if args.json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
         result = engine.generate(prompt, sampling, chat=args.chat, on_text=stream)
@@ -72,8 +86,22 @@ def _generate(args: argparse.Namespace) -> int:
         print(json.dumps(result.as_dict()))
     else:
         sys.stdout.write("\n")
-        print(_summary(result.stats, len(result.token_ids)), file=sys.stderr)
+        if not args.quiet:
+            print(_summary(result.stats, len(result.token_ids)), file=sys.stderr)
     return 0
+
+
+def _serve_stage(config, env) -> int:
+    """A stage rank under torchrun: load its layers and serve until the driver stops."""
+    from specpipe.engine.default_model import default_model_path
+    from specpipe.engine.launcher import torchrun_stage
+    from specpipe.loader import open_checkpoint
+    from specpipe.loader.partition import partition_layers
+
+    path = config.model or str(default_model_path())
+    layers = open_checkpoint(path).config.num_layers
+    specs = partition_layers(layers, config.stages, config.stage_layers)
+    return torchrun_stage(env, path, specs, config.num_slots(), config.device, config.torch_dtype(), config.link())
 
 
 def _summary(s: dict, n: int) -> str:

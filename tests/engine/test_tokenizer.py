@@ -94,6 +94,10 @@ def write_gguf(path: Path, tokenizer_model: str, tokens: list[str], **extra) -> 
     return path
 
 
+def bpe_gguf(path: Path, tokens: list[str], merges: list[str], pre: str = "gpt2", **extra) -> Path:
+    return write_gguf(path, "gpt2", tokens, tokenizer_pre=pre, token_merges=merges, **extra)
+
+
 # --- GGUF byte-level BPE (SmolLM2) --------------------------------------------------------------
 
 
@@ -167,9 +171,8 @@ def test_fingerprint_is_stable_and_sensitive(smol, tmp_path):
     assert smol.fingerprint() == Tokenizer.from_path(SMOL).fingerprint()
     assert len(smol.fingerprint()) == 64
     tokens = ["<unk>", "<s>", "</s>", "a", "b", "ab"]
-    base = Tokenizer.from_path(write_gguf(tmp_path / "a.gguf", "gpt2", tokens, tokenizer_pre="gpt2", token_merges=["a b"]))
-    renamed = tokens[:-1] + ["ba"]
-    other = Tokenizer.from_path(write_gguf(tmp_path / "b.gguf", "gpt2", renamed, tokenizer_pre="gpt2", token_merges=["b a"]))
+    base = Tokenizer.from_path(bpe_gguf(tmp_path / "a.gguf", tokens, ["a b"]))
+    other = Tokenizer.from_path(bpe_gguf(tmp_path / "b.gguf", tokens[:-1] + ["ba"], ["b a"]))
     assert base.fingerprint() != other.fingerprint() != smol.fingerprint()
 
 
@@ -234,7 +237,8 @@ def test_hf_directory_equals_gguf(smol, tmp_path):
 
 def test_hf_directory_template_file_and_no_truncation(tmp_path):
     d = make_hf_dir(tmp_path, chat_template="from config", eos_token="<|im_end|>")
-    (d / "chat_template.jinja").write_text("{{ bos_token }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    template = "{{ bos_token }}{% for m in messages %}[{{ m['content'] }}]{% endfor %}"
+    (d / "chat_template.jinja").write_text(template)
     tk = RustTokenizer.from_file(str(d / "tokenizer.json"))
     tk.enable_truncation(4)  # shipped on in some tokenizer.json files; must not cut prompts
     tk.save(str(d / "tokenizer.json"))
@@ -261,7 +265,7 @@ def test_chat_template_errors(tmp_path):
 # --- SentencePiece GGUF ("llama") ----------------------------------------------------------------
 
 SPM_TOKENS = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-SPM_PIECES = ["\u2581", "h", "i", "e", "l", "o", "\u2581h", "\u2581hi", "ll", "\u2581he", "\u2581hell", "\u2581hello"]
+SPM_PIECES = ["h", "i", "e", "l", "o", "ll"] + ["\u2581" + p for p in ("", "h", "hi", "he", "hell", "hello")]
 
 
 @pytest.fixture(scope="module")
@@ -321,20 +325,54 @@ def test_load_errors(tmp_path):
         Tokenizer.from_path(truncated)
     with pytest.raises(TokenizerError, match="'bert' is not supported"):
         Tokenizer.from_path(write_gguf(tmp_path / "bert.gguf", "bert", ["a"]))
+    with pytest.raises(TokenizerError, match="inconsistent.*out of vocabulary"):
+        Tokenizer.from_path(bpe_gguf(tmp_path / "m.gguf", ["a"], ["a b"]))
     with pytest.raises(TokenizerError, match="'mystery' is not supported"):
-        Tokenizer.from_path(write_gguf(tmp_path / "pre.gguf", "gpt2", ["a"], tokenizer_pre="mystery", token_merges=[]))
+        Tokenizer.from_path(bpe_gguf(tmp_path / "pre.gguf", ["a"], [], pre="mystery"))
 
 
 def test_big_endian_gguf(tmp_path):
     import gguf
 
     tokens = ["a", "b", "ab", "<|end|>"]
-    kw = dict(tokenizer_pre="gpt2", token_merges=["a b"], token_types=[1, 1, 1, 3], eos_token_id=3)
-    little = read_gguf_metadata(write_gguf(tmp_path / "le.gguf", "gpt2", tokens, **kw))
-    big = read_gguf_metadata(write_gguf(tmp_path / "be.gguf", "gpt2", tokens, endianess=gguf.GGUFEndian.BIG, **kw))
+    kw = dict(token_types=[1, 1, 1, 3], eos_token_id=3)
+    little = read_gguf_metadata(bpe_gguf(tmp_path / "le.gguf", tokens, ["a b"], **kw))
+    big_path = bpe_gguf(tmp_path / "be.gguf", tokens, ["a b"], endianess=gguf.GGUFEndian.BIG, **kw)
+    big = read_gguf_metadata(big_path)
     assert big == little
-    tok = Tokenizer.from_path(tmp_path / "be.gguf")
+    tok = Tokenizer.from_path(big_path)
     assert tok.encode("abab<|end|>") == [2, 2, 3] and tok.eos_token_ids == (3,)
+
+
+@pytest.mark.parametrize(
+    "pre, expected",
+    [
+        ("gpt2", ["12", "34", "x", "y", "z"]),  # "1234" is one pre-token: merges pick 34 first
+        ("default", ["123", "4", "x", "y", "z"]),  # llama.cpp's fallback isolates groups of 3 digits
+        ("smollm", ["1", "2", "3", "4", "x", "y", "z"]),  # every digit alone
+        ("qwen2", ["1", "2", "3", "4", "x", "y", "z"]),
+        ("llama-bpe", ["123", "4", "xyz"]),  # 1-3 digit groups; whole-word lookup (ignore_merges)
+    ],
+)
+def test_pre_tokenizer_families(tmp_path, pre, expected):
+    tokens = pre_tokenizers.ByteLevel.alphabet() + ["12", "34", "123", "xyz"]
+    merges = ["3 4", "1 2", "12 3"]  # no merges build "xyz": only a whole-word lookup finds it
+    tok = Tokenizer.from_path(bpe_gguf(tmp_path / "t.gguf", tokens, merges, pre=pre))
+    assert [tokens[i] for i in tok.encode("1234xyz")] == expected
+    assert tok.decode(tok.encode("a 1234 \u00fc!")) == "a 1234 \u00fc!"
+
+
+def test_bos_and_eos_follow_the_metadata(tmp_path):
+    tokens = pre_tokenizers.ByteLevel.alphabet() + ["ab", "<|begin|>", "<|end|>"]
+    begin, end = len(tokens) - 2, len(tokens) - 1
+    kw = dict(token_types=[1] * (len(tokens) - 2) + [3, 3], bos_token_id=begin, eos_token_id=end)
+    ab = [tokens.index("ab")]
+    llama3 = Tokenizer.from_path(bpe_gguf(tmp_path / "a.gguf", tokens, ["a b"], pre="llama-bpe", **kw))
+    assert llama3.encode("ab") == [begin] + ab  # Llama 3 files want BOS unless they say otherwise
+    assert llama3.encode("ab", add_special_tokens=False) == ab
+    kw.update(add_bos_token=False, add_eos_token=True)
+    told = Tokenizer.from_path(bpe_gguf(tmp_path / "b.gguf", tokens, ["a b"], pre="llama-bpe", **kw))
+    assert told.encode("ab") == ab + [end]
 
 
 @pytest.mark.skipif(not QWEN.is_file(), reason="Qwen2.5 GGUF not downloaded")

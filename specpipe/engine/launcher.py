@@ -1,0 +1,85 @@
+"""Bringing up the stages for the driver: in-process, as local processes, or as torchrun ranks."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from specpipe.config import StageSpec
+from specpipe.dist.launch import LocalStages, RankEnv, free_port, wait_ready
+from specpipe.dist.remote_pipeline import PipelineError, RemotePipeline
+from specpipe.dist.transport import LinkOptions, Transport
+from specpipe.loader import Checkpoint
+from specpipe.model.stage import build_stage
+from specpipe.worker.local_pipeline import LocalPipeline
+from specpipe.worker.stage_main import memory_bytes, stage_process_main
+from specpipe.worker.stage_worker import StageWorker
+
+Progress = Optional[Callable[[str], None]]
+
+
+def in_process(ckpt: Checkpoint, specs: list[StageSpec], num_slots: int, device: str,
+               dtype: torch.dtype) -> LocalPipeline:
+    return LocalPipeline([StageWorker(build_stage(ckpt, s, device, dtype), num_slots) for s in specs])
+
+
+def local_processes(model_path: Path, specs: list[StageSpec], num_slots: int, device: str,
+                    dtype: torch.dtype, link: LinkOptions, load_timeout_s: float = 600.0,
+                    progress: Progress = None) -> RemotePipeline:
+    """Spawn one process per stage on this machine; the caller's process is the driver."""
+    S, port = len(specs), free_port()
+    use_nccl = device.startswith("cuda") and torch.cuda.device_count() >= S
+    t = Transport(0, S + 1, "127.0.0.1", port, link, device, use_nccl=use_nccl)
+    threads = max(1, (os.cpu_count() or 1) // S)  # the stages share this machine's cores
+    stages = LocalStages(
+        stage_process_main,
+        lambda r: (r, S + 1, "127.0.0.1", port, str(model_path), specs[r - 1], num_slots, device, dtype, link, threads),
+        S)
+    try:
+        ready = wait_ready(t.store, S, stages.exits, load_timeout_s, progress)
+        t.init_groups()
+    except BaseException as e:
+        stages.stop(grace_s=0.0)
+        t.close()
+        if isinstance(e, RuntimeError):
+            raise PipelineError(str(e)) from None
+        raise
+    pipe = RemotePipeline(t, S, stages.exits, on_close=stages.stop)
+    pipe.ready = ready  # type: ignore[attr-defined]
+    return pipe
+
+
+def torchrun_driver(env: RankEnv, num_stages: int, device: str, link: LinkOptions,
+                    load_timeout_s: float = 600.0, progress: Progress = None) -> RemotePipeline:
+    """Rank 0 of a torchrun job: the stages are the other ranks, possibly on other machines."""
+    if env.world_size != num_stages + 1:
+        raise PipelineError(f"--stages {num_stages} needs {num_stages + 1} ranks (a driver and one per "
+                            f"stage), but the job has WORLD_SIZE={env.world_size}")
+    t = Transport(0, env.world_size, env.master_addr, env.master_port, link, device)
+    try:
+        ready = wait_ready(t.store, num_stages, dict, load_timeout_s, progress)
+        t.init_groups()
+    except RuntimeError as e:
+        t.close()
+        raise PipelineError(str(e)) from None
+    pipe = RemotePipeline(t, num_stages)
+    pipe.ready = ready  # type: ignore[attr-defined]
+    return pipe
+
+
+def torchrun_stage(env: RankEnv, model_path: Path, specs: list[StageSpec], num_slots: int, device: str,
+                   dtype: torch.dtype, link: LinkOptions) -> int:
+    """Ranks 1..S of a torchrun job: serve one stage until the driver shuts the pipeline down."""
+    if not 1 <= env.rank <= len(specs):
+        print(f"specpipe: rank {env.rank} has no stage (--stages {len(specs)})", file=sys.stderr)
+        return 2
+    stage_process_main(env.rank, env.world_size, env.master_addr, env.master_port, str(model_path),
+                       specs[env.rank - 1], num_slots, device, dtype, link)
+    return 0
+
+
+__all__ = ["in_process", "local_processes", "memory_bytes", "torchrun_driver", "torchrun_stage"]

@@ -1,0 +1,115 @@
+"""The main loop of a stage process: receive, compute, send, until the driver says stop.
+
+    control <- driver, rows <- previous rank  ->  StageWorker.step  ->  rows -> next rank
+                                                                  (last stage: results -> driver)
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specpipe.config import StageSpec
+from specpipe.dist.transport import TAG_CONTROL, TAG_REPORT, TAG_RESULTS, TAG_ROWS, LinkError, Transport
+from specpipe.dist.wire import decode_control, decode_rows_header, encode_floats, encode_results, encode_rows
+from specpipe.loader import open_checkpoint
+from specpipe.model.stage import build_stage
+from specpipe.worker.stage_worker import StageWorker
+
+
+def memory_bytes() -> tuple[int, int]:
+    """(resident, peak resident) memory of this process, from /proc (Linux)."""
+    rss = peak = 0
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1]) * 1024
+            elif line.startswith("VmHWM:"):
+                peak = int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return rss, peak
+
+
+def send_rows(t: Transport, dst: int, batch: list) -> None:
+    if dst == 0:
+        return  # the last stage sends results, not rows
+    header, tensors = encode_rows(batch)
+    t.send_ints(dst, TAG_ROWS, header)
+    for data in tensors:
+        t.send_tensor(dst, TAG_ROWS, data)
+
+
+def run_stage(t: Transport, model_path: str, spec: StageSpec, num_slots: int, device: str,
+              dtype: torch.dtype) -> None:
+    rank, num_stages = t.rank, t.world_size - 1
+    t.start_heartbeat()
+    try:
+        model = build_stage(open_checkpoint(model_path), spec, device, dtype)
+        worker = StageWorker(model, num_slots)
+    except Exception as e:  # reported through the store so the driver can show it
+        t.store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
+        raise
+    rss, peak = memory_bytes()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    t.store.set(f"ready/{rank}", f"{rss} {peak} {weights} {worker.kv.nbytes()}")
+    t.init_groups()
+    prev = rank - 1  # rank 0, the driver, feeds stage 1
+    nxt = 0 if rank == num_stages else rank + 1
+    stats = worker.stats
+    send_rows(t, nxt, [])  # prime the link: at step k the next stage computes what we sent at k-1
+    while True:
+        t0 = time.perf_counter()
+        control = decode_control(t.recv_ints(0, TAG_CONTROL))
+        if control.shutdown:
+            return
+        batch = []
+        for rows, shape, dt in decode_rows_header(t.recv_ints(prev, TAG_ROWS)):
+            rows.data = t.recv_tensor(prev, TAG_ROWS, shape, dt)
+            batch.append(rows)
+        stats.wait_s += time.perf_counter() - t0
+        out = worker.step(control, batch)
+        if nxt == 0:
+            t.send_ints(0, TAG_RESULTS, encode_results(out))
+        else:
+            send_rows(t, nxt, out)
+        stats.bytes_sent = t.bytes_sent
+        if control.report:
+            rss, peak = memory_bytes()
+            t.send_ints(0, TAG_REPORT, encode_floats([
+                stats.steps, stats.compute_s, stats.wait_s, stats.bytes_sent, stats.rows_computed,
+                stats.rows_committed, stats.peak_slots, rss, peak]))
+
+
+def stage_process_main(rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
+                       spec: StageSpec, num_slots: int, device: str, dtype: torch.dtype, link,
+                       threads: int = 0) -> None:
+    """Entry point of a stage process (spawned locally, or one rank under torchrun)."""
+    from specpipe.dist.launch import die_with_parent
+
+    die_with_parent()
+    if threads:
+        torch.set_num_threads(threads)
+    t = None
+    use_nccl = None
+    if device == "cuda":
+        # One GPU per stage when there are enough; otherwise stages share and use host copies.
+        count = torch.cuda.device_count()
+        index = int(os.environ.get("LOCAL_RANK", rank)) - 1
+        device = f"cuda:{index % count}"
+        use_nccl = count >= world_size - 1 or "LOCAL_RANK" in os.environ
+    try:
+        t = Transport(rank, world_size, master_addr, master_port, link, device, use_nccl=use_nccl)
+        run_stage(t, model_path, spec, num_slots, device, dtype)
+    except KeyboardInterrupt:
+        pass
+    except LinkError as e:
+        print(f"specpipe stage {rank}: driver or neighbour gone ({e}); exiting", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        if t is not None:
+            t.close()

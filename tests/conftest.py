@@ -1,0 +1,166 @@
+"""Shared fixtures: tiny random-weight Hugging Face model directories.
+
+Each directory is what `save_pretrained` writes (config.json, model.safetensors,
+generation_config.json) plus a byte-level BPE tokenizer (tokenizer.json, tokenizer_config.json
+with a ChatML chat template), so it can be opened by `specpipe.loader.open_checkpoint`,
+`specpipe.engine.tokenizer.Tokenizer.from_path` and transformers alike.
+
+Fixtures (session-scoped; treat the directories as read-only, copy them to modify):
+  tiny_llama_dir   -- Llama, 4 layers, hidden 64, 4 heads / 2 KV heads, vocab 300
+  tiny_qwen2_dir   -- the same shape as Qwen2 (biases on q/k/v)
+  tiny_model_dir   -- factory: tiny_model_dir("llama", tie_word_embeddings=True, ...) -> Path,
+                      cached per distinct set of arguments
+
+The weights are drawn with a larger spread than transformers' default (initializer_range 0.2,
+non-trivial norm weights and biases) so that logits are far from ties and every tensor matters.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+TINY_VOCAB = 300
+TINY_SHAPE = dict(
+    vocab_size=TINY_VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    initializer_range=0.2,
+)
+
+# Tokenizer layout: ids 0..255 are the byte-level symbols (id == byte value), then the merges'
+# results, then the special tokens; everything stays below TINY_VOCAB.
+TINY_MERGES = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "a"), ("e", "r"), ("o", "n"),
+               ("Ġ", "s"), ("r", "e"), ("a", "t")]
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def byte_symbols() -> list[str]:
+    """GPT-2's bytes_to_unicode: the printable character standing for each byte 0..255."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+        range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+def tiny_tokenizer_ids() -> dict[str, int]:
+    """token -> id of the tiny tokenizer (bytes, merged tokens, specials)."""
+    vocab = {s: i for i, s in enumerate(byte_symbols())}
+    for a, b in TINY_MERGES:
+        vocab.setdefault(a + b, len(vocab))
+    for s in SPECIAL_TOKENS:
+        vocab[s] = len(vocab)
+    assert len(vocab) <= TINY_VOCAB
+    return vocab
+
+
+def write_tiny_tokenizer(directory: Path) -> None:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    symbols = byte_symbols()
+    assert set(symbols) == set(pre_tokenizers.ByteLevel.alphabet())
+    ids = tiny_tokenizer_ids()
+    base = {t: i for t, i in ids.items() if t not in SPECIAL_TOKENS}
+    tok = Tokenizer(models.BPE(vocab=base, merges=list(TINY_MERGES)))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    # Added in id order, so each gets the next free id: the ones tiny_tokenizer_ids() promises.
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIAL_TOKENS])
+    for s in SPECIAL_TOKENS:
+        assert tok.token_to_id(s) == ids[s], s
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "bos_token": None,
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "model_max_length": TINY_SHAPE["max_position_embeddings"],
+        "chat_template": CHATML_TEMPLATE,
+    }, indent=2))
+
+
+def _config(arch: str, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+    eos = tiny_tokenizer_ids()["<|endoftext|>"]
+    kwargs = dict(TINY_SHAPE, bos_token_id=None, eos_token_id=eos, pad_token_id=eos,
+                  tie_word_embeddings=False)
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+def make_tiny_hf_model(arch: str = "llama", seed: int = 0, **config_overrides):
+    """A random-weight transformers model (fp32, eval mode) of the tiny shape."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = _config(arch, **config_overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):  # default 1: make them matter
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):  # default 0: make Qwen2's biases matter
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def write_tiny_model_dir(directory: Path, arch: str = "llama", seed: int = 0,
+                         max_shard_size: str | None = None, **config_overrides) -> Path:
+    """Save a tiny random model (+ tokenizer) into `directory` and return it."""
+    directory.mkdir(parents=True, exist_ok=True)
+    model = make_tiny_hf_model(arch, seed, **config_overrides)
+    kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(directory, **kwargs)
+    write_tiny_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Callable[..., Path]:
+    """Factory fixture: tiny_model_dir(arch="llama", seed=0, max_shard_size=None, **config) -> Path."""
+    cache: dict[str, Path] = {}
+
+    def make(arch: str = "llama", seed: int = 0, max_shard_size: str | None = None, **config_overrides) -> Path:
+        key = json.dumps([arch, seed, max_shard_size, config_overrides], sort_keys=True)
+        if key not in cache:
+            d = tmp_path_factory.mktemp(f"tiny_{arch}")
+            cache[key] = write_tiny_model_dir(d, arch, seed, max_shard_size, **config_overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_dir) -> Path:
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tiny_model_dir) -> Path:
+    return tiny_model_dir("qwen2")
