@@ -1,0 +1,171 @@
+"""The central property: every speculative mode commits exactly the tokens plain decoding does.
+
+Modes `pp`, `tree` and `specpipe` run on the in-process pipeline (the same stage workers and
+messages as the multi-process runtime, stepped in exact lock-step) at S = 1, 2, 4, 8, greedy and
+with seeded sampling, for every speculative source. While they run, every stage's KV cache is
+checked to hold only committed tokens plus live tree nodes, and to be empty once a request ends.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from specpipe.config import StageSpec
+from specpipe.engine.decode_rounds import decode_rounds
+from specpipe.engine.decode_specpipe import decode_specpipe
+from specpipe.engine.default_model import DefaultModelMissing, default_model_path
+from specpipe.loader import open_checkpoint
+from specpipe.loader.partition import partition_layers
+from specpipe.model.stage import build_stage
+from specpipe.request import Request
+from specpipe.sampling import SamplingParams
+from specpipe.spec.draft_model import DraftModelSource
+from specpipe.spec.sources import MergedSource, NgramSource
+from specpipe.worker.local_pipeline import LocalPipeline
+from specpipe.worker.stage_worker import StageWorker
+
+SLOTS = 1024
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=24)
+
+
+class CheckedPipeline(LocalPipeline):
+    """LocalPipeline that asserts the KV bound after every step: at each stage, the speculative
+    slots of a request never exceed the live tree (at most W nodes per layer, about S layers in
+    flight, plus a new root) and committed slots never exceed the committed tokens."""
+
+    def __init__(self, workers, width: int, max_committed: int):
+        super().__init__(workers)
+        self.bound = width * (self.num_stages + 8) + 1
+        self.max_committed = max_committed
+        self.peak_spec = 0
+
+    def collect(self):
+        out = super().collect()
+        for w in self.workers:
+            for r in w.slots.requests.values():
+                assert len(r.spec) <= self.bound, (len(r.spec), self.bound)
+                assert len(r.committed) <= self.max_committed
+                self.peak_spec = max(self.peak_spec, len(r.spec))
+                assert w.slots.total_in_use() == r.num_slots()  # nothing leaked from pruned nodes
+        return out
+
+
+def make_pipeline(ckpt, num_stages: int, width: int, max_committed: int) -> CheckedPipeline:
+    specs = partition_layers(ckpt.config.num_layers, num_stages)
+    return CheckedPipeline([StageWorker(build_stage(ckpt, s), SLOTS) for s in specs], width, max_committed)
+
+
+def run(pipe, mode: str, prompt: list[int], sampling: SamplingParams, source=None, width=4, depth=3,
+        stop_ids=frozenset()) -> Request:
+    req = Request(0, prompt, sampling, frozenset(stop_ids))
+    if mode == "pp":
+        decode_rounds(pipe, req)
+    elif mode == "tree":
+        decode_rounds(pipe, req, source, depth, width)
+    else:
+        decode_specpipe(pipe, req, source, width)
+    for w in pipe.workers:  # the request was released: every slot is free again
+        assert w.slots.total_in_use() == 0
+        assert not w.slots.requests
+    if source is not None and hasattr(source, "slots"):
+        assert source.slots.total_in_use() == 0
+    return req
+
+
+def self_draft(ckpt, k: int) -> DraftModelSource:
+    return DraftModelSource(build_stage(ckpt, StageSpec(0, k, first=True, last=True)), SLOTS, f"self:{k}")
+
+
+@pytest.fixture(scope="module")
+def tiny8(tiny_model_dir):
+    """An 8-layer tiny Llama (so that S = 8 is possible) and a second tiny model as its draft."""
+    target = open_checkpoint(tiny_model_dir("llama", num_hidden_layers=8))
+    draft = open_checkpoint(tiny_model_dir("llama", seed=1))
+    return target, draft
+
+
+# A prompt with repetition, so that n-gram lookup finds something to propose.
+TINY_PROMPT = [5, 17, 33, 90, 5, 17, 33, 90, 5, 17, 120, 7, 5, 17]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("num_stages", [1, 2, 4, 8])
+def test_all_modes_and_sources_equal_pp_tiny(tiny8, num_stages, sampling):
+    target, draft_ckpt = tiny8
+    max_committed = len(TINY_PROMPT) + sampling.max_tokens
+    reference = run(make_pipeline(target, 1, 1, max_committed), "pp", TINY_PROMPT, sampling).output_ids
+    assert len(reference) == sampling.max_tokens
+
+    pipe = make_pipeline(target, num_stages, 4, max_committed)
+    pp = run(pipe, "pp", TINY_PROMPT, sampling)
+    assert pp.output_ids == reference
+    assert pp.stats.pipeline_steps == num_stages * sampling.max_tokens
+
+    sources = {
+        "ngram": lambda: NgramSource(),
+        "self:2": lambda: self_draft(target, 2),
+        "draft": lambda: DraftModelSource(build_stage(draft_ckpt, StageSpec.whole(draft_ckpt.config)), SLOTS, "draft"),
+        "self:6+ngram": lambda: MergedSource([self_draft(target, 6), NgramSource()]),
+    }
+    for (name, make), mode in itertools.product(sources.items(), ["tree", "specpipe"]):
+        req = run(pipe, mode, TINY_PROMPT, sampling, make())
+        assert req.output_ids == reference, f"{mode} with {name} differs from pp"
+        steps = req.stats.pipeline_steps
+        if mode == "specpipe":
+            # Never slower than pp in steps, never better than the pipeline's cap N / (N + S - 1).
+            n = len(reference)
+            assert n + num_stages - 1 <= steps <= num_stages * n
+
+
+def test_a_good_draft_gives_hits_and_fewer_steps(tiny8):
+    """self:7 of 8 layers is close to the target: SpecPipe must turn that into hits and steps."""
+    target, _ = tiny8
+    prompt, sampling = TINY_PROMPT, GREEDY
+    pipe = make_pipeline(target, 4, 4, len(prompt) + sampling.max_tokens)
+    pp = run(pipe, "pp", prompt, sampling)
+    sp = run(pipe, "specpipe", prompt, sampling, self_draft(target, 7))
+    assert sp.output_ids == pp.output_ids
+    assert sp.stats.hits > 0
+    assert sp.stats.pipeline_steps < pp.stats.pipeline_steps
+    assert pipe.peak_spec > 0  # the tree really was in flight at the stages
+
+
+@pytest.mark.parametrize("mode", ["pp", "tree", "specpipe"])
+def test_eos_stops_cleanly_mid_tree(tiny8, mode):
+    target, _ = tiny8
+    sampling = GREEDY
+    pipe = make_pipeline(target, 4, 4, len(TINY_PROMPT) + sampling.max_tokens)
+    full = run(pipe, "pp", TINY_PROMPT, sampling).output_ids
+    stop = full[9]  # pretend this token is EOS: every mode must stop right after its first use
+    expected = full[: full.index(stop) + 1]
+    req = run(pipe, mode, TINY_PROMPT, sampling, None if mode == "pp" else self_draft(target, 7),
+              stop_ids={stop})
+    assert req.output_ids == expected
+    assert req.finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    try:
+        return open_checkpoint(default_model_path())
+    except DefaultModelMissing as e:
+        pytest.skip(f"default model not installed: {e}")
+
+
+@pytest.mark.parametrize("num_stages", [1, 2, 4, 8])
+def test_smollm2_modes_equal_pp(smollm2, num_stages):
+    torch.manual_seed(0)
+    # "1, 2, 3, 4, 5, 6" style prompt: repetitive enough for n-gram hits on a real model.
+    prompt = [1, 9690, 198, 504, 3575, 282, 4649, 314, 7042, 30, 504, 3575, 282, 4649, 314, 7042, 30, 504, 3575]
+    for sampling in (SamplingParams(temperature=0.0, max_tokens=12),
+                     SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12)):
+        pipe = make_pipeline(smollm2, num_stages, 4, len(prompt) + sampling.max_tokens)
+        reference = run(pipe, "pp", prompt, sampling).output_ids
+        for mode in ("tree", "specpipe"):
+            source = MergedSource([self_draft(smollm2, 25), NgramSource()]) if num_stages <= 2 else NgramSource()
+            req = run(pipe, mode, prompt, sampling, source)
+            assert req.output_ids == reference, f"{mode} at S={num_stages} differs ({sampling})"
