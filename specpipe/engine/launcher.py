@@ -37,7 +37,8 @@ def local_processes(model_path: Path, specs: list[StageSpec], num_slots: int, de
     threads = max(1, (os.cpu_count() or 1) // S)  # the stages share this machine's cores
     stages = LocalStages(
         stage_process_main,
-        lambda r: (r, S + 1, "127.0.0.1", port, str(model_path), specs[r - 1], num_slots, device, dtype, link, threads),
+        lambda r: (r, S + 1, "127.0.0.1", port, str(model_path), specs[r - 1], num_slots, device, dtype, link, threads,
+                   True),
         S)
     try:
         ready = wait_ready(t.store, S, stages.exits, load_timeout_s, progress)
@@ -48,7 +49,8 @@ def local_processes(model_path: Path, specs: list[StageSpec], num_slots: int, de
         if isinstance(e, RuntimeError):
             raise PipelineError(str(e)) from None
         raise
-    pipe = RemotePipeline(t, S, stages.exits, on_close=stages.stop)
+    # After a failure or an interrupted step the stages cannot be told to stop: end them at once.
+    pipe = RemotePipeline(t, S, stages.exits, on_close=lambda broken: stages.stop(grace_s=0.0 if broken else 5.0))
     pipe.ready = ready  # type: ignore[attr-defined]
     return pipe
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from specpipe.config import StageSpec
-from specpipe.dist.transport import TAG_CONTROL, TAG_REPORT, TAG_RESULTS, TAG_ROWS, LinkError, Transport
+from specpipe.dist.transport import TAG_CONTROL, TAG_REPORT, TAG_RESULTS, TAG_ROWS, LinkError, Transport, short_error
 from specpipe.dist.wire import decode_control, decode_rows_header, encode_floats, encode_results, encode_rows
 from specpipe.loader import open_checkpoint
 from specpipe.model.stage import build_stage
@@ -87,11 +87,20 @@ def run_stage(t: Transport, model_path: str, spec: StageSpec, num_slots: int, de
 
 def stage_process_main(rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
                        spec: StageSpec, num_slots: int, device: str, dtype: torch.dtype, link,
-                       threads: int = 0) -> None:
-    """Entry point of a stage process (spawned locally, or one rank under torchrun)."""
+                       threads: int = 0, managed: bool = False) -> None:
+    """Entry point of a stage process (spawned locally, or one rank under torchrun).
+
+    `managed`: spawned by a local driver, which owns the stages' lifetime. Such a stage ignores
+    Ctrl-C (the terminal sends it to the whole process group; the driver finishes the step and
+    shuts the stages down, or terminates them) and leaves error reporting to the driver.
+    """
+    import signal
+
     from specpipe.dist.launch import die_with_parent
 
     die_with_parent()
+    if managed:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     if threads:
         torch.set_num_threads(threads)
     t = None
@@ -108,8 +117,25 @@ def stage_process_main(rank: int, world_size: int, master_addr: str, master_port
     except KeyboardInterrupt:
         pass
     except LinkError as e:
-        print(f"specpipe stage {rank}: driver or neighbour gone ({e}); exiting", file=sys.stderr)
+        # A consequence, not a cause: tell the driver (if it is still there) not to blame us.
+        _store_note(t, f"lost/{rank}", str(e))
+        if not managed:
+            print(f"specpipe stage {rank}: lost the link to the driver or a neighbour ({short_error(e)}); exiting",
+                  file=sys.stderr)
         sys.exit(1)
+    except Exception as e:
+        _store_note(t, f"failed/{rank}", f"{type(e).__name__}: {e}")
+        raise
     finally:
         if t is not None:
             t.close()
+
+
+def _store_note(t, key: str, value: str) -> None:
+    """Best effort: the driver may already be gone."""
+    if t is None:
+        return
+    try:
+        t.store.set(key, value)
+    except Exception:
+        pass

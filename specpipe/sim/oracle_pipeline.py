@@ -1,0 +1,82 @@
+"""A step-exact stand-in for the stages when the target's output is already known.
+
+For greedy decoding the committed sequence of a prompt is fixed (it is what `pp` produces), and
+verification only ever reads the target's token at nodes on that committed path. So a pipeline
+that delays rows by S - 1 steps, drops pruned rows exactly as the stages do, and answers each
+row with the next committed token (any token for off-path rows, which are pruned before they
+could become the root) reproduces the real pipeline's step counts and hit rates exactly, for any
+S, without computing the target. The driver, the tree and the draft source run unchanged.
+
+It also records, per step, how many rows each stage computed: the input of the time simulator
+(sim/timing.py).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence
+
+from specpipe.messages import NO_PARENT, Control, Results, Rows
+
+OFF_PATH = -1  # target token reported for rows that are not on the committed path
+
+
+class OraclePipeline:
+    def __init__(self, num_stages: int, sequence: Sequence[int]) -> None:
+        """`sequence`: prompt + greedy output of the target, the tokens every mode must commit."""
+        self.num_stages = num_stages
+        self.sequence = list(sequence)
+        self._stages: deque[list[Rows]] = deque([[] for _ in range(num_stages)], maxlen=num_stages)
+        self._on_path: set[int] = set()
+        self._dropped: set[int] = set()
+        self._control = Control()
+        self.rows_per_step: list[list[int]] = []  # step -> rows computed at each stage
+
+    def submit(self, control: Control, rows: list[Rows]) -> None:
+        self._control = control
+        self._incoming = list(rows)
+
+    def collect(self) -> list[Results]:
+        for p in self._control.prune:
+            self._dropped.update(p.drop)
+        # Shift the pipeline by one stage: what stage s held last step is at stage s + 1 now.
+        self._stages.appendleft(self._incoming)
+        counts, results = [], []
+        for s, batch in enumerate(self._stages):
+            kept = []
+            for rows in batch:
+                keep = [i for i, n in enumerate(rows.node_ids) if n not in self._dropped]
+                kept.append(rows.select(keep) if len(keep) < len(rows) else rows)
+            self._stages[s] = [r for r in kept if len(r)]
+            counts.append(sum(len(r) for r in self._stages[s]))
+        self.rows_per_step.append(counts)
+        for rows in self._stages[-1]:
+            results.append(self._answer(rows))
+        self._stages[-1] = []  # they leave the pipeline
+        return results
+
+    def step(self, control: Control, rows: list[Rows]) -> list[Results]:
+        self.submit(control, rows)
+        return self.collect()
+
+    def _answer(self, rows: Rows) -> Results:
+        tokens, node_ids = [], []
+        data = rows.data.tolist()
+        picked = rows.head_rows if rows.head_rows is not None else range(len(rows))
+        for i in range(len(rows)):
+            n, parent, pos = rows.node_ids[i], rows.parent_ids[i], rows.positions[i]
+            if (parent == NO_PARENT or parent in self._on_path) and pos < len(self.sequence) \
+                    and data[i] == self.sequence[pos]:
+                self._on_path.add(n)
+        for i in picked:
+            n, pos = rows.node_ids[i], rows.positions[i]
+            ok = n in self._on_path and pos + 1 < len(self.sequence)
+            node_ids.append(n)
+            tokens.append(self.sequence[pos + 1] if ok else OFF_PATH)
+        return Results(rows.request_id, node_ids, tokens)
+
+    def stage_stats(self) -> list[dict]:
+        return []
+
+    def close(self) -> None:
+        pass
