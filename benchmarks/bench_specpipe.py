@@ -126,7 +126,7 @@ def main() -> None:
     for mode, S, W, D in configs:
         t0 = time.perf_counter()
         rows = {"mode": mode, "stages": S, "width": W, "depth": D, "tokens": 0, "steps": 0, "hits": 0,
-                "verifications": 0, "rounds": 0, "by_group": {}, "rows_per_step": []}
+                "verifications": 0, "rounds": 0, "by_group": {}, "prompts": []}
         for i, (p, ids, ref) in enumerate(zip(prompts, prompts_ids, refs)):
             if mode == "tree" and (W, D, i) in tree_cache:
                 req_stats, n = tree_cache[(W, D, i)]
@@ -138,9 +138,12 @@ def main() -> None:
                     raise SystemExit(f"{mode} S={S} W={W} D={D}: output differs from the reference on prompt {i}")
                 n, steps = len(req.output_ids), req.stats.pipeline_steps
                 req_stats = {"hits": req.stats.hits, "verifications": req.stats.verifications, "rounds": req.stats.rounds}
+                # Rows each stage computed per step (the release step after the last token excluded):
+                # the input of the time simulator.
+                req_stats["rows_per_step"] = pipe.rows_per_step[:steps]
                 if mode == "tree":
                     tree_cache[(W, D, i)] = (req_stats, n)
-                rows["rows_per_step"].append(pipe.rows_per_step)
+            rows["prompts"].append({"tokens": n, "steps": steps, **req_stats})
             rows["tokens"] += n
             rows["steps"] += steps
             for k in ("hits", "verifications", "rounds"):

@@ -127,9 +127,15 @@ class Engine:
             self.pipeline = launcher.in_process(self.checkpoint, self.stage_specs, slots, config.device, dtype)
         self.source: Optional[TokenSource] = None
         if config.mode != "pp":
-            self.source = build_source(config.draft or DEFAULT_DRAFT, self.checkpoint, self.tokenizer,
-                                       config.num_slots(), config.device, config.torch_dtype())
+            self._source()
         self._ids = itertools.count()
+
+    def _source(self) -> TokenSource:
+        if self.source is None:
+            c = self.config
+            self.source = build_source(c.draft or DEFAULT_DRAFT, self.checkpoint, self.tokenizer,
+                                       c.num_slots(), c.device, c.torch_dtype())
+        return self.source
 
     def encode_prompt(self, prompt: str, chat: Optional[bool] = None) -> list[int]:
         use_chat = self.tokenizer.has_chat_template if chat is None else chat
@@ -142,7 +148,11 @@ class Engine:
         return self.tokenizer.encode(prompt)
 
     def generate(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
-                 chat: Optional[bool] = None, on_text: Optional[Callable[[str], None]] = None) -> GenerationResult:
+                 chat: Optional[bool] = None, on_text: Optional[Callable[[str], None]] = None,
+                 mode: Optional[str] = None, tree_width: Optional[int] = None,
+                 tree_depth: Optional[int] = None) -> GenerationResult:
+        """Decode one request. `mode`, `tree_width` and `tree_depth` override the config for this
+        request (so one set of stage processes can serve every mode, e.g. in benchmarks)."""
         prompt_ids = list(prompt) if not isinstance(prompt, str) else self.encode_prompt(prompt, chat)
         if not prompt_ids:
             raise ConfigError("the prompt is empty")
@@ -166,20 +176,24 @@ class Engine:
 
         stages_before = self.pipeline.stage_stats()
         req = Request(next(self._ids), prompt_ids, sampling, frozenset(self.tokenizer.eos_token_ids), on_token)
-        mode, c = self.config.mode, self.config
+        c = self.config
+        mode = mode or c.mode
+        width, depth = tree_width or c.tree_width, tree_depth or c.tree_depth
+        if mode not in MODES:
+            raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
         if mode == "pp":
             decode_rounds(self.pipeline, req)
         elif mode == "tree":
-            decode_rounds(self.pipeline, req, self.source, c.tree_depth, c.tree_width)
+            decode_rounds(self.pipeline, req, self._source(), depth, width)
         else:
-            decode_specpipe(self.pipeline, req, self.source, c.tree_width)
+            decode_specpipe(self.pipeline, req, self._source(), width)
         tail = detok.flush()
         if tail:
             pieces.append(tail)
             if on_text is not None:
                 on_text(tail)
         stats = req.summary(self.pipeline.num_stages)
-        stats.update(mode=mode, draft=self.source.name if self.source else None,
+        stats.update(mode=mode, draft=self.source.name if mode != "pp" else None,
                      seed=sampling.seed, stages=_stage_deltas(stages_before, self.pipeline.stage_stats()))
         return GenerationResult("".join(pieces), prompt_ids, list(req.output_ids), req.finish_reason or "length", stats)
 

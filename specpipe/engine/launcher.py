@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch
 
 from specpipe.config import StageSpec
-from specpipe.dist.launch import LocalStages, RankEnv, free_port, wait_ready
+from specpipe.dist.launch import LocalStages, RankEnv, free_port, stage_failure, wait_ready
 from specpipe.dist.remote_pipeline import PipelineError, RemotePipeline
 from specpipe.dist.transport import LinkOptions, Transport
 from specpipe.loader import Checkpoint
@@ -42,11 +42,11 @@ def local_processes(model_path: Path, specs: list[StageSpec], num_slots: int, de
         S)
     try:
         ready = wait_ready(t.store, S, stages.exits, load_timeout_s, progress)
-        t.init_groups()
+        t.init_groups(abort=lambda: stage_failure(t.store, S, stages.exits))
     except BaseException as e:
         stages.stop(grace_s=0.0)
         t.close()
-        if isinstance(e, RuntimeError):
+        if isinstance(e, RuntimeError):  # LinkError included
             raise PipelineError(str(e)) from None
         raise
     # After a failure or an interrupted step the stages cannot be told to stop: end them at once.
@@ -64,8 +64,8 @@ def torchrun_driver(env: RankEnv, num_stages: int, device: str, link: LinkOption
     t = Transport(0, env.world_size, env.master_addr, env.master_port, link, device)
     try:
         ready = wait_ready(t.store, num_stages, dict, load_timeout_s, progress)
-        t.init_groups()
-    except RuntimeError as e:
+        t.init_groups(abort=lambda: stage_failure(t.store, num_stages, dict))
+    except RuntimeError as e:  # LinkError included
         t.close()
         raise PipelineError(str(e)) from None
     pipe = RemotePipeline(t, num_stages)

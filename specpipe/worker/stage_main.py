@@ -57,7 +57,13 @@ def run_stage(t: Transport, model_path: str, spec: StageSpec, num_slots: int, de
     rss, peak = memory_bytes()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     t.store.set(f"ready/{rank}", f"{rss} {peak} {weights} {worker.kv.nbytes()}")
-    t.init_groups()
+    try:
+        t.init_groups()
+    except RuntimeError as e:  # typically: gloo bound to an address the other ranks cannot reach
+        why = (f"could not connect to the other ranks ({short_error(e)}); set GLOO_SOCKET_IFNAME to the "
+               f"network interface that reaches MASTER_ADDR")
+        t.store.set(f"failed/{rank}", why)
+        raise LinkError(why) from None
     prev = rank - 1  # rank 0, the driver, feeds stage 1
     nxt = 0 if rank == num_stages else rank + 1
     stats = worker.stats
@@ -120,8 +126,7 @@ def stage_process_main(rank: int, world_size: int, master_addr: str, master_port
         # A consequence, not a cause: tell the driver (if it is still there) not to blame us.
         _store_note(t, f"lost/{rank}", str(e))
         if not managed:
-            print(f"specpipe stage {rank}: lost the link to the driver or a neighbour ({short_error(e)}); exiting",
-                  file=sys.stderr)
+            print(f"specpipe stage {rank}: {short_error(e, 400)}; exiting", file=sys.stderr)
         sys.exit(1)
     except Exception as e:
         _store_note(t, f"failed/{rank}", f"{type(e).__name__}: {e}")
