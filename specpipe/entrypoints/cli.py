@@ -107,9 +107,17 @@ def _serve_stage(config, env) -> int:
 def _summary(s: dict, n: int) -> str:
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
-    return (f"[{s['mode']}, S={s['num_stages']}] {n} tokens, {s['pipeline_steps']} pipeline steps, "
-            f"{fmt(s['tokens_per_step'], '.3f')} tokens/step, hit rate {fmt(s['hit_rate'], '.1%')}, "
-            f"TTFT {fmt(s['ttft_ms'], '.0f')} ms, TBT {fmt(s['tbt_ms'], '.1f')} ms")
+    lines = [f"[{s['mode']}, S={s['num_stages']}] {n} tokens, {s['pipeline_steps']} pipeline steps, "
+             f"{fmt(s['tokens_per_step'], '.3f')} tokens/step, hit rate {fmt(s['hit_rate'], '.1%')}, "
+             f"TTFT {fmt(s['ttft_ms'], '.0f')} ms, TBT {fmt(s['tbt_ms'], '.1f')} ms"]
+    if s.get("hits_by_depth"):
+        lines.append("  hits by drafted depth: " + ", ".join(f"{d}: {k}" for d, k in s["hits_by_depth"].items()))
+    if s.get("mean_live_tree") is not None:
+        lines.append(f"  mean live tree: {s['mean_live_tree']:.1f} nodes")
+    for i, st in enumerate(s.get("stages") or [], 1):
+        lines.append(f"  stage {i}: compute {st['compute_ms_per_step']:.1f} ms/step, wait {st['wait_ms_per_step']:.1f} "
+                     f"ms/step, {st['bytes_per_step']:.0f} B/step, occupancy {fmt(st['occupancy'], '.0%')}")
+    return "\n".join(lines)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
