@@ -96,6 +96,8 @@ def main() -> None:
     ap.add_argument("--width-stages", default="8", help="stage counts at which every W is run (others: --default-width)")
     ap.add_argument("--default-width", type=int, default=8)
     ap.add_argument("--trees", default="3x4,5x8,7x8,7x10", help="tree-mode DxW configurations (depth x width)")
+    ap.add_argument("--configs", default=None,
+                    help="explicit run list instead of the sweep, e.g. specpipe:8:8,tree:8:8:7,pp:2 (mode:S[:W[:D]])")
     ap.add_argument("--validate", action="store_true", help="check the oracle against a real in-process pipeline run")
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache/specpipe/bench"))
     ap.add_argument("--out", default=None, help="write all results as JSON here")
@@ -121,6 +123,11 @@ def main() -> None:
     configs = [("pp", s, 0, 0) for s in stages]
     configs += [("specpipe", s, w, 0) for s in stages for w in (widths if s in width_stages else [args.default_width])]
     configs += [("tree", s, w, d) for s in stages for d, w in trees]
+    if args.configs:
+        configs = []
+        for item in args.configs.split(","):
+            parts = item.split(":")
+            configs.append((parts[0], *(int(x) for x in parts[1:]), *([0] * (4 - len(parts)))))
     results = []
     tree_cache: dict = {}  # tree rounds do not depend on S: draft once, scale steps by S
     for mode, S, W, D in configs:
@@ -144,6 +151,7 @@ def main() -> None:
                 if mode == "tree":
                     tree_cache[(W, D, i)] = (req_stats, n)
             rows["prompts"].append({"tokens": n, "steps": steps, **req_stats})
+            log(f"    {mode} S={S} W={W} D={D} prompt {i + 1}/{len(prompts)}: {n} tokens, {steps} steps")
             rows["tokens"] += n
             rows["steps"] += steps
             for k in ("hits", "verifications", "rounds"):
@@ -159,6 +167,8 @@ def main() -> None:
         log(f"{mode:9s} S={S} W={W:2d} D={D}: {rows['tokens_per_step']:.3f} tokens/step, "
             f"hit rate {rows['hit_rate'] if rows['hit_rate'] is None else round(rows['hit_rate'], 3)}, "
             f"{time.perf_counter() - t0:.0f} s")
+        if args.out:  # after every configuration, so that an interrupted sweep keeps its results
+            Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}))
 
     if args.validate:
         validate(ckpt, source, prompts_ids[0], refs[0], args.max_tokens, stop_ids, args.default_width)

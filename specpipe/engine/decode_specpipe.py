@@ -63,9 +63,11 @@ def decode_specpipe(pipe: Pipeline, req: Request, source: TokenSource, width: in
                 req.append(v.token)
             if commit or drop:
                 source.observe(rid, commit, drop)
-                for n in drop:
-                    props.pop(n, None)
-                    drafted_depth.pop(n, None)
+                # Keep proposals of every live node: when a hit leaves a subtree shallower than
+                # the rest of the tree was, its deepest layer becomes the frontier again and is
+                # re-expanded from them (otherwise the tree would stop growing until a miss).
+                props = {n: p for n, p in props.items() if n in tree}
+                drafted_depth = {n: d for n, d in drafted_depth.items() if n in tree}
             control = Control(prune=[Prune(rid, commit=commit, drop=drop)] if commit or drop else [])
             if req.finished:
                 break
@@ -74,7 +76,7 @@ def decode_specpipe(pipe: Pipeline, req: Request, source: TokenSource, width: in
                 rows, want = new_root, [tree.root_id]
             else:
                 frontier = [n.node_id for n in tree.frontier() if n.node_id in props]
-                layer = tree.expand({n: props.pop(n) for n in frontier})
+                layer = tree.expand({n: props[n] for n in frontier})
                 for n in layer:
                     drafted_depth[n.node_id] = n.position - tree.root_position
                 rows = node_rows(rid, layer) if layer else None

@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Standard pipeline parallelism (mode `pp`) measured for real: TBT at S = 1, 2, 4 with the
+communication it costs (method: real run, this machine).
+
+Each S runs the whole pipeline for real: the driver (this process) and S stage processes joined
+by torch.distributed (gloo) on loopback, each stage process with cores/S torch threads (see
+specpipe/engine/launcher.py); `--s1-inproc` adds the single-process baseline (one stage inside the
+driver, all cores). One Engine per S serves every prompt, so its processes stay up across prompts;
+one untimed warm-up request precedes the measured ones.
+
+Per S the table gives, over the prompts:
+  tok/step      decoded tokens per pipeline step (pp: 1/S exactly)
+  TBT           median over prompts of each request's mean time between tokens (SPEC §7)
+  TTFT          median time to the first token (prefill crossing all S stages)
+  step          TBT x tokens/step: the wall time of one pipeline step
+  compute       per stage, ms per step spent in forward passes
+  wait          per stage, ms per step blocked receiving (waiting for the previous stage or the
+                driver, plus the transfer itself): the pipeline's idle time at that stage
+  bytes/step    per stage, bytes sent per step (hidden states to the next stage, token ids and
+                control from the last stage to the driver)
+
+Plain PP does not make one request faster: every token still crosses all S stages one after
+another, so TBT ~ S x (per-stage compute + link time) ~ the single-stage time plus S link hops.
+
+Usage:
+  python benchmarks/bench_pp.py [--stages 1,2,4] [--prompts 4] [--tokens 32] [--link-delay-ms 0]
+                                [--model PATH] [--s1-inproc] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from specpipe.engine.engine import Engine, EngineConfig  # noqa: E402
+from specpipe.sampling import SamplingParams  # noqa: E402
+
+QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+# One prompt from each Spec-Bench group, in this order, then the next of each group, ...
+GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
+
+
+def load_prompts(path: Path, n: int) -> list[tuple[str, str]]:
+    """(group, first turn) for n prompts spread over Spec-Bench's six groups."""
+    by_group: dict[str, list[str]] = {g: [] for g in GROUPS}
+    for line in path.read_text().splitlines():
+        q = json.loads(line)
+        group = q["category"] if q["category"] in by_group else "mt_bench"
+        by_group[group].append(q["turns"][0])
+    out, i = [], 0
+    while len(out) < n:
+        for g in GROUPS:
+            if i < len(by_group[g]) and len(out) < n:
+                out.append((g, by_group[g][i]))
+        i += 1
+    return out
+
+
+def run_config(model: str | None, stages: int, transport: str, prompts: list[tuple[str, str]], tokens: int,
+               link_delay_ms: float) -> dict:
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(model=model, mode="pp", stages=stages, transport=transport,
+                                 link_delay_ms=link_delay_ms, max_context=1024))
+    startup_s = time.perf_counter() - t0
+    greedy = SamplingParams(temperature=0.0, max_tokens=tokens)
+    try:
+        engine.generate(prompts[0][1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up, untimed
+        per_prompt = []
+        for group, text in prompts:
+            r = engine.generate(text, greedy)
+            per_prompt.append({"group": group, "prompt_tokens": len(r.prompt_token_ids),
+                               "tokens": len(r.token_ids), **{k: r.stats[k] for k in (
+                                   "pipeline_steps", "tokens_per_step", "ttft_ms", "tbt_ms")},
+                               "stages": r.stats["stages"]})
+    finally:
+        engine.close()
+    S = stages
+    steps = [sum(p["stages"][s]["steps"] for p in per_prompt) for s in range(S)]
+    summary = {
+        "stages": S, "transport": transport, "link_delay_ms": link_delay_ms, "startup_s": startup_s,
+        "threads_per_stage": max(1, (os.cpu_count() or 1) // S) if transport == "processes" else None,
+        "tokens_per_step": sum(p["tokens"] for p in per_prompt) / sum(p["pipeline_steps"] for p in per_prompt),
+        "tbt_ms_median": statistics.median(p["tbt_ms"] for p in per_prompt if p["tbt_ms"] is not None),
+        "ttft_ms_median": statistics.median(p["ttft_ms"] for p in per_prompt),
+        "compute_ms_per_step": [sum(p["stages"][s]["compute_s"] for p in per_prompt) / steps[s] * 1e3 for s in range(S)],
+        "wait_ms_per_step": [sum(p["stages"][s]["wait_s"] for p in per_prompt) / steps[s] * 1e3 for s in range(S)],
+        "bytes_per_step": [sum(p["stages"][s]["bytes_sent"] for p in per_prompt) / steps[s] for s in range(S)],
+        "prompts": per_prompt,
+    }
+    summary["step_ms"] = summary["tbt_ms_median"] * summary["tokens_per_step"]
+    return summary
+
+
+def fmt_list(values: list[float], spec: str) -> str:
+    return "/".join(format(v, spec) for v in values)
+
+
+def table(results: list[dict]) -> str:
+    head = ("S", "transport", "tok/step", "TBT ms (med)", "TTFT ms (med)", "step ms",
+            "compute ms/step per stage", "wait ms/step per stage", "bytes/step per stage")
+    rows = [head]
+    for r in results:
+        rows.append((str(r["stages"]), r["transport"], f"{r['tokens_per_step']:.3f}", f"{r['tbt_ms_median']:.1f}",
+                     f"{r['ttft_ms_median']:.0f}", f"{r['step_ms']:.1f}", fmt_list(r["compute_ms_per_step"], ".1f"),
+                     fmt_list(r["wait_ms_per_step"], ".1f"), fmt_list(r["bytes_per_step"], ".0f")))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
+    ap.add_argument("--stages", default="1,2,4")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--link-delay-ms", type=float, default=0.0, help="emulated per-message link latency")
+    ap.add_argument("--s1-inproc", action="store_true", help="also S=1 with the stage inside the driver process")
+    ap.add_argument("--questions", type=Path, default=QUESTIONS)
+    ap.add_argument("--json", action="store_true", help="print all results as JSON at the end")
+    args = ap.parse_args()
+
+    prompts = load_prompts(args.questions, args.prompts)
+    configs = [(1, "inproc")] if args.s1_inproc else []
+    configs += [(int(s), "processes") for s in args.stages.split(",")]
+    results = []
+    for S, transport in configs:
+        print(f"bench_pp: S={S} ({transport}) ...", file=sys.stderr, flush=True)
+        results.append(run_config(args.model, S, transport, prompts, args.tokens, args.link_delay_ms))
+    print(f"mode pp, greedy, {len(prompts)} Spec-Bench prompts ({', '.join(g for g, _ in prompts)}; first turn, "
+          f"chat template), {args.tokens} tokens each, link delay {args.link_delay_ms:g} ms/message")
+    print(f"method: real run, this machine ({os.cpu_count()} CPU cores); stage processes on loopback, "
+          f"cores/S torch threads each; per-stage figures are stage 1/2/.../S")
+    print(table(results))
+    if args.json:
+        print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
