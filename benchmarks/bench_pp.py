@@ -13,11 +13,15 @@ Per S the table gives, over the prompts:
   TBT           median over prompts of each request's mean time between tokens (SPEC §7)
   TTFT          median time to the first token (prefill crossing all S stages)
   step          TBT x tokens/step: the wall time of one pipeline step
-  compute       per stage, ms per step spent in forward passes
-  wait          per stage, ms per step blocked receiving (waiting for the previous stage or the
-                driver, plus the transfer itself): the pipeline's idle time at that stage
-  bytes/step    per stage, bytes sent per step (hidden states to the next stage, token ids and
-                control from the last stage to the driver)
+  compute/tok   forward-pass time per decoded token, summed over the stages
+  other/tok     mean TBT minus compute/tok: links (send, receive, wake-up), message encoding, the
+                driver's own work; what pipelining adds on top of the model's compute
+  per stage, decode steps only (the prefill is measured separately and subtracted):
+  compute       ms per step spent in forward passes
+  wait          ms per step blocked receiving (the pipeline bubble: waiting for the previous stage
+                or the driver, plus the transfer itself)
+  bytes/step    bytes sent per step (hidden states to the next stage; token ids and control from
+                the last stage to the driver)
 
 Plain PP does not make one request faster: every token still crosses all S stages one after
 another, so TBT ~ S x (per-stage compute + link time) ~ the single-stage time plus S link hops.
@@ -69,31 +73,43 @@ def run_config(model: str | None, stages: int, transport: str, prompts: list[tup
     engine = Engine(EngineConfig(model=model, mode="pp", stages=stages, transport=transport,
                                  link_delay_ms=link_delay_ms, max_context=1024))
     startup_s = time.perf_counter() - t0
-    greedy = SamplingParams(temperature=0.0, max_tokens=tokens)
     try:
         engine.generate(prompts[0][1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up, untimed
         per_prompt = []
         for group, text in prompts:
-            r = engine.generate(text, greedy)
+            # The same prompt twice: prefill only (1 token), then the whole request. The difference
+            # of the stage counters is the decode of tokens 2..N alone (the steps TBT measures).
+            first = engine.generate(text, SamplingParams(temperature=0.0, max_tokens=1))
+            r = engine.generate(text, SamplingParams(temperature=0.0, max_tokens=tokens))
+            assert r.token_ids[:1] == first.token_ids
+            decode = [{k: a[k] - b[k] for k in ("steps", "compute_s", "wait_s", "bytes_sent")}
+                      for a, b in zip(r.stats["stages"], first.stats["stages"])]
             per_prompt.append({"group": group, "prompt_tokens": len(r.prompt_token_ids),
                                "tokens": len(r.token_ids), **{k: r.stats[k] for k in (
                                    "pipeline_steps", "tokens_per_step", "ttft_ms", "tbt_ms")},
-                               "stages": r.stats["stages"]})
+                               "stages": r.stats["stages"], "decode_stages": decode})
     finally:
         engine.close()
     S = stages
-    steps = [sum(p["stages"][s]["steps"] for p in per_prompt) for s in range(S)]
+    dec = [{k: sum(p["decode_stages"][s][k] for p in per_prompt) for k in ("steps", "compute_s", "wait_s", "bytes_sent")}
+           for s in range(S)]
+    decoded = sum(p["tokens"] - 1 for p in per_prompt)  # tokens after the first
     summary = {
         "stages": S, "transport": transport, "link_delay_ms": link_delay_ms, "startup_s": startup_s,
         "threads_per_stage": max(1, (os.cpu_count() or 1) // S) if transport == "processes" else None,
         "tokens_per_step": sum(p["tokens"] for p in per_prompt) / sum(p["pipeline_steps"] for p in per_prompt),
         "tbt_ms_median": statistics.median(p["tbt_ms"] for p in per_prompt if p["tbt_ms"] is not None),
+        "tbt_ms_mean": sum(p["tbt_ms"] * (p["tokens"] - 1) for p in per_prompt) / decoded,
         "ttft_ms_median": statistics.median(p["ttft_ms"] for p in per_prompt),
-        "compute_ms_per_step": [sum(p["stages"][s]["compute_s"] for p in per_prompt) / steps[s] * 1e3 for s in range(S)],
-        "wait_ms_per_step": [sum(p["stages"][s]["wait_s"] for p in per_prompt) / steps[s] * 1e3 for s in range(S)],
-        "bytes_per_step": [sum(p["stages"][s]["bytes_sent"] for p in per_prompt) / steps[s] for s in range(S)],
+        # decode steps only (prefill excluded), per stage
+        "compute_ms_per_step": [d["compute_s"] / d["steps"] * 1e3 for d in dec],
+        "wait_ms_per_step": [d["wait_s"] / d["steps"] * 1e3 for d in dec],
+        "bytes_per_step": [d["bytes_sent"] / d["steps"] for d in dec],
+        # per decoded token: forward passes summed over the stages, and everything else
+        "compute_ms_per_token": sum(d["compute_s"] for d in dec) / decoded * 1e3,
         "prompts": per_prompt,
     }
+    summary["other_ms_per_token"] = summary["tbt_ms_mean"] - summary["compute_ms_per_token"]
     summary["step_ms"] = summary["tbt_ms_median"] * summary["tokens_per_step"]
     return summary
 
@@ -103,12 +119,13 @@ def fmt_list(values: list[float], spec: str) -> str:
 
 
 def table(results: list[dict]) -> str:
-    head = ("S", "transport", "tok/step", "TBT ms (med)", "TTFT ms (med)", "step ms",
-            "compute ms/step per stage", "wait ms/step per stage", "bytes/step per stage")
+    head = ("S", "transport", "tok/step", "TBT ms (med)", "TTFT ms (med)", "step ms", "compute ms/tok",
+            "other ms/tok", "compute ms/step per stage", "wait ms/step per stage", "bytes/step per stage")
     rows = [head]
     for r in results:
         rows.append((str(r["stages"]), r["transport"], f"{r['tokens_per_step']:.3f}", f"{r['tbt_ms_median']:.1f}",
-                     f"{r['ttft_ms_median']:.0f}", f"{r['step_ms']:.1f}", fmt_list(r["compute_ms_per_step"], ".1f"),
+                     f"{r['ttft_ms_median']:.0f}", f"{r['step_ms']:.1f}", f"{r['compute_ms_per_token']:.1f}",
+                     f"{r['other_ms_per_token']:.1f}", fmt_list(r["compute_ms_per_step"], ".1f"),
                      fmt_list(r["wait_ms_per_step"], ".1f"), fmt_list(r["bytes_per_step"], ".0f")))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in rows]

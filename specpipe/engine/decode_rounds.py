@@ -32,6 +32,7 @@ def decode_rounds(pipe: Pipeline, req: Request, source: Optional[TokenSource] = 
     draft_rows = source_rows(first)  # what the source has not taken in yet
     if source is not None:
         source.start(rid)
+        source.observe(rid, list(first.node_ids), [])  # the prompt is committed for the source too
     try:
         while not req.finished:
             nodes, undrafted = [], set()

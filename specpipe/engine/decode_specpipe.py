@@ -33,6 +33,7 @@ def decode_specpipe(pipe: Pipeline, req: Request, source: TokenSource, width: in
     props: dict[int, list[tuple[int, float]]] = {}
     drafted_depth: dict[int, int] = {}  # node id -> its depth when it was drafted
     source.start(rid)
+    source.observe(rid, list(rows.node_ids), [])  # the prompt is committed for the source too
     try:
         while not req.finished:
             pipe.submit(control, [rows] if rows is not None else [])
