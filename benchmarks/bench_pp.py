@@ -28,7 +28,7 @@ another, so TBT ~ S x (per-stage compute + link time) ~ the single-stage time pl
 
 Usage:
   python benchmarks/bench_pp.py [--stages 1,2,4] [--prompts 4] [--tokens 32] [--link-delay-ms 0]
-                                [--model PATH] [--s1-inproc] [--json]
+                                [--model PATH] [--s1-inproc 1,2] [--json]
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
 
 from specpipe.engine.engine import Engine, EngineConfig  # noqa: E402
 from specpipe.sampling import SamplingParams  # noqa: E402
@@ -68,7 +70,12 @@ def load_prompts(path: Path, n: int) -> list[tuple[str, str]]:
 
 
 def run_config(model: str | None, stages: int, transport: str, prompts: list[tuple[str, str]], tokens: int,
-               link_delay_ms: float) -> dict:
+               link_delay_ms: float, threads: int = 0) -> dict:
+    """One Engine at S stages serving every prompt. `threads` (in-process only): torch threads of
+    the stage inside this process (0: torch's default, all cores)."""
+    default_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=model, mode="pp", stages=stages, transport=transport,
                                  link_delay_ms=link_delay_ms, max_context=1024))
@@ -90,13 +97,14 @@ def run_config(model: str | None, stages: int, transport: str, prompts: list[tup
                                "stages": r.stats["stages"], "decode_stages": decode})
     finally:
         engine.close()
+        torch.set_num_threads(default_threads)
     S = stages
     dec = [{k: sum(p["decode_stages"][s][k] for p in per_prompt) for k in ("steps", "compute_s", "wait_s", "bytes_sent")}
            for s in range(S)]
     decoded = sum(p["tokens"] - 1 for p in per_prompt)  # tokens after the first
     summary = {
         "stages": S, "transport": transport, "link_delay_ms": link_delay_ms, "startup_s": startup_s,
-        "threads_per_stage": max(1, (os.cpu_count() or 1) // S) if transport == "processes" else None,
+        "threads_per_stage": max(1, (os.cpu_count() or 1) // S) if transport == "processes" else (threads or default_threads),
         "tokens_per_step": sum(p["tokens"] for p in per_prompt) / sum(p["pipeline_steps"] for p in per_prompt),
         "tbt_ms_median": statistics.median(p["tbt_ms"] for p in per_prompt if p["tbt_ms"] is not None),
         "tbt_ms_mean": sum(p["tbt_ms"] * (p["tokens"] - 1) for p in per_prompt) / decoded,
@@ -119,11 +127,11 @@ def fmt_list(values: list[float], spec: str) -> str:
 
 
 def table(results: list[dict]) -> str:
-    head = ("S", "transport", "tok/step", "TBT ms (med)", "TTFT ms (med)", "step ms", "compute ms/tok",
+    head = ("S", "transport", "threads", "tok/step", "TBT ms (med)", "TTFT ms (med)", "step ms", "compute ms/tok",
             "other ms/tok", "compute ms/step per stage", "wait ms/step per stage", "bytes/step per stage")
     rows = [head]
     for r in results:
-        rows.append((str(r["stages"]), r["transport"], f"{r['tokens_per_step']:.3f}", f"{r['tbt_ms_median']:.1f}",
+        rows.append((str(r["stages"]), r["transport"], str(r["threads_per_stage"]), f"{r['tokens_per_step']:.3f}", f"{r['tbt_ms_median']:.1f}",
                      f"{r['ttft_ms_median']:.0f}", f"{r['step_ms']:.1f}", f"{r['compute_ms_per_token']:.1f}",
                      f"{r['other_ms_per_token']:.1f}", fmt_list(r["compute_ms_per_step"], ".1f"),
                      fmt_list(r["wait_ms_per_step"], ".1f"), fmt_list(r["bytes_per_step"], ".0f")))
@@ -140,22 +148,28 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--link-delay-ms", type=float, default=0.0, help="emulated per-message link latency")
-    ap.add_argument("--s1-inproc", action="store_true", help="also S=1 with the stage inside the driver process")
+    ap.add_argument("--s1-inproc", default="", metavar="THREADS",
+                    help="also S=1 with the stage inside the driver process, once per torch thread count "
+                         "listed (e.g. 1,2): the single-process baseline")
     ap.add_argument("--questions", type=Path, default=QUESTIONS)
     ap.add_argument("--json", action="store_true", help="print all results as JSON at the end")
     args = ap.parse_args()
 
     prompts = load_prompts(args.questions, args.prompts)
-    configs = [(1, "inproc")] if args.s1_inproc else []
-    configs += [(int(s), "processes") for s in args.stages.split(",")]
+    configs = [(1, "inproc", int(t)) for t in args.s1_inproc.split(",") if t]
+    configs += [(int(s), "processes", 0) for s in args.stages.split(",")]
     results = []
-    for S, transport in configs:
+    load_before = os.getloadavg()
+    for S, transport, threads in configs:
         print(f"bench_pp: S={S} ({transport}) ...", file=sys.stderr, flush=True)
-        results.append(run_config(args.model, S, transport, prompts, args.tokens, args.link_delay_ms))
+        results.append(run_config(args.model, S, transport, prompts, args.tokens, args.link_delay_ms, threads))
+    load_after = os.getloadavg()
     print(f"mode pp, greedy, {len(prompts)} Spec-Bench prompts ({', '.join(g for g, _ in prompts)}; first turn, "
           f"chat template), {args.tokens} tokens each, link delay {args.link_delay_ms:g} ms/message")
     print(f"method: real run, this machine ({os.cpu_count()} CPU cores); stage processes on loopback, "
           f"cores/S torch threads each; per-stage figures are stage 1/2/.../S")
+    print(f"load average (1 min) before / after: {load_before[0]:.2f} / {load_after[0]:.2f} (this benchmark "
+          f"alone keeps about 1-2 busy; above {os.cpu_count()}, other work shared the cores and the times suffer)")
     print(table(results))
     if args.json:
         print(json.dumps(results))

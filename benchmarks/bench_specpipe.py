@@ -29,8 +29,8 @@ import torch  # noqa: E402
 from specbench import load_prompts  # noqa: E402
 from specpipe.config import StageSpec  # noqa: E402
 from specpipe.engine.decode_rounds import decode_rounds  # noqa: E402
-from specpipe.engine.decode_specpipe import decode_specpipe  # noqa: E402
 from specpipe.engine.default_model import default_model_path  # noqa: E402
+from specpipe.engine.engine import decode  # noqa: E402
 from specpipe.engine.launcher import in_process  # noqa: E402
 from specpipe.engine.sources import build_source  # noqa: E402
 from specpipe.engine.tokenizer import Tokenizer  # noqa: E402
@@ -76,12 +76,7 @@ def reference_outputs(target_path, ckpt, prompts_ids, max_tokens, stop_ids, cach
 
 def run_mode(pipe, mode, ids, max_tokens, stop_ids, source, width, depth) -> Request:
     req = Request(0, ids, SamplingParams(max_tokens=max_tokens), stop_ids)
-    if mode == "pp":
-        decode_rounds(pipe, req)
-    elif mode == "tree":
-        decode_rounds(pipe, req, source, depth, width)
-    else:
-        decode_specpipe(pipe, req, source, width)
+    decode(pipe, req, mode, source, width, depth)
     return req
 
 

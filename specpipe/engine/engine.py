@@ -90,6 +90,19 @@ class EngineConfig:
         return self.max_context + tree
 
 
+def decode(pipe: Pipeline, req: Request, mode: str, source: Optional[TokenSource] = None,
+           width: int = 8, depth: int = 4) -> None:
+    """Run one request to completion in `mode` (its tokens land in `req`)."""
+    if mode == "pp":
+        decode_rounds(pipe, req)
+    elif mode == "tree":
+        decode_rounds(pipe, req, source, depth, width)
+    elif mode == "specpipe":
+        decode_specpipe(pipe, req, source, width)
+    else:
+        raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+
+
 @dataclass
 class GenerationResult:
     text: str
@@ -179,14 +192,7 @@ class Engine:
         c = self.config
         mode = mode or c.mode
         width, depth = tree_width or c.tree_width, tree_depth or c.tree_depth
-        if mode not in MODES:
-            raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-        if mode == "pp":
-            decode_rounds(self.pipeline, req)
-        elif mode == "tree":
-            decode_rounds(self.pipeline, req, self._source(), depth, width)
-        else:
-            decode_specpipe(self.pipeline, req, self._source(), width)
+        decode(self.pipeline, req, mode, None if mode == "pp" else self._source(), width, depth)
         tail = detok.flush()
         if tail:
             pieces.append(tail)

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from specpipe.config import StageSpec
-from specpipe.engine.decode_rounds import decode_rounds
-from specpipe.engine.decode_specpipe import decode_specpipe
+from specpipe.engine.engine import decode
 from specpipe.engine.default_model import DefaultModelMissing, default_model_path
 from specpipe.loader import open_checkpoint
 from specpipe.loader.partition import partition_layers
@@ -62,12 +61,7 @@ def make_pipeline(ckpt, num_stages: int, width: int, max_committed: int) -> Chec
 def run(pipe, mode: str, prompt: list[int], sampling: SamplingParams, source=None, width=4, depth=3,
         stop_ids=frozenset()) -> Request:
     req = Request(0, prompt, sampling, frozenset(stop_ids))
-    if mode == "pp":
-        decode_rounds(pipe, req)
-    elif mode == "tree":
-        decode_rounds(pipe, req, source, depth, width)
-    else:
-        decode_specpipe(pipe, req, source, width)
+    decode(pipe, req, mode, source, width, depth)
     for w in pipe.workers:  # the request was released: every slot is free again
         assert w.slots.total_in_use() == 0
         assert not w.slots.requests
