@@ -4,9 +4,9 @@ communication it costs (method: real run, this machine).
 
 Each S runs the whole pipeline for real: the driver (this process) and S stage processes joined
 by torch.distributed (gloo) on loopback, each stage process with cores/S torch threads (see
-specpipe/engine/launcher.py); `--s1-inproc` adds the single-process baseline (one stage inside the
-driver, all cores). One Engine per S serves every prompt, so its processes stay up across prompts;
-one untimed warm-up request precedes the measured ones.
+specpipe/engine/launcher.py); `--s1-inproc 1,2` adds the single-process baseline (the one stage
+inside the driver) with 1 and with 2 torch threads. One Engine per S serves every prompt, so its
+processes stay up across prompts; one untimed warm-up request precedes the measured ones.
 
 Per S the table gives, over the prompts:
   tok/step      decoded tokens per pipeline step (pp: 1/S exactly)
@@ -24,7 +24,12 @@ Per S the table gives, over the prompts:
                 the last stage to the driver)
 
 Plain PP does not make one request faster: every token still crosses all S stages one after
-another, so TBT ~ S x (per-stage compute + link time) ~ the single-stage time plus S link hops.
+another, so TBT ~ the whole model's compute (split over S stages, each with fewer threads) plus
+S + 1 link hops (driver -> stage 1 -> ... -> stage S -> driver).
+
+Wall-clock figures depend on the machine being otherwise idle: the load average is printed. On a
+shared 2-core machine a 2-thread torch process suffers badly when another process holds a core
+(its threads wait on each other at every op), so compare the 1- and 2-thread baselines.
 
 Usage:
   python benchmarks/bench_pp.py [--stages 1,2,4] [--prompts 4] [--tokens 32] [--link-delay-ms 0]

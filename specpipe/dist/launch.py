@@ -1,0 +1,135 @@
+"""Starting the ranks: S stage processes on this machine, or one rank of a torchrun job.
+
+Local: the driver (this process) spawns ranks 1..S itself and tears them all down on exit, error
+or Ctrl-C; a stage also dies with its parent (PR_SET_PDEATHSIG), so nothing is left orphaned.
+Several machines: run the same `specpipe generate` command under torchrun on every node; each
+rank reads its role from RANK (0 = driver, 1..S = stages).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from specpipe.dist.transport import LinkOptions
+
+
+def die_with_parent() -> None:
+    """Linux: deliver SIGTERM to this process when its parent dies."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class RankEnv:
+    """This process's place in a multi-machine job, from torchrun's environment."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+    @staticmethod
+    def from_environ() -> Optional["RankEnv"]:
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            return None
+        # torchrun's own rendezvous store listens on MASTER_PORT; ours takes the next port.
+        return RankEnv(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                       os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")) + 1)
+
+
+class LocalStages:
+    """Stage processes spawned on this machine."""
+
+    def __init__(self, target: Callable, args_for_rank: Callable[[int], tuple], num_stages: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.procs = {r: ctx.Process(target=target, args=args_for_rank(r), name=f"specpipe-stage-{r}", daemon=True)
+                      for r in range(1, num_stages + 1)}
+        for p in self.procs.values():
+            p.start()
+
+    def exits(self) -> dict[int, str]:
+        out = {}
+        for r, p in self.procs.items():
+            if not p.is_alive():
+                code = p.exitcode
+                out[r] = f"process exited (signal {-code})" if code is not None and code < 0 else f"process exited with code {code}"
+        return out
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        deadline = time.monotonic() + grace_s
+        for p in self.procs.values():
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self.procs.values():
+            if p.is_alive():
+                p.terminate()
+                try:  # a stopped (SIGSTOP) stage acts on SIGTERM only once it runs again
+                    os.kill(p.pid, signal.SIGCONT)
+                except (OSError, TypeError):
+                    pass
+        for p in self.procs.values():
+            p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(1.0)
+
+
+def wait_ready(store, num_stages: int, exits: Callable[[], dict[int, str]], timeout_s: float,
+               progress: Optional[Callable[[str], None]] = None) -> list[dict]:
+    """Wait until every stage has loaded its layers; fail fast when one reports an error or dies."""
+    deadline = time.monotonic() + timeout_s
+    ready: dict[int, dict] = {}
+    while len(ready) < num_stages:
+        for r in range(1, num_stages + 1):
+            if r in ready:
+                continue
+            if store.check([f"error/{r}"]):
+                raise RuntimeError(f"stage {r} failed to start: {store.get(f'error/{r}').decode()}")
+            if store.check([f"ready/{r}"]):
+                rss, peak, weights, kv = (int(x) for x in store.get(f"ready/{r}").decode().split())
+                ready[r] = {"rss_bytes": rss, "peak_rss_bytes": peak, "weight_bytes": weights, "kv_bytes": kv}
+                if progress:
+                    progress(f"stage {r}/{num_stages} ready: weights {weights / 2**20:.0f} MiB, "
+                             f"KV {kv / 2**20:.0f} MiB, resident {rss / 2**20:.0f} MiB")
+        dead = {r: why for r, why in exits().items() if r not in ready}
+        if dead:
+            r, why = sorted(dead.items())[0]
+            raise RuntimeError(f"stage {r} failed to start: {why}")
+        if time.monotonic() > deadline:
+            missing = [r for r in range(1, num_stages + 1) if r not in ready]
+            raise RuntimeError(f"stages {missing} not ready after {timeout_s:.0f} s")
+        time.sleep(0.05)
+    return [ready[r] for r in range(1, num_stages + 1)]
+
+
+def stage_failure(store, num_stages: int, exits: Callable[[], dict[int, str]]) -> Optional[str]:
+    """Why a stage can no longer join (it reported an error or its process ended), or None."""
+    dead = exits()
+    for r in range(1, num_stages + 1):
+        for key in (f"failed/{r}", f"error/{r}"):
+            try:
+                if store.check([key]):
+                    return f"stage {r} failed: {store.get(key).decode(errors='replace')}"
+            except Exception:
+                pass
+        if r in dead:
+            return f"stage {r} {dead[r]}"
+    return None
+
+
+__all__ = ["LinkOptions", "LocalStages", "RankEnv", "die_with_parent", "free_port", "stage_failure", "wait_ready"]

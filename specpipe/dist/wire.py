@@ -1,0 +1,158 @@
+"""Encoding of the driver/stage messages as int64 tensors: nothing pickled crosses a link.
+
+Every message is one int64 vector (control data as plain integers; floats travel as their IEEE
+bits) followed, for rows, by one activation tensor per request whose shape and dtype the vector
+announces. Decoding validates lengths, so a corrupt or foreign message is an error, not a crash.
+"""
+
+from __future__ import annotations
+
+import struct
+
+
+import torch
+
+from specpipe.messages import Admit, Control, Prune, Results, Rows
+from specpipe.sampling import SamplingParams
+
+DTYPES = [torch.long, torch.float32, torch.bfloat16, torch.float16]
+
+
+class WireError(RuntimeError):
+    """A message that does not decode: a version mismatch or a corrupted link."""
+
+
+def _f2i(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _i2f(x: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", x))[0]
+
+
+class _Reader:
+    def __init__(self, values: list[int]) -> None:
+        self.v, self.i = values, 0
+
+    def take(self, n: int = 1) -> list[int]:
+        if n < 0 or self.i + n > len(self.v):
+            raise WireError("message ended early")
+        out = self.v[self.i:self.i + n]
+        self.i += n
+        return out
+
+    def one(self) -> int:
+        return self.take()[0]
+
+    def count(self) -> int:
+        """A length or a number of entries: never negative."""
+        n = self.one()
+        if n < 0:
+            raise WireError(f"negative count {n}")
+        return n
+
+    def done(self) -> None:
+        if self.i != len(self.v):
+            raise WireError(f"{len(self.v) - self.i} unexpected trailing values")
+
+
+def encode_control(c: Control) -> list[int]:
+    out = [int(c.shutdown) | int(c.report) << 1, len(c.admit)]
+    for a in c.admit:
+        s = a.sampling
+        out += [a.request_id, _f2i(s.temperature), _f2i(s.top_p), s.top_k,
+                -1 if s.seed is None else s.seed, s.max_tokens]
+    out.append(len(c.prune))
+    for p in c.prune:
+        out += [p.request_id, len(p.commit), *p.commit, len(p.drop), *p.drop]
+    out += [len(c.release), *c.release]
+    return out
+
+
+def decode_control(values: list[int]) -> Control:
+    r = _Reader(values)
+    flags = r.one()
+    if flags & ~3:
+        raise WireError(f"unknown control flags {flags:#x}")
+    c = Control(shutdown=bool(flags & 1), report=bool(flags & 2))
+    for _ in range(r.count()):
+        rid, temp, top_p, top_k, seed, max_tokens = r.take(6)
+        try:
+            sampling = SamplingParams(_i2f(temp), _i2f(top_p), top_k, None if seed == -1 else seed, max_tokens)
+        except ValueError as e:  # out-of-range values: not something a driver of ours sends
+            raise WireError(f"bad sampling parameters for request {rid}: {e}") from None
+        c.admit.append(Admit(rid, sampling))
+    for _ in range(r.count()):
+        rid = r.one()
+        commit = r.take(r.count())
+        drop = r.take(r.count())
+        c.prune.append(Prune(rid, commit, drop))
+    c.release = r.take(r.count())
+    r.done()
+    return c
+
+
+def encode_rows(batch: list[Rows]) -> tuple[list[int], list[torch.Tensor]]:
+    """Header values plus the activation tensors that follow it, one per Rows."""
+    out, tensors = [len(batch)], []
+    for rows in batch:
+        t = len(rows)
+        heads = rows.head_rows
+        data = rows.data.contiguous()
+        out += [rows.request_id, t, -1 if heads is None else len(heads), *(heads or []),
+                *rows.node_ids, *rows.parent_ids, *rows.positions,
+                DTYPES.index(data.dtype), data.dim(), *data.shape]
+        tensors.append(data)
+    return out, tensors
+
+
+def decode_rows_header(values: list[int]) -> list[tuple[Rows, tuple[int, ...], torch.dtype]]:
+    """The Rows (data still empty) with the shape and dtype of the tensor to receive for each."""
+    r = _Reader(values)
+    out = []
+    for _ in range(r.count()):
+        rid, t, n_heads = r.one(), r.count(), r.one()
+        if n_heads < -1:
+            raise WireError(f"bad head-row count {n_heads}")
+        heads = None if n_heads == -1 else r.take(n_heads)
+        if heads is not None and any(not 0 <= h < t for h in heads):
+            raise WireError(f"head rows {heads} out of range for {t} rows")
+        node_ids, parent_ids, positions = r.take(t), r.take(t), r.take(t)
+        dtype_code, ndim = r.take(2)
+        if not 0 <= dtype_code < len(DTYPES) or ndim not in (1, 2):
+            raise WireError(f"bad activation descriptor ({dtype_code}, {ndim})")
+        shape = tuple(r.take(ndim))
+        if shape[0] != t:
+            raise WireError(f"activation has {shape[0]} rows for {t} nodes")
+        if any(d < 0 for d in shape):
+            raise WireError(f"bad activation shape {shape}")
+        out.append((Rows(rid, node_ids, parent_ids, positions, torch.empty(0), heads), shape, DTYPES[dtype_code]))
+    r.done()
+    return out
+
+
+def encode_results(results: list[Results]) -> list[int]:
+    out = [len(results)]
+    for res in results:
+        out += [res.request_id, len(res.node_ids), *res.node_ids, *res.tokens]
+    return out
+
+
+def decode_results(values: list[int]) -> list[Results]:
+    r = _Reader(values)
+    out = []
+    for _ in range(r.count()):
+        rid, n = r.one(), r.count()
+        out.append(Results(rid, r.take(n), r.take(n)))
+    r.done()
+    return out
+
+
+def encode_floats(values: list[float]) -> list[int]:
+    return [_f2i(float(v)) for v in values]
+
+
+def decode_floats(values: list[int]) -> list[float]:
+    return [_i2f(v) for v in values]
+
+

@@ -1,0 +1,458 @@
+"""The multi-process runtime end to end, through the command line a user types.
+
+  * S = 1, 2, 4 (in-process, and one process per stage on loopback) give the same tokens, greedy
+    and with seeded sampling, and the same as all stages in one process; step accounting is exact.
+  * The real default model (SmolLM2-135M) gives the same tokens at S = 2 as at S = 1.
+  * A stage killed or stopped mid-generation, and Ctrl-C, end the run promptly with one clear line
+    and leave no process behind.
+  * Bad configuration is refused before any process starts.
+  * Three "hosts" (Linux network namespaces joined by a bridge) run the torchrun-style entry point
+    (RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT) and give the single-process tokens.
+
+Every run is a subprocess with a hard timeout, in its own session, so that whatever happens the
+test can find and end everything it started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+PROMPT = "the theatre in the sea"
+TOKENS = 16
+CLI = [sys.executable, "-m", "specpipe.entrypoints.cli", "generate"]
+# Variables that would make a run take its role from a torchrun job: never inherited by the runs
+# below (the multi-host test passes its own to its own processes only).
+RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+             "GLOO_SOCKET_IFNAME", "SPECPIPE_DEBUG")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARS}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+# -- processes ---------------------------------------------------------------------------------------
+
+def _stat(pid: int) -> Optional[tuple[str, int, int]]:
+    """(state, parent pid, start time) of a live or zombie process, from /proc; None if gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return fields[0], int(fields[1]), int(fields[19])
+
+
+def descendants(pid: int) -> list[int]:
+    """All descendants of `pid`, oldest first (so spawned stages come in rank order)."""
+    parent_of = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (st := _stat(int(entry))) is not None:
+            parent_of[int(entry)] = st[1]
+    out, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parent_of.items() if pp == p]
+        out += kids
+        frontier += kids
+    return sorted(out, key=lambda c: ((_stat(c) or ("", 0, 0))[2], c))
+
+
+def alive(pid: int) -> bool:
+    st = _stat(pid)
+    return st is not None and st[0] != "Z"  # a zombie has exited (nothing may reap it here)
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def stage_pids(cli_pid: int) -> list[int]:
+    """The stage processes of a running CLI, in rank order (multiprocessing's spawned children)."""
+    return [p for p in descendants(cli_pid) if "spawn_main" in cmdline(p)]
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def kill_session(proc: subprocess.Popen) -> None:
+    """End everything a run started (it leads its own session / process group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+class Run:
+    """A CLI run in the background whose stderr is collected line by line as it comes."""
+
+    def __init__(self, args: list[str], env: Optional[dict] = None, cmd_prefix: Optional[list[str]] = None) -> None:
+        self.proc = subprocess.Popen([*(cmd_prefix or []), *CLI, *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, env=env or clean_env(),
+                                     start_new_session=True)
+        self.err_lines: list[str] = []
+        self.out = ""
+        self._t_err = threading.Thread(target=self._read_err, daemon=True)
+        self._t_out = threading.Thread(target=self._read_out, daemon=True)
+        self._t_err.start()
+        self._t_out.start()
+
+    def _read_err(self) -> None:
+        for line in self.proc.stderr:
+            self.err_lines.append(line)
+
+    def _read_out(self) -> None:
+        self.out = self.proc.stdout.read()
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.err_lines)
+
+    def wait_for_stderr(self, text: str, count: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while sum(text in line for line in self.err_lines) < count:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the run ended early ({self.proc.returncode}):\n{self.stderr}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {count} x {text!r} on stderr after {timeout_s} s:\n{self.stderr}")
+            time.sleep(0.05)
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            rc = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            kill_session(self.proc)
+            raise AssertionError(f"the run did not end within {timeout_s} s:\n{self.stderr}") from None
+        self._t_err.join(5)
+        self._t_out.join(5)
+        return rc
+
+    def result(self) -> dict:
+        lines = [line for line in self.out.splitlines() if line.strip()]
+        assert lines, f"no output; stderr:\n{self.stderr}"
+        return json.loads(lines[-1])
+
+
+def generate(args: list[str], timeout_s: float = 120.0) -> dict:
+    run = Run(args)
+    try:
+        rc = run.wait(timeout_s)
+        assert rc == 0, f"exit {rc}:\n{run.stderr}"
+        return run.result()
+    finally:
+        kill_session(run.proc)
+
+
+def error_lines(stderr: str) -> list[str]:
+    """Stderr without progress lines and torch's C++ warnings."""
+    return [line for line in stderr.splitlines()
+            if line.strip() and " ready: " not in line and not line.startswith(("[W", "[I"))]
+
+
+# -- S = 1, 2, 4 give the same tokens ----------------------------------------------------------------
+
+GREEDY: list[str] = []
+SEEDED = ["--temperature", "0.8", "--top-p", "0.9", "--seed", "3"]
+CONFIGS = {
+    # name: (extra args, S, runs in processes)
+    "S1": (["--stages", "1"], 1, False),
+    "S2": (["--stages", "2"], 2, True),
+    "S2-layers-1,3": (["--stages", "2", "--stage-layers", "1,3"], 2, True),
+    "S4": (["--stages", "4"], 4, True),
+    "S4-inproc": (["--stages", "4", "--transport", "inproc"], 4, False),
+}
+SAMPLING = {"greedy": GREEDY, "seeded": SEEDED}
+CASES = [(s, c) for s in SAMPLING for c in CONFIGS if not (s == "seeded" and c == "S2-layers-1,3")]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_llama_dir):
+    """Each (sampling, config) generation, all started on first use, two at a time: most of a
+    run is process start-up (importing torch), which two cores overlap well."""
+    pool = ThreadPoolExecutor(max_workers=2)
+    futures: dict[tuple[str, str], Future] = {}
+
+    def get(sampling: str, config: str) -> dict:
+        if not futures:
+            for case in [("greedy", "S4-inproc"), ("seeded", "S4-inproc"), *CASES]:
+                if case not in futures:
+                    futures[case] = pool.submit(generate, [
+                        "--model", str(tiny_llama_dir), "--no-chat", "--json", "--max-tokens", str(TOKENS),
+                        *CONFIGS[case[1]][0], *SAMPLING[case[0]], PROMPT])
+        return futures[sampling, config].result()
+
+    yield get
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize("sampling,config", CASES)
+def test_stage_counts_give_identical_tokens(runs, sampling, config):
+    reference = runs(sampling, "S4-inproc")  # every stage in this process: the reference pipeline
+    out = runs(sampling, config)
+    assert len(out["token_ids"]) == TOKENS and out["finish_reason"] == "length"
+    assert out["token_ids"] == reference["token_ids"]
+    assert out["text"] == reference["text"]
+    if sampling == "seeded":
+        assert out["stats"]["seed"] == 3
+
+
+@pytest.mark.parametrize("sampling,config", CASES)
+def test_pp_step_accounting(runs, sampling, config):
+    _, S, processes = CONFIGS[config]
+    stats = runs(sampling, config)["stats"]
+    assert stats["mode"] == "pp" and stats["num_stages"] == S
+    # Plain PP: every token, the first included, crosses all S stages: exactly S steps per token.
+    assert stats["pipeline_steps"] == TOKENS * S
+    assert stats["tokens_per_step"] == pytest.approx(1 / S)
+    assert stats["hit_rate"] is None
+    stages = stats["stages"]
+    assert len(stages) == S
+    # Stage-side steps of the request: its TOKENS*S steps, the release step and, for processes,
+    # the step that carries the final stats report.
+    assert [st["steps"] for st in stages] == [TOKENS * S + (2 if processes else 1)] * S
+    for i, st in enumerate(stages):
+        assert st["compute_s"] > 0 and st["compute_ms_per_step"] > 0
+        assert st["wait_s"] >= 0 and st["wait_ms_per_step"] >= 0
+        # Every stage computes the prompt and each token once: nothing speculative is wasted.
+        assert st["rows_computed"] == st["rows_committed"] > 0
+        if processes:
+            # Hidden states (and control) cross every link; the last stage sends only token ids.
+            assert st["bytes_sent"] > 0 and st["bytes_per_step"] > 0
+            if i < S - 1:
+                assert st["bytes_sent"] > stages[-1]["bytes_sent"]
+        else:
+            assert st["bytes_sent"] == 0
+
+
+def test_seeded_sampling_differs_from_greedy(runs):
+    # The seeded runs above really sample (otherwise their agreement would prove little).
+    assert runs("seeded", "S4-inproc")["token_ids"] != runs("greedy", "S4-inproc")["token_ids"]
+
+
+def test_default_model_two_stages_match_one():
+    from specpipe.engine.default_model import DefaultModelMissing, default_model_path
+
+    try:
+        default_model_path()
+    except DefaultModelMissing as e:
+        pytest.skip(f"the default model is not installed: {e}")
+    args = ["--json", "--max-tokens", "8", "--quiet", "What is the capital of France?"]
+    with ThreadPoolExecutor(max_workers=2) as pool:  # both at once: loading dominates
+        one, two = pool.map(lambda extra: generate([*extra, *args], timeout_s=180),
+                            [["--stages", "1"], ["--stages", "2"]])
+    assert len(one["token_ids"]) >= 1
+    assert two["token_ids"] == one["token_ids"]
+    assert two["text"] == one["text"]
+    assert two["stats"]["pipeline_steps"] == 2 * len(two["token_ids"])
+
+
+# -- failures: a stage killed, a stage stopped, Ctrl-C ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def long_model(tiny_model_dir) -> Path:
+    """The tiny model with room for a long generation."""
+    return tiny_model_dir("llama", max_position_embeddings=4096)
+
+
+def start_long_run(model: Path, *extra: str) -> Run:
+    """A 2-stage generation that runs for a minute or more unless something stops it."""
+    run = Run(["--model", str(model), "--no-chat", "--json", "--max-tokens", "2000", "--max-context", "4096",
+               "--stages", "2", "--link-delay-ms", "5", *extra, PROMPT])
+    run.wait_for_stderr(" ready: ", 2, timeout_s=90)  # both stages loaded
+    time.sleep(2.0)  # mid-generation
+    assert run.proc.poll() is None, run.stderr
+    return run
+
+
+def assert_clean_error(stderr: str, *needles: str) -> str:
+    assert "Traceback" not in stderr, stderr
+    lines = error_lines(stderr)
+    assert len(lines) == 1, f"expected one error line, got:\n{stderr}"
+    line = lines[0]
+    assert line.startswith("specpipe: error: "), line
+    for n in needles:
+        assert n in line, line
+    return line
+
+
+def test_killed_stage_fails_fast_and_cleanly(long_model):
+    run = start_long_run(long_model)
+    try:
+        family = descendants(run.proc.pid)
+        stages = stage_pids(run.proc.pid)
+        assert len(stages) == 2, [cmdline(p) for p in family]
+        killed_at = time.monotonic()
+        os.kill(stages[1], signal.SIGKILL)  # stage 2, the last one
+        rc = run.wait(30)
+        elapsed = time.monotonic() - killed_at
+        assert rc == 2, run.stderr
+        # A dead process is seen at once (its sockets close), not after the 30 s stage timeout.
+        assert elapsed < 15, elapsed
+        assert_clean_error(run.stderr, "stage 2", "signal 9")
+        assert wait_gone(family, 10) == [], [cmdline(p) for p in family if alive(p)]
+    finally:
+        kill_session(run.proc)
+
+
+def test_stopped_stage_is_named_after_the_stage_timeout(long_model):
+    run = start_long_run(long_model, "--stage-timeout", "5")
+    stopped = None
+    try:
+        family = descendants(run.proc.pid)
+        stopped = stage_pids(run.proc.pid)[1]
+        stopped_at = time.monotonic()
+        os.kill(stopped, signal.SIGSTOP)  # a hung stage, or a link that stopped: only heartbeats tell
+        rc = run.wait(30)
+        elapsed = time.monotonic() - stopped_at
+        assert rc == 2, run.stderr
+        assert 4.5 < elapsed < 10, elapsed
+        assert_clean_error(run.stderr, "stage 2", "stopped responding")
+        assert wait_gone(family, 10) == [], [cmdline(p) for p in family if alive(p)]
+    finally:
+        if stopped is not None and alive(stopped):
+            os.kill(stopped, signal.SIGKILL)
+        kill_session(run.proc)
+
+
+def test_ctrl_c_ends_everything(long_model):
+    run = start_long_run(long_model)
+    try:
+        family = descendants(run.proc.pid)
+        assert len(stage_pids(run.proc.pid)) == 2
+        sent_at = time.monotonic()
+        os.killpg(run.proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole group
+        rc = run.wait(15)
+        assert rc == 130, run.stderr
+        assert wait_gone(family, 5) == [], [cmdline(p) for p in family if alive(p)]
+        assert time.monotonic() - sent_at < 8
+        assert "Traceback" not in run.stderr, run.stderr
+        assert error_lines(run.stderr) == ["specpipe: interrupted"], run.stderr
+    finally:
+        kill_session(run.proc)
+
+
+# -- bad configuration -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args,message", [
+    (["--stages", "0"], "--stages must be at least 1"),
+    (["--stages", "5"], "more than the model's 4 layers"),
+    (["--stages", "2", "--stage-layers", "1,2"], "sums to 3 but the model has 4 layers"),
+    (["--mode", "fastest"], "unknown mode 'fastest'"),
+])
+def test_bad_configuration_is_refused_before_starting(tiny_llama_dir, args, message):
+    run = Run(["--model", str(tiny_llama_dir), "--no-chat", *args, PROMPT])
+    try:
+        rc = run.wait(60)
+        assert rc == 2, run.stderr
+        assert_clean_error(run.stderr, message)
+        assert run.out == ""
+        assert " ready: " not in run.stderr  # no stage was started
+    finally:
+        kill_session(run.proc)
+
+
+# -- three hosts: network namespaces -----------------------------------------------------------------
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
+
+
+@pytest.fixture
+def namespaces():
+    """Three network namespaces (driver + 2 stages) on one bridge: 10.231.0.1-3/24.
+
+    Yields [(namespace, interface, address)], removes everything on teardown, failure included."""
+    if sys.platform != "linux" or os.geteuid() != 0:
+        pytest.skip("network namespaces need root on Linux")
+    tag = f"{os.getpid() % 100000}{uuid.uuid4().hex[:2]}"  # unique, and short: interface names <= 15
+    bridge = f"spbr{tag}"
+    hosts = [(f"specpipe-{tag}-{i}", f"spv{tag}{i}", f"10.231.0.{i + 1}") for i in range(3)]
+    made_ns: list[str] = []
+    made_bridge = False
+    try:
+        try:
+            _ip("netns", "add", hosts[0][0])
+        except (subprocess.CalledProcessError, FileNotFoundError) as e:
+            pytest.skip(f"cannot create network namespaces here: {getattr(e, 'stderr', e)}")
+        made_ns.append(hosts[0][0])
+        _ip("link", "add", bridge, "type", "bridge")
+        made_bridge = True
+        _ip("link", "set", bridge, "up")
+        for i, (ns, ifname, addr) in enumerate(hosts):
+            if i:
+                _ip("netns", "add", ns)
+                made_ns.append(ns)
+            peer = f"spp{tag}{i}"
+            _ip("link", "add", ifname, "type", "veth", "peer", "name", peer)
+            _ip("link", "set", peer, "master", bridge)
+            _ip("link", "set", peer, "up")
+            _ip("link", "set", ifname, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
+            _ip("-n", ns, "link", "set", ifname, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield hosts
+    finally:
+        for ns in made_ns:  # deleting a namespace deletes the veth end in it, and so its peer
+            _ip("netns", "del", ns, check=False)
+        if made_bridge:
+            _ip("link", "del", bridge, check=False)
+        leftovers = _ip("-o", "link", "show", check=False).stdout
+        for i in range(3):  # should be gone already; make sure
+            if f"spp{tag}{i}" in leftovers:
+                _ip("link", "del", f"spp{tag}{i}", check=False)
+
+
+def test_three_hosts_over_network_namespaces(namespaces, runs, tiny_llama_dir):
+    port = 29400
+    procs: list[Run] = []
+    try:
+        for rank in (1, 2, 0):  # stages first: they wait for the driver's store
+            ns, ifname, _ = namespaces[rank]
+            env = clean_env(RANK=str(rank), WORLD_SIZE="3", MASTER_ADDR=namespaces[0][2],
+                            MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=ifname)
+            procs.append(Run(["--model", str(tiny_llama_dir), "--stages", "2", "--no-chat", "--json",
+                              "--max-tokens", "12", "--link-delay-ms", "3", PROMPT],
+                             env=env, cmd_prefix=["ip", "netns", "exec", ns]))
+        for run in procs:
+            assert run.wait(120) == 0, run.stderr
+        driver = procs[-1]
+        out = driver.result()
+        # Greedy: a 12-token run is the first 12 tokens of the 16-token single-process run.
+        assert out["token_ids"] == runs("greedy", "S1")["token_ids"][:12]
+        assert out["stats"]["pipeline_steps"] == 24
+        assert len(out["stats"]["stages"]) == 2
+        assert all(st["bytes_sent"] > 0 for st in out["stats"]["stages"])
+        for stage in procs[:2]:
+            assert stage.out == ""  # stages print nothing on stdout
+            assert "Traceback" not in stage.stderr
+    finally:
+        for run in procs:
+            kill_session(run.proc)

@@ -1,0 +1,256 @@
+"""The driver/stage wire format: every message round-trips exactly, and anything malformed is a
+WireError (never an IndexError, a ValueError from a constructor, or a silently wrong message)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specpipe.dist.wire import (
+    WireError,
+    decode_control,
+    decode_floats,
+    decode_results,
+    decode_rows_header,
+    encode_control,
+    encode_floats,
+    encode_results,
+    encode_rows,
+)
+from specpipe.messages import NO_PARENT, Admit, Control, Prune, Results, Rows
+from specpipe.sampling import SamplingParams
+
+
+def roundtrip_control(c: Control) -> Control:
+    values = encode_control(c)
+    assert all(isinstance(v, int) and -2**63 <= v < 2**63 for v in values)  # fits an int64 tensor
+    # Through a tensor, as the transport sends it.
+    return decode_control(torch.tensor(values, dtype=torch.long).tolist())
+
+
+def roundtrip_rows(batch: list[Rows]) -> list[Rows]:
+    header, tensors = encode_rows(batch)
+    assert len(tensors) == len(batch)
+    decoded = decode_rows_header(torch.tensor(header, dtype=torch.long).tolist())
+    out = []
+    for (rows, shape, dtype), sent in zip(decoded, tensors):
+        assert tuple(sent.shape) == shape and sent.dtype == dtype
+        received = torch.empty(shape, dtype=dtype)
+        received.copy_(sent)  # what recv_tensor fills in
+        rows.data = received
+        out.append(rows)
+    return out
+
+
+def assert_rows_equal(a: Rows, b: Rows) -> None:
+    assert (a.request_id, a.node_ids, a.parent_ids, a.positions, a.head_rows) == \
+        (b.request_id, b.node_ids, b.parent_ids, b.positions, b.head_rows)
+    assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
+    assert torch.equal(a.data, b.data)
+
+
+# -- Control ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(),  # greedy, seed None
+    SamplingParams(temperature=0.8, top_p=0.9, top_k=0, seed=None, max_tokens=7),
+    SamplingParams(temperature=0.7, top_p=0.95, top_k=40, seed=0, max_tokens=1),
+    SamplingParams(temperature=1.3, top_p=1.0, top_k=1, seed=2**63 - 1, max_tokens=4096),  # largest seed
+    SamplingParams(temperature=1e-3, top_p=5e-324, top_k=2**40, seed=2**62 + 12345, max_tokens=2**31),
+])
+def test_control_admit_roundtrip(sampling):
+    c = Control(admit=[Admit(7, sampling), Admit(2**40, SamplingParams(temperature=0.5, seed=3))])
+    back = roundtrip_control(c)
+    assert back == c
+    # Floats travel as their IEEE bits: exact, not approximately equal.
+    assert back.admit[0].sampling.temperature.hex() == sampling.temperature.hex()
+    assert back.admit[0].sampling.top_p.hex() == sampling.top_p.hex()
+    assert back.admit[0].sampling.seed == sampling.seed
+
+
+@pytest.mark.parametrize("control", [
+    Control(),
+    Control(prune=[Prune(1, commit=[5, 6, 7], drop=[8, 9])]),
+    Control(prune=[Prune(1, commit=[], drop=[]), Prune(2, commit=list(range(300)), drop=[])]),
+    Control(prune=[Prune(3, commit=[], drop=[2**50])]),
+    Control(release=[4]),
+    Control(release=[1, 2, 3], prune=[Prune(9, commit=[1], drop=[2])]),
+    Control(report=True),
+    Control(shutdown=True),
+    Control(report=True, shutdown=True),
+    Control(admit=[Admit(0, SamplingParams(seed=None))], prune=[Prune(0, commit=[0, 1, 2])],
+            release=[5], report=True),
+])
+def test_control_roundtrip(control):
+    back = roundtrip_control(control)
+    assert back == control
+    assert back.empty() == control.empty()
+
+
+# -- Rows ------------------------------------------------------------------------------------------
+
+def test_rows_tokens_roundtrip():
+    tokens = torch.tensor([0, 5, 2**31 + 7, 2**40, 49151], dtype=torch.long)
+    rows = Rows(3, node_ids=[0, 1, 2, 3, 4], parent_ids=[NO_PARENT, 0, 1, 2, 3], positions=[0, 1, 2, 3, 4],
+                data=tokens)
+    [back] = roundtrip_rows([rows])
+    assert_rows_equal(back, rows)
+    assert back.head_rows is None
+
+
+@pytest.mark.parametrize("head_rows", [None, [], [0], [0, 2], [1, 2, 3]])
+def test_rows_hidden_roundtrip(head_rows):
+    hidden = torch.randn(4, 64, dtype=torch.float32)
+    hidden[0, 0] = float("inf")
+    hidden[1, 1] = -0.0
+    hidden[2, 2] = 1e-42  # subnormal
+    rows = Rows(11, node_ids=[10, 11, 12, 13], parent_ids=[9, 10, 10, 11], positions=[20, 21, 21, 22],
+                data=hidden, head_rows=head_rows)
+    [back] = roundtrip_rows([rows])
+    assert_rows_equal(back, rows)
+    assert back.head_rows == head_rows
+    assert math.copysign(1.0, float(back.data[1, 1])) == -1.0  # bit-exact, sign of zero included
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_rows_dtypes_and_batches(dtype):
+    a = Rows(1, [1, 2], [0, 1], [5, 6], torch.randn(2, 8).to(dtype), head_rows=[1])
+    b = Rows(2, [7], [NO_PARENT], [0], torch.randn(1, 8).to(dtype))
+    empty_rows = Rows(3, [], [], [], torch.empty(0, 8, dtype=dtype), head_rows=[])
+    back = roundtrip_rows([a, b, empty_rows])
+    for x, y in zip(back, [a, b, empty_rows]):
+        assert_rows_equal(x, y)
+
+
+def test_rows_empty_batch():
+    header, tensors = encode_rows([])
+    assert tensors == [] and decode_rows_header(header) == []
+
+
+def test_rows_non_contiguous_data_is_sent_contiguous():
+    base = torch.randn(8, 3)
+    rows = Rows(1, [1, 2, 3], [0, 1, 2], [1, 2, 3], base.t())  # (3, 8) view, not contiguous
+    [back] = roundtrip_rows([rows])
+    assert torch.equal(back.data, base.t())
+
+
+# -- Results and floats ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("results", [
+    [],
+    [Results(1, [], [])],
+    [Results(1, [4], [17])],
+    [Results(1, [4, 5, 6], [17, 0, 49151]), Results(2**33, [2**45], [299])],
+])
+def test_results_roundtrip(results):
+    assert decode_results(encode_results(results)) == results
+
+
+def test_floats_roundtrip():
+    values = [0.0, -0.0, 1.5, 1e-300, 3.0e38, float("inf"), 123456789.123]
+    back = decode_floats(encode_floats(values))
+    assert [v.hex() for v in back] == [v.hex() for v in values]
+    assert math.isnan(decode_floats(encode_floats([float("nan")]))[0])
+
+
+# -- malformed messages ----------------------------------------------------------------------------
+
+def _control_values() -> list[int]:
+    return encode_control(Control(admit=[Admit(1, SamplingParams(temperature=0.5, seed=9))],
+                                  prune=[Prune(1, commit=[2, 3], drop=[4])], release=[5]))
+
+
+@pytest.mark.parametrize("cut", [0, 1, 2, 5, 9, -1])
+def test_control_truncated(cut):
+    values = _control_values()
+    with pytest.raises(WireError):
+        decode_control(values[:cut])
+
+
+def test_control_malformed():
+    values = _control_values()
+    with pytest.raises(WireError, match="trailing"):
+        decode_control(values + [0])
+    with pytest.raises(WireError):
+        decode_control([])
+    with pytest.raises(WireError, match="flags"):
+        decode_control([8, 0, 0, 0])
+    with pytest.raises(WireError, match="negative"):
+        decode_control([0, -1, 0, 0])  # negative admit count
+    with pytest.raises(WireError, match="negative"):
+        decode_control([0, 0, 1, 7, -2, 0, 0])  # negative commit length
+    with pytest.raises(WireError, match="negative"):
+        decode_control([0, 0, 0, -3])  # negative release count
+    with pytest.raises(WireError):
+        decode_control([0, 0, 0, 5, 1, 2])  # release announces 5 ids, carries 2
+
+
+def test_control_bad_sampling_is_a_wire_error():
+    good = encode_control(Control(admit=[Admit(1, SamplingParams(temperature=0.5, top_p=0.9, top_k=3,
+                                                                   seed=4, max_tokens=8))]))
+    # layout: flags, n_admit, rid, temperature bits, top_p bits, top_k, seed, max_tokens, ...
+    for index, bad in [(3, encode_floats([-1.0])[0]), (4, encode_floats([1.5])[0]), (5, -1),
+                       (6, -5), (7, 0)]:
+        values = list(good)
+        values[index] = bad
+        with pytest.raises(WireError, match="sampling"):
+            decode_control(values)
+
+
+def _rows_header() -> list[int]:
+    header, _ = encode_rows([Rows(1, [1, 2], [0, 1], [3, 4], torch.zeros(2, 8), head_rows=[1])])
+    return header
+
+
+@pytest.mark.parametrize("cut", [0, 1, 3, 6, 10, -1])
+def test_rows_truncated(cut):
+    with pytest.raises(WireError):
+        decode_rows_header(_rows_header()[:cut])
+
+
+def test_rows_malformed():
+    h = _rows_header()
+    # layout: n, rid, t, n_heads, heads..., node_ids(t), parent_ids(t), positions(t), dtype, ndim, shape
+    with pytest.raises(WireError, match="trailing"):
+        decode_rows_header(h + [1])
+    bad_dtype = list(h)
+    bad_dtype[-4] = 99
+    with pytest.raises(WireError, match="descriptor"):
+        decode_rows_header(bad_dtype)
+    bad_ndim = list(h)
+    bad_ndim[-3] = 3
+    with pytest.raises(WireError):
+        decode_rows_header(bad_ndim)
+    wrong_rows = list(h)
+    wrong_rows[-2] = 3  # activation has 3 rows for 2 nodes
+    with pytest.raises(WireError, match="rows"):
+        decode_rows_header(wrong_rows)
+    negative_width = list(h)
+    negative_width[-1] = -8
+    with pytest.raises(WireError, match="shape"):
+        decode_rows_header(negative_width)
+    bad_head = list(h)
+    bad_head[4] = 2  # head row 2 of 2 rows
+    with pytest.raises(WireError, match="head"):
+        decode_rows_header(bad_head)
+    with pytest.raises(WireError):
+        decode_rows_header([1, 1, -2, -1])  # negative row count
+    with pytest.raises(WireError):
+        decode_rows_header([1, 1, 0, -5])  # head-row count below -1
+    with pytest.raises(WireError, match="negative"):
+        decode_rows_header([-1])
+
+
+def test_results_malformed():
+    values = encode_results([Results(1, [4, 5], [6, 7])])
+    for cut in range(len(values)):
+        with pytest.raises(WireError):
+            decode_results(values[:cut])
+    with pytest.raises(WireError, match="trailing"):
+        decode_results(values + [0])
+    with pytest.raises(WireError, match="negative"):
+        decode_results([1, 1, -1])
+    with pytest.raises(WireError, match="negative"):
+        decode_results([-2])
