@@ -13,11 +13,10 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-import torch
 
 from specpipe.messages import Admit, Control, Pipeline, Prune, Rows
 from specpipe.request import Request
-from specpipe.engine.rows import node_rows, prompt_rows, source_rows
+from specpipe.engine.rows import concat_rows, node_rows, prompt_rows, source_rows
 from specpipe.spec.sources import SourceRows, TokenSource
 from specpipe.spec.tree import TokenTree
 
@@ -40,7 +39,7 @@ def decode_rounds(pipe: Pipeline, req: Request, source: Optional[TokenSource] = 
                 t0 = time.perf_counter()
                 nodes, undrafted = _draft_tree(source, rid, tree, draft_rows, depth, width)
                 stats.draft_s += time.perf_counter() - t0
-            batch = _concat(root_rows, node_rows(rid, nodes) if nodes else None)
+            batch = concat_rows(root_rows, node_rows(rid, nodes) if nodes else None)
             results = pipe.step(control, [batch])
             for _ in range(pipe.num_stages - 1):  # the batch crosses the other stages
                 results += pipe.step(Control(), [])
@@ -103,12 +102,3 @@ def _join(first: Optional[SourceRows], then: SourceRows) -> SourceRows:
         return then
     return SourceRows(first.node_ids + then.node_ids, first.parent_ids + then.parent_ids,
                       first.positions + then.positions, first.tokens + then.tokens)
-
-
-def _concat(a: Rows, b: Optional[Rows]) -> Rows:
-    if b is None:
-        return a
-    heads_a = a.head_rows if a.head_rows is not None else list(range(len(a)))
-    return Rows(a.request_id, a.node_ids + b.node_ids, a.parent_ids + b.parent_ids,
-                a.positions + b.positions, torch.cat([a.data, b.data]),
-                heads_a + [len(a) + i for i in range(len(b))])

@@ -10,14 +10,14 @@ One driver step:
      verify it: a hit makes the matching child the root and prunes its siblings' subtrees; a miss
      makes the target's token a fresh root that must cross the whole pipeline;
   4. expand the next layer from the surviving frontier: the global top-W children by cumulative
-     score, or, after a miss, send the new root alone.
+     score. After a miss the new root is drafted at once and enters with its first layer.
 """
 
 from __future__ import annotations
 
 import time
 
-from specpipe.engine.rows import node_rows, prompt_rows, source_rows
+from specpipe.engine.rows import concat_rows, node_rows, prompt_rows, source_rows
 from specpipe.messages import Admit, Control, Pipeline, Prune
 from specpipe.request import Request
 from specpipe.spec.sources import SourceRows, TokenSource
@@ -30,6 +30,7 @@ def decode_specpipe(pipe: Pipeline, req: Request, source: TokenSource, width: in
     rows = prompt_rows(rid, req.prompt_ids, tree.root_id)
     control = Control(admit=[Admit(rid, req.sampling)], prune=[Prune(rid, commit=list(rows.node_ids))])
     want = [tree.root_id]  # nodes whose children the source proposes this step
+    feed_rows = rows  # what the source has not taken in yet
     props: dict[int, list[tuple[int, float]]] = {}
     drafted_depth: dict[int, int] = {}  # node id -> its depth when it was drafted
     source.start(rid)
@@ -38,7 +39,7 @@ def decode_specpipe(pipe: Pipeline, req: Request, source: TokenSource, width: in
         while not req.finished:
             pipe.submit(control, [rows] if rows is not None else [])
             t0 = time.perf_counter()
-            feed = source_rows(rows) if rows is not None else SourceRows([], [], [], [])
+            feed = source_rows(feed_rows) if feed_rows is not None else SourceRows([], [], [], [])
             props.update(source.propose(rid, tree, feed, want, width))
             stats.draft_s += time.perf_counter() - t0
             results = pipe.collect()
@@ -74,14 +75,20 @@ def decode_specpipe(pipe: Pipeline, req: Request, source: TokenSource, width: in
                 break
 
             if new_root is not None:
-                rows, want = new_root, [tree.root_id]
-            else:
-                frontier = [n.node_id for n in tree.frontier() if n.node_id in props]
-                layer = tree.expand({n: props[n] for n in frontier})
-                for n in layer:
-                    drafted_depth[n.node_id] = n.position - tree.root_position
-                rows = node_rows(rid, layer) if layer else None
-                want = [n.node_id for n in layer]
+                # A miss: the new root must cross the whole pipeline. Draft it now (one small
+                # forward on the critical path) so that its first layer enters stage 1 with it:
+                # root and children then leave the last stage together and are verified in the
+                # same step, which saves one step per miss.
+                t0 = time.perf_counter()
+                props.update(source.propose(rid, tree, source_rows(new_root), [tree.root_id], width))
+                stats.draft_s += time.perf_counter() - t0
+            frontier = [n.node_id for n in tree.frontier() if n.node_id in props]
+            layer = tree.expand({n: props[n] for n in frontier})
+            for n in layer:
+                drafted_depth[n.node_id] = n.position - tree.root_position
+            feed_rows = node_rows(rid, layer) if layer else None
+            rows = concat_rows(new_root, feed_rows)
+            want = [n.node_id for n in layer]
             stats.live_nodes_sum += tree.num_live()
     finally:
         pipe.step(Control(release=[rid]), [])

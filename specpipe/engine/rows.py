@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -35,3 +35,14 @@ def node_rows(request_id: int, nodes: Sequence[Node], root_parent: int | None = 
 
 def source_rows(rows: Rows) -> SourceRows:
     return SourceRows(list(rows.node_ids), list(rows.parent_ids), list(rows.positions), rows.data.tolist())
+
+
+def concat_rows(a: Optional[Rows], b: Optional[Rows]) -> Optional[Rows]:
+    """One message carrying a's rows then b's (either may be None); parents stay first."""
+    if a is None or b is None:
+        return a if b is None else b
+    heads_a = a.head_rows if a.head_rows is not None else list(range(len(a)))
+    heads_b = b.head_rows if b.head_rows is not None else list(range(len(b)))
+    return Rows(a.request_id, a.node_ids + b.node_ids, a.parent_ids + b.parent_ids,
+                a.positions + b.positions, torch.cat([a.data, b.data]),
+                heads_a + [len(a) + i for i in heads_b])
