@@ -129,6 +129,9 @@ class Engine:
         cfg = self.checkpoint.config
         self.max_context = min(config.max_context, cfg.max_position)
         self.stage_specs = partition_layers(cfg.num_layers, config.stages, config.stage_layers)
+        self.source: Optional[TokenSource] = None
+        if config.mode != "pp":
+            self._source()  # before any process starts, so a bad --draft leaves nothing running
         dtype, slots = config.torch_dtype(), config.num_slots()
         if rank_env is not None:
             self.pipeline: Pipeline = launcher.torchrun_driver(rank_env, config.stages, config.device,
@@ -138,9 +141,6 @@ class Engine:
                                                      dtype, config.link(), progress=progress)
         else:
             self.pipeline = launcher.in_process(self.checkpoint, self.stage_specs, slots, config.device, dtype)
-        self.source: Optional[TokenSource] = None
-        if config.mode != "pp":
-            self._source()
         self._ids = itertools.count()
 
     def _source(self) -> TokenSource:
