@@ -110,9 +110,12 @@ def test_all_modes_and_sources_equal_pp_tiny(tiny8, num_stages, sampling):
         assert req.output_ids == reference, f"{mode} with {name} differs from pp"
         steps = req.stats.pipeline_steps
         if mode == "specpipe":
-            # Never slower than pp in steps, never better than the pipeline's cap N / (N + S - 1).
+            # Never slower than pp in steps, never better than the pipeline's cap N / (N + S - 1)
+            # for S > 1. At S = 1 a new root and its first layer (sent together after a miss) are
+            # verified in the same step, so up to two tokens can be committed per step.
             n = len(reference)
-            assert n + num_stages - 1 <= steps <= num_stages * n
+            assert steps <= num_stages * n
+            assert steps >= (n + num_stages - 1 if num_stages > 1 else (n + 1) // 2)
 
 
 def test_a_good_draft_gives_hits_and_fewer_steps(tiny8):
