@@ -47,31 +47,20 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
+from specbench import GROUPS, load_prompts  # noqa: E402
 from specpipe.engine.engine import Engine, EngineConfig  # noqa: E402
 from specpipe.sampling import SamplingParams  # noqa: E402
 
-QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
-# One prompt from each Spec-Bench group, in this order, then the next of each group, ...
-GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
-
-
-def load_prompts(path: Path, n: int) -> list[tuple[str, str]]:
-    """(group, first turn) for n prompts spread over Spec-Bench's six groups."""
-    by_group: dict[str, list[str]] = {g: [] for g in GROUPS}
-    for line in path.read_text().splitlines():
-        q = json.loads(line)
-        group = q["category"] if q["category"] in by_group else "mt_bench"
-        by_group[group].append(q["turns"][0])
-    out, i = [], 0
-    while len(out) < n:
-        for g in GROUPS:
-            if i < len(by_group[g]) and len(out) < n:
-                out.append((g, by_group[g][i]))
-        i += 1
-    return out
+def spread_prompts(path: Path | None, n: int) -> list[tuple[str, str]]:
+    """(group, first turn) for n prompts spread over Spec-Bench's six groups: one of each group in
+    turn, then the next of each group, ..."""
+    per_group = load_prompts(-(-n // len(GROUPS)), path=path)
+    ranked = sorted(enumerate(per_group), key=lambda ip: (ip[0] % (len(per_group) // len(GROUPS)), ip[0]))
+    return [(p["group"], p["text"]) for _, p in ranked][:n]
 
 
 def run_config(model: str | None, stages: int, transport: str, prompts: list[tuple[str, str]], tokens: int,
@@ -156,11 +145,11 @@ def main() -> int:
     ap.add_argument("--s1-inproc", default="", metavar="THREADS",
                     help="also S=1 with the stage inside the driver process, once per torch thread count "
                          "listed (e.g. 1,2): the single-process baseline")
-    ap.add_argument("--questions", type=Path, default=QUESTIONS)
+    ap.add_argument("--questions", type=Path, default=None)
     ap.add_argument("--json", action="store_true", help="print all results as JSON at the end")
     args = ap.parse_args()
 
-    prompts = load_prompts(args.questions, args.prompts)
+    prompts = spread_prompts(args.questions, args.prompts)
     configs = [(1, "inproc", int(t)) for t in args.s1_inproc.split(",") if t]
     configs += [(int(s), "processes", 0) for s in args.stages.split(",")]
     results = []

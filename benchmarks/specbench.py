@@ -25,9 +25,9 @@ def data_file() -> Path:
     raise FileNotFoundError("Spec-Bench question.jsonl not found; set SPECBENCH_FILE")
 
 
-def load_prompts(per_group: int, offset: int = 0) -> list[dict]:
+def load_prompts(per_group: int, offset: int = 0, path: Path | None = None) -> list[dict]:
     """`per_group` prompts from each group (first turn only): [{"group", "question_id", "text"}]."""
-    questions = [json.loads(line) for line in data_file().read_text().splitlines() if line.strip()]
+    questions = [json.loads(line) for line in (path or data_file()).read_text().splitlines() if line.strip()]
     out = []
     for group, (lo, hi) in GROUPS.items():
         chosen = [q for q in questions if lo <= q["question_id"] <= hi][offset:offset + per_group]

@@ -16,7 +16,7 @@ from specpipe.dist.transport import LinkOptions, Transport
 from specpipe.loader import Checkpoint
 from specpipe.model.stage import build_stage
 from specpipe.worker.local_pipeline import LocalPipeline
-from specpipe.worker.stage_main import memory_bytes, stage_process_main
+from specpipe.worker.stage_main import stage_process_main
 from specpipe.worker.stage_worker import StageWorker
 
 Progress = Optional[Callable[[str], None]]
@@ -84,4 +84,4 @@ def torchrun_stage(env: RankEnv, model_path: Path, specs: list[StageSpec], num_s
     return 0
 
 
-__all__ = ["in_process", "local_processes", "memory_bytes", "torchrun_driver", "torchrun_stage"]
+__all__ = ["in_process", "local_processes", "torchrun_driver", "torchrun_stage"]

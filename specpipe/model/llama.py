@@ -126,9 +126,9 @@ class LlamaStage(nn.Module):
         return self.spec.end - self.spec.start
 
     def make_kv_cache(self, num_slots: int) -> KVCache:
-        p = self.inv_freq
-        dtype = next(self.parameters()).dtype if any(True for _ in self.parameters()) else torch.float32
-        return KVCache(self.num_layers, num_slots, self.cfg.num_kv_heads, self.cfg.head_dim, dtype, p.device)
+        dtype = next(self.parameters()).dtype  # every stage has at least one norm or layer
+        return KVCache(self.num_layers, num_slots, self.cfg.num_kv_heads, self.cfg.head_dim, dtype,
+                       self.inv_freq.device)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv: KVCache,
                 head_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
