@@ -41,7 +41,7 @@ from specpipe.config import StageSpec
 from specpipe.loader import open_checkpoint
 from specpipe.model.runner import run_rows
 from specpipe.model.stage import build_stage
-from specpipe.sched.kv_manager import NO_PARENT, KVManager
+from specpipe.worker.slot_table import NO_PARENT, KVManager
 
 SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT_TEXT = (
@@ -77,7 +77,7 @@ def machine() -> dict:
 
 
 def prompt_ids(model_path: Path, n: int) -> list[int]:
-    from specpipe.engine.tokenizer import Tokenizer
+    from specpipe.tokenizer.tokenizer import Tokenizer
 
     ids = Tokenizer.from_path(model_path).encode(PROMPT_TEXT)
     while len(ids) < n:  # repeat the body if the text is short for this tokenizer

@@ -52,7 +52,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from specbench import GROUPS, load_prompts  # noqa: E402
-from specpipe.engine.engine import Engine, EngineConfig  # noqa: E402
+from specpipe.config import EngineConfig  # noqa: E402
+from specpipe.engine.engine import Engine  # noqa: E402
 from specpipe.sampling import SamplingParams  # noqa: E402
 
 def spread_prompts(path: Path | None, n: int) -> list[tuple[str, str]]:

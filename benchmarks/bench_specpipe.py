@@ -33,7 +33,7 @@ from specpipe.engine.default_model import default_model_path  # noqa: E402
 from specpipe.engine.engine import decode  # noqa: E402
 from specpipe.engine.launcher import in_process  # noqa: E402
 from specpipe.engine.sources import build_source  # noqa: E402
-from specpipe.engine.tokenizer import Tokenizer  # noqa: E402
+from specpipe.tokenizer.tokenizer import Tokenizer  # noqa: E402
 from specpipe.loader import open_checkpoint  # noqa: E402
 from specpipe.request import Request  # noqa: E402
 from specpipe.sampling import SamplingParams  # noqa: E402

@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from specbench import load_prompts  # noqa: E402
 from specpipe.engine.default_model import default_model_path  # noqa: E402
-from specpipe.engine.engine import Engine, EngineConfig  # noqa: E402
+from specpipe.config import EngineConfig  # noqa: E402
+from specpipe.engine.engine import Engine  # noqa: E402
 from specpipe.sampling import SamplingParams  # noqa: E402
 
 

@@ -2,6 +2,7 @@
 
 Glossary:
   ModelConfig  -- the architecture of a Llama-family decoder, independent of file format.
+  EngineConfig -- what the user chose: model, mode, stages, speculation, KV and batching limits.
   StageSpec    -- which slice of the model one pipeline stage holds: layers [start, end),
                   plus the token embedding (first stage) and final norm + LM head (last stage).
 """
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+MODES = ("pp", "tree", "specpipe")
+DEFAULT_DRAFT = "ngram"
 
 
 class ConfigError(ValueError):
@@ -128,3 +131,64 @@ class StageSpec:
     @staticmethod
     def whole(cfg: ModelConfig) -> "StageSpec":
         return StageSpec(0, cfg.num_layers, True, True)
+
+
+@dataclass
+class EngineConfig:
+    model: Optional[str] = None  # GGUF file or HF directory; None = the embedded default model
+    mode: str = "pp"
+    stages: int = 1
+    stage_layers: Optional[list[int]] = None
+    draft: Optional[str] = None  # source spec (see engine/sources.py); tree/specpipe default: ngram
+    tree_width: int = 8  # W: nodes per tree layer
+    tree_depth: int = 4  # D: layers per round in mode `tree`
+    max_context: int = 4096  # tokens of prompt + output a request may hold
+    device: str = "cpu"
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    transport: str = "auto"  # inproc | processes; auto = inproc for one stage, processes for more
+    link_delay_ms: float = 0.0  # emulated per-message link latency between ranks
+    link_bandwidth_mbps: float = 0.0  # emulated link bandwidth; 0 = unlimited
+    stage_timeout_s: float = 30.0  # a stage silent this long fails the in-flight requests
+
+    def link(self):
+        from specpipe.distributed.transport import LinkOptions
+
+        return LinkOptions(self.link_delay_ms, self.link_bandwidth_mbps, self.stage_timeout_s)
+
+    def uses_processes(self) -> bool:
+        return self.transport == "processes" or (self.transport == "auto" and self.stages > 1)
+
+    def validate(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
+        if self.stages < 1:
+            raise ConfigError(f"--stages must be at least 1, got {self.stages}")
+        if self.tree_width < 1:
+            raise ConfigError(f"--tree-width must be at least 1, got {self.tree_width}")
+        if self.tree_depth < 1:
+            raise ConfigError(f"--tree-depth must be at least 1, got {self.tree_depth}")
+        if self.max_context < 2:
+            raise ConfigError(f"--max-context must be at least 2, got {self.max_context}")
+        if self.transport not in ("auto", "inproc", "processes"):
+            raise ConfigError(f"--transport must be auto, inproc or processes, got {self.transport!r}")
+        if self.link_delay_ms < 0 or self.link_bandwidth_mbps < 0:
+            raise ConfigError("--link-delay-ms and --link-bandwidth-mbps must be >= 0")
+        if self.stage_timeout_s <= 0:
+            raise ConfigError(f"--stage-timeout must be positive, got {self.stage_timeout_s}")
+        if self.mode == "pp" and self.draft:
+            raise ConfigError("--draft has no effect in mode pp; choose --mode tree or specpipe")
+
+    def torch_dtype(self):
+        import torch
+
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        try:
+            return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+        except KeyError:
+            raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}") from None
+
+    def num_slots(self) -> int:
+        """KV slots per stage: the context plus room for the live speculative tree."""
+        tree = self.tree_width * (self.stages + self.tree_depth + 2) + 1
+        return self.max_context + tree

@@ -18,9 +18,8 @@ from typing import Optional, Protocol
 import torch
 
 from specpipe.sampling import SamplingParams
-from specpipe.sched.kv_manager import NO_PARENT  # noqa: F401  (re-exported for senders)
 
-
+NO_PARENT = -1  # parent id of a request's very first token
 
 @dataclass
 class Admit:

@@ -3,7 +3,7 @@
 Each directory is what `save_pretrained` writes (config.json, model.safetensors,
 generation_config.json) plus a byte-level BPE tokenizer (tokenizer.json, tokenizer_config.json
 with a ChatML chat template), so it can be opened by `specpipe.loader.open_checkpoint`,
-`specpipe.engine.tokenizer.Tokenizer.from_path` and transformers alike.
+`specpipe.tokenizer.tokenizer.Tokenizer.from_path` and transformers alike.
 
 Fixtures (session-scoped; treat the directories as read-only, copy them to modify):
   tiny_llama_dir   -- Llama, 4 layers, hidden 64, 4 heads / 2 KV heads, vocab 300

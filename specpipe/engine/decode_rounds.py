@@ -17,8 +17,8 @@ from typing import Optional
 from specpipe.messages import Admit, Control, Pipeline, Prune, Rows
 from specpipe.request import Request
 from specpipe.engine.rows import concat_rows, node_rows, prompt_rows, source_rows
-from specpipe.spec.sources import SourceRows, TokenSource
-from specpipe.spec.tree import TokenTree
+from specpipe.spec_decode.sources import SourceRows, TokenSource
+from specpipe.spec_decode.tree import TokenTree
 
 
 def decode_rounds(pipe: Pipeline, req: Request, source: Optional[TokenSource] = None,

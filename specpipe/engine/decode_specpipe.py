@@ -20,8 +20,8 @@ import time
 from specpipe.engine.rows import concat_rows, node_rows, prompt_rows, source_rows
 from specpipe.messages import Admit, Control, Pipeline, Prune
 from specpipe.request import Request
-from specpipe.spec.sources import SourceRows, TokenSource
-from specpipe.spec.tree import TokenTree
+from specpipe.spec_decode.sources import SourceRows, TokenSource
+from specpipe.spec_decode.tree import TokenTree
 
 
 def decode_specpipe(pipe: Pipeline, req: Request, source: TokenSource, width: int) -> None:

@@ -10,9 +10,9 @@ from typing import Callable, Optional
 import torch
 
 from specpipe.config import StageSpec
-from specpipe.dist.launch import LocalStages, RankEnv, free_port, stage_failure, wait_ready
-from specpipe.dist.remote_pipeline import PipelineError, RemotePipeline
-from specpipe.dist.transport import LinkOptions, Transport
+from specpipe.distributed.launch import LocalStages, RankEnv, free_port, stage_failure, wait_ready
+from specpipe.distributed.remote_pipeline import PipelineError, RemotePipeline
+from specpipe.distributed.transport import LinkOptions, Transport
 from specpipe.loader import Checkpoint
 from specpipe.model.stage import build_stage
 from specpipe.worker.local_pipeline import LocalPipeline

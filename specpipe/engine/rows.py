@@ -7,8 +7,8 @@ from typing import Optional, Sequence
 import torch
 
 from specpipe.messages import NO_PARENT, Rows
-from specpipe.spec.sources import SourceRows
-from specpipe.spec.tree import Node
+from specpipe.spec_decode.sources import SourceRows
+from specpipe.spec_decode.tree import Node
 
 
 def prompt_node_ids(prompt_len: int, root_id: int) -> list[int]:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 
 from specpipe.config import ConfigError, StageSpec
-from specpipe.engine.tokenizer import Tokenizer
+from specpipe.tokenizer.tokenizer import Tokenizer
 from specpipe.loader import Checkpoint, open_checkpoint
 from specpipe.model.stage import build_stage
-from specpipe.spec.draft_model import DraftModelSource
-from specpipe.spec.sources import MergedSource, NgramSource, TokenSource
+from specpipe.spec_decode.draft_model import DraftModelSource
+from specpipe.spec_decode.sources import MergedSource, NgramSource, TokenSource
 
 
 def build_source(spec: str, target: Checkpoint, tokenizer: Tokenizer, num_slots: int,

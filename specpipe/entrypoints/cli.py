@@ -57,8 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from specpipe.dist.launch import RankEnv
-    from specpipe.engine.engine import Engine, EngineConfig
+    from specpipe.distributed.launch import RankEnv
+    from specpipe.config import EngineConfig
+    from specpipe.engine.engine import Engine
     from specpipe.loader.partition import parse_stage_layers
     from specpipe.sampling import SamplingParams
 
@@ -122,7 +123,7 @@ def _summary(s: dict, n: int) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    from specpipe.errors import user_errors
+    from specpipe.entrypoints.errors import user_errors
 
     with user_errors() as status:
         if args.command == "generate":

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from specpipe.config import StageSpec
-from specpipe.dist.transport import TAG_CONTROL, TAG_REPORT, TAG_RESULTS, TAG_ROWS, LinkError, Transport, short_error
-from specpipe.dist.wire import decode_control, decode_rows_header, encode_floats, encode_results, encode_rows
+from specpipe.distributed.transport import TAG_CONTROL, TAG_REPORT, TAG_RESULTS, TAG_ROWS, LinkError, Transport, short_error
+from specpipe.distributed.wire import decode_control, decode_rows_header, encode_floats, encode_results, encode_rows
 from specpipe.loader import open_checkpoint
 from specpipe.model.stage import build_stage
 from specpipe.worker.stage_worker import StageWorker
@@ -102,7 +102,7 @@ def stage_process_main(rank: int, world_size: int, master_addr: str, master_port
     """
     import signal
 
-    from specpipe.dist.launch import die_with_parent
+    from specpipe.distributed.launch import die_with_parent
 
     die_with_parent()
     if managed:

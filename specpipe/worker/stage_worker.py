@@ -17,7 +17,7 @@ from specpipe.messages import Control, Results, Rows
 from specpipe.model.llama import LlamaStage
 from specpipe.model.runner import run_rows
 from specpipe.sampling import SamplingParams, target_tokens
-from specpipe.sched.kv_manager import KVManager
+from specpipe.worker.slot_table import KVManager
 
 
 @dataclass

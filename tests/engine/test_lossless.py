@@ -21,8 +21,8 @@ from specpipe.loader.partition import partition_layers
 from specpipe.model.stage import build_stage
 from specpipe.request import Request
 from specpipe.sampling import SamplingParams
-from specpipe.spec.draft_model import DraftModelSource
-from specpipe.spec.sources import MergedSource, NgramSource
+from specpipe.spec_decode.draft_model import DraftModelSource
+from specpipe.spec_decode.sources import MergedSource, NgramSource
 from specpipe.worker.local_pipeline import LocalPipeline
 from specpipe.worker.stage_worker import StageWorker
 

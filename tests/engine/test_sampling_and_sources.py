@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from specpipe.sampling import SamplingParams, position_uniform, target_tokens
-from specpipe.spec.sources import MergedSource, NgramSource, SourceRows, TokenSource
-from specpipe.spec.tree import TokenTree
+from specpipe.spec_decode.sources import MergedSource, NgramSource, SourceRows, TokenSource
+from specpipe.spec_decode.tree import TokenTree
 
 
 def test_greedy_is_argmax():

@@ -21,7 +21,7 @@ from specpipe.config import StageSpec
 from specpipe.loader import CheckpointError, open_checkpoint
 from specpipe.model.runner import run_rows
 from specpipe.model.stage import build_stage
-from specpipe.sched.kv_manager import NO_PARENT, KVManager
+from specpipe.worker.slot_table import NO_PARENT, KVManager
 
 transformers = pytest.importorskip("transformers")
 

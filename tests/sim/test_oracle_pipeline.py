@@ -11,7 +11,7 @@ from specpipe.model.stage import build_stage
 from specpipe.request import Request
 from specpipe.sampling import SamplingParams
 from specpipe.sim.oracle_pipeline import OraclePipeline
-from specpipe.spec.draft_model import DraftModelSource
+from specpipe.spec_decode.draft_model import DraftModelSource
 from specpipe.worker.local_pipeline import LocalPipeline
 from specpipe.worker.stage_worker import StageWorker
 

@@ -13,8 +13,8 @@ import torch
 
 from specpipe.model.llama import LlamaStage
 from specpipe.model.runner import run_rows
-from specpipe.sched.kv_manager import KVManager
-from specpipe.spec.sources import SourceRows, TokenSource
+from specpipe.worker.slot_table import KVManager
+from specpipe.spec_decode.sources import SourceRows, TokenSource
 
 
 class DraftModelSource(TokenSource):

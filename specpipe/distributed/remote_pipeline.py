@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from specpipe.dist.transport import (HEARTBEAT_S, TAG_CONTROL, TAG_REPORT, TAG_RESULTS, TAG_ROWS, LinkError,
+from specpipe.distributed.transport import (HEARTBEAT_S, TAG_CONTROL, TAG_REPORT, TAG_RESULTS, TAG_ROWS, LinkError,
                                      Transport, short_error)
-from specpipe.dist.wire import decode_floats, decode_results, encode_control, encode_rows
+from specpipe.distributed.wire import decode_floats, decode_results, encode_control, encode_rows
 from specpipe.messages import Control, Results, Rows
 
 STAT_FIELDS = ("steps", "compute_s", "wait_s", "bytes_sent", "rows_computed", "rows_committed",

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from specpipe.dist.transport import LinkOptions
+from specpipe.distributed.transport import LinkOptions
 
 
 def die_with_parent() -> None:

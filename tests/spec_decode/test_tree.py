@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specpipe.spec.tree import NodeStatus, TokenTree
+from specpipe.spec_decode.tree import NodeStatus, TokenTree
 
 PROMPT = [11, 12, 13]
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from specpipe.dist.wire import (
+from specpipe.distributed.wire import (
     WireError,
     decode_control,
     decode_floats,

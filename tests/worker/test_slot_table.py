@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from specpipe.sched.kv_manager import NO_PARENT, KVCacheFull, KVManager, KVStateError, SlotAllocator
+from specpipe.worker.slot_table import NO_PARENT, KVCacheFull, KVManager, KVStateError, SlotAllocator
 
 
 def test_allocator_reuses_lowest_freed_slots():

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specpipe.messages import NO_PARENT
 
-NO_PARENT = -1  # parent id of a request's very first token
+
 
 
 class KVCacheFull(RuntimeError):

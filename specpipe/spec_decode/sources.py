@@ -17,7 +17,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
-from specpipe.spec.tree import Proposals, TokenTree
+from specpipe.spec_decode.tree import Proposals, TokenTree
 
 
 @dataclass(frozen=True)

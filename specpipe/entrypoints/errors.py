@@ -14,9 +14,9 @@ from specpipe.loader.checkpoint import CheckpointError
 
 def user_error_types() -> tuple[type[BaseException], ...]:
     from specpipe.engine.default_model import DefaultModelMissing
-    from specpipe.dist.remote_pipeline import PipelineError
-    from specpipe.engine.tokenizer import TokenizerError
-    from specpipe.sched.kv_manager import KVCacheFull
+    from specpipe.distributed.remote_pipeline import PipelineError
+    from specpipe.tokenizer.tokenizer import TokenizerError
+    from specpipe.worker.slot_table import KVCacheFull
 
     return (ConfigError, CheckpointError, TokenizerError, DefaultModelMissing, PipelineError, KVCacheFull,
             ValueError)
