@@ -30,6 +30,17 @@ class SourceRows:
     tokens: list[int]
 
 
+@dataclass
+class ProposeCall:
+    """One request's share of a step's drafting: take in `rows`, propose children for `want`."""
+
+    request_id: int
+    tree: TokenTree
+    rows: SourceRows
+    want: Sequence[int]  # node ids (a subset of the rows' nodes, or already taken-in nodes)
+    k: int  # candidates per node
+
+
 class TokenSource(ABC):
     """Interface of every speculative token source."""
 
@@ -44,6 +55,11 @@ class TokenSource(ABC):
                 k: int) -> dict[int, list[tuple[int, float]]]:
         """Take in `rows`, then return up to `k` scored children for each node id in `want`
         (a subset of the rows' nodes)."""
+
+    def propose_many(self, calls: Sequence[ProposeCall]) -> list[dict[int, list[tuple[int, float]]]]:
+        """Every request's proposals for one step, in the order of `calls`. A model source
+        overrides this to run one forward for all requests' rows."""
+        return [self.propose(c.request_id, c.tree, c.rows, c.want, c.k) for c in calls]
 
     def observe(self, request_id: int, commit: Sequence[int], drop: Sequence[int]) -> None:
         """The same pruning message the stages receive."""
@@ -122,4 +138,4 @@ class MergedSource(TokenSource):
             s.finish(request_id)
 
 
-__all__ = ["MergedSource", "NgramSource", "Proposals", "SourceRows", "TokenSource"]
+__all__ = ["MergedSource", "NgramSource", "ProposeCall", "Proposals", "SourceRows", "TokenSource"]
