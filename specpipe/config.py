@@ -13,7 +13,11 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
-MODES = ("pp", "tree", "specpipe")
+MODES = ("pp", "pp-cb", "tree", "specpipe", "specpipe-db")
+# Modes whose requests share a row budget per step, with chunked prefill (and, for specpipe-db,
+# tree widths that shrink as the pipeline fills); the others send exactly what their rule asks.
+BUDGETED_MODES = ("pp-cb", "specpipe-db")
+SPECULATIVE_MODES = ("tree", "specpipe", "specpipe-db")
 DEFAULT_DRAFT = "ngram"
 
 
@@ -149,6 +153,12 @@ class EngineConfig:
     link_delay_ms: float = 0.0  # emulated per-message link latency between ranks
     link_bandwidth_mbps: float = 0.0  # emulated link bandwidth; 0 = unlimited
     stage_timeout_s: float = 30.0  # a stage silent this long fails the in-flight requests
+    max_num_seqs: int = 32  # requests in the pipeline at once (more wait in a queue)
+    max_step_rows: int = 64  # pp-cb / specpipe-db: rows entering stage 1 per step (prefill chunks included)
+    max_waiting: int = 1024  # requests waiting beyond that are refused (QueueFull)
+    block_size: int = 16  # KV slots per block
+    kv_memory: Optional[str] = None  # KV cache per stage, e.g. "2GiB"; None = kv_memory_fraction of free memory
+    kv_memory_fraction: float = 0.25
 
     def link(self):
         from specpipe.distributed.transport import LinkOptions
@@ -175,8 +185,22 @@ class EngineConfig:
             raise ConfigError("--link-delay-ms and --link-bandwidth-mbps must be >= 0")
         if self.stage_timeout_s <= 0:
             raise ConfigError(f"--stage-timeout must be positive, got {self.stage_timeout_s}")
-        if self.mode == "pp" and self.draft:
-            raise ConfigError("--draft has no effect in mode pp; choose --mode tree or specpipe")
+        if self.mode not in SPECULATIVE_MODES and self.draft:
+            raise ConfigError(f"--draft has no effect in mode {self.mode}; choose a speculative mode "
+                              f"({', '.join(SPECULATIVE_MODES)})")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
+        if self.mode in BUDGETED_MODES and self.max_step_rows < self.max_num_seqs:
+            raise ConfigError(f"--max-step-rows ({self.max_step_rows}) must be at least --max-num-seqs "
+                              f"({self.max_num_seqs}): every running request sends a row in every step")
+        if self.max_waiting < 0:
+            raise ConfigError(f"--max-waiting must be >= 0, got {self.max_waiting}")
+        if self.block_size < 1:
+            raise ConfigError(f"--block-size must be at least 1, got {self.block_size}")
+        if not 0 < self.kv_memory_fraction <= 1:
+            raise ConfigError(f"--kv-memory-fraction must be in (0, 1], got {self.kv_memory_fraction}")
+        if self.kv_memory is not None:
+            parse_bytes(self.kv_memory)
 
     def torch_dtype(self):
         import torch
@@ -188,7 +212,23 @@ class EngineConfig:
         except KeyError:
             raise ConfigError(f"--dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}") from None
 
-    def num_slots(self) -> int:
-        """KV slots per stage: the context plus room for the live speculative tree."""
-        tree = self.tree_width * (self.stages + self.tree_depth + 2) + 1
-        return self.max_context + tree
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'2GiB', '512MB', '1.5g' or a plain number of bytes."""
+    if isinstance(text, int):
+        n = text
+    else:
+        import re
+
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ConfigError(f"--kv-memory: cannot read {text!r} as a size (e.g. 2GiB, 512MiB, 1e9)")
+        n = int(float(m.group(1)) * _UNITS[unit])
+    if n <= 0:
+        raise ConfigError(f"--kv-memory must be positive, got {text!r}")
+    return n

@@ -4,38 +4,54 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 from specpipe.sampling import SamplingParams
 
-TokenCallback = Callable[[int], None]
+TextCallback = Callable[[str], None]
+
+
+class Detokenizer(Protocol):
+    def add(self, token: int) -> str: ...
+
+    def flush(self) -> str: ...
 
 
 @dataclass
 class DecodeStats:
     """Step-level counters; see SPEC §7 for the definitions."""
 
-    pipeline_steps: int = 0
+    pipeline_steps: int = 0  # steps from its first rows entering stage 1 to its last token
     verifications: int = 0
     hits: int = 0
-    hits_by_depth: dict[int, int] = field(default_factory=dict)  # SpecPipe: hits by the depth the token was drafted at
+    hits_by_depth: dict[int, int] = field(default_factory=dict)  # hits by the depth the token was drafted at
     rounds: int = 0  # tree mode: verification rounds
     live_nodes_sum: int = 0  # sum over steps of the live tree size (for the mean)
-    draft_s: float = 0.0  # driver time spent in the speculative source
+    draft_s: float = 0.0  # driver time spent in the speculative source (shared by a step's requests)
+    preemptions: int = 0  # times its KV was taken back and it was recomputed
 
 
 @dataclass
 class Request:
+    """A request's committed output. `append` is the only way tokens arrive; it applies the stop
+    conditions: a stop token id (EOS), `max_tokens`, and stop strings (matched on the detokenized
+    text; the stop string itself is not part of `text`). Streamed text is held back while it could
+    still turn out to be the start of a stop string."""
+
     request_id: int
     prompt_ids: list[int]
     sampling: SamplingParams
     stop_ids: frozenset[int]
-    on_token: Optional[TokenCallback] = None
+    detokenizer: Optional[Detokenizer] = None
+    on_text: Optional[TextCallback] = None
     arrival: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
-    finish_reason: Optional[str] = None
+    text: str = ""
+    finish_reason: Optional[str] = None  # stop | length | abort | error
+    error: Optional[str] = None
     stats: DecodeStats = field(default_factory=DecodeStats)
+    _streamed: int = 0  # characters of `text` already passed to on_text
 
     @property
     def finished(self) -> bool:
@@ -47,13 +63,46 @@ class Request:
             return True
         self.output_ids.append(token)
         self.token_times.append(time.perf_counter())
-        if self.on_token is not None:
-            self.on_token(token)
+        before = len(self.text)
+        if self.detokenizer is not None:
+            self.text += self.detokenizer.add(token)
         if token in self.stop_ids:
+            self.finish_reason = "stop"
+        elif self._hit_stop_string(before):
             self.finish_reason = "stop"
         elif len(self.output_ids) >= self.sampling.max_tokens:
             self.finish_reason = "length"
+        if self.finished and self.detokenizer is not None and self.finish_reason != "stop":
+            self.text += self.detokenizer.flush()
+        self._stream()
         return self.finished
+
+    def end(self, reason: str, error: Optional[str] = None) -> None:
+        """Finish early (abort, error); what was decoded so far stays."""
+        if not self.finished:
+            self.finish_reason, self.error = reason, error
+            self._stream()
+
+    def _hit_stop_string(self, before: int) -> bool:
+        stops = self.sampling.stop
+        if not stops or len(self.text) == before:
+            return False
+        # Only the tail can hold a new match: the new piece plus a stop string's length.
+        start = max(0, before - max(map(len, stops)) + 1)
+        cut = min((i for i in (self.text.find(s, start) for s in stops) if i >= 0), default=-1)
+        if cut < 0:
+            return False
+        self.text = self.text[:cut]
+        return True
+
+    def _stream(self) -> None:
+        if self.on_text is None:
+            return
+        hold = 0 if self.finished else max(map(len, self.sampling.stop), default=1) - 1
+        upto = max(self._streamed, len(self.text) - hold)
+        if upto > self._streamed:
+            self.on_text(self.text[self._streamed:upto])
+            self._streamed = upto
 
     def summary(self, num_stages: int) -> dict:
         s = self.stats
@@ -69,5 +118,6 @@ class Request:
             "ttft_ms": (self.token_times[0] - self.arrival) * 1e3 if n else None,
             "tbt_ms": sum(gaps) / len(gaps) * 1e3 if gaps else None,
             "draft_ms": s.draft_s * 1e3 if s.draft_s else None,
+            "preemptions": s.preemptions,
             "num_stages": num_stages,
         }

@@ -8,6 +8,7 @@ function of the target's distribution at p, so every mode commits exactly the sa
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import secrets
 from dataclasses import dataclass
@@ -23,8 +24,13 @@ class SamplingParams:
     top_k: int = 0  # 0 = no top-k cut
     seed: Optional[int] = None  # None: a random seed is drawn per request (see resolved())
     max_tokens: int = 128
+    stop: tuple[str, ...] = ()  # strings that end the output (driver side; not part of the output)
 
     def __post_init__(self) -> None:
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if any(not isinstance(x, str) or not x for x in stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -44,7 +50,7 @@ class SamplingParams:
         """The same parameters with a concrete seed, so a sampled run can be reproduced."""
         if self.seed is not None or self.greedy:
             return self
-        return SamplingParams(self.temperature, self.top_p, self.top_k, secrets.randbelow(2**63), self.max_tokens)
+        return dataclasses.replace(self, seed=secrets.randbelow(2**63))
 
 
 def position_uniform(seed: int, position: int) -> float:

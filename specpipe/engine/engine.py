@@ -1,7 +1,8 @@
-"""The driver: tokenizer, pipeline, speculative source, and the decode loop of each mode.
+"""The driver: loads the model's tokenizer and source, brings up the stages, and runs the engine
+core for one request (`generate`) or many (`run`).
 
-    prompt -> tokenizer -> Request -> decode_<mode>(pipeline, request, source)
-           -> committed tokens -> incremental detokenizer -> text
+    prompt -> tokenizer -> Request -> EngineCore.add_request -> step ... step
+           -> committed tokens -> Request (incremental detokenizer, stop strings) -> text
 """
 
 from __future__ import annotations
@@ -9,39 +10,25 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
-import torch
-
-from specpipe.config import DEFAULT_DRAFT, MODES, ConfigError, EngineConfig
+from specpipe.config import DEFAULT_DRAFT, MODES, SPECULATIVE_MODES, ConfigError, EngineConfig
 from specpipe.distributed.launch import RankEnv
-from specpipe.distributed.transport import LinkOptions
 from specpipe.engine import launcher
-from specpipe.engine.decode_rounds import decode_rounds
-from specpipe.engine.decode_specpipe import decode_specpipe
+from specpipe.engine.core import EngineCore
 from specpipe.engine.default_model import default_model_path
+from specpipe.engine.kv_pool import pool_blocks
+from specpipe.engine.main_guard import check_main_guard
 from specpipe.engine.sources import build_source
-from specpipe.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
 from specpipe.loader import open_checkpoint
 from specpipe.loader.partition import partition_layers
 from specpipe.messages import Pipeline
 from specpipe.request import Request
 from specpipe.sampling import SamplingParams
+from specpipe.sched.scheduler import QueueFull
 from specpipe.spec_decode.sources import TokenSource
-
-
-
-def decode(pipe: Pipeline, req: Request, mode: str, source: Optional[TokenSource] = None,
-           width: int = 8, depth: int = 4) -> None:
-    """Run one request to completion in `mode` (its tokens land in `req`)."""
-    if mode == "pp":
-        decode_rounds(pipe, req)
-    elif mode == "tree":
-        decode_rounds(pipe, req, source, depth, width)
-    elif mode == "specpipe":
-        decode_specpipe(pipe, req, source, width)
-    else:
-        raise ConfigError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+from specpipe.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
+from specpipe.worker.stage_worker import StageStats
 
 
 @dataclass
@@ -57,8 +44,17 @@ class GenerationResult:
                 "finish_reason": self.finish_reason, "stats": self.stats}
 
 
+def spec_reserve(mode: str, width: int, depth: int, num_stages: int) -> int:
+    """The most speculative nodes (plus a new root) one request can hold at a stage at once."""
+    if mode not in SPECULATIVE_MODES:
+        return 0
+    if mode == "tree":
+        return width * depth + 1
+    return width * (num_stages + 1) + 1
+
+
 class Engine:
-    """Loads the model once and serves generate() calls one request at a time."""
+    """Loads the model once; serves requests through one `EngineCore` per mode."""
 
     def __init__(self, config: EngineConfig, rank_env: Optional[RankEnv] = None,
                  progress: Optional[Callable[[str], None]] = None) -> None:
@@ -70,43 +66,79 @@ class Engine:
         cfg = self.checkpoint.config
         self.max_context = min(config.max_context, cfg.max_position)
         self.stage_specs = partition_layers(cfg.num_layers, config.stages, config.stage_layers)
+        reserve = spec_reserve(config.mode, config.tree_width, config.tree_depth, config.stages)
+        self.num_blocks = pool_blocks(config, cfg, self.stage_specs, reserve)
+        self.block_size = config.block_size
         self.source: Optional[TokenSource] = None
-        if config.mode != "pp":
+        if config.mode in SPECULATIVE_MODES:
             self._source()  # before any process starts, so a bad --draft leaves nothing running
-        dtype, slots = config.torch_dtype(), config.num_slots()
+        dtype = config.torch_dtype()
         if rank_env is not None:
             self.pipeline: Pipeline = launcher.torchrun_driver(rank_env, config.stages, config.device,
                                                                config.link(), progress=progress)
+            # Each stage sized its pool from its own machine's memory: admit against the smallest.
+            self.num_blocks = min([self.num_blocks] + [r["num_blocks"] for r in self.pipeline.ready])
         elif config.uses_processes():
-            self.pipeline = launcher.local_processes(self.model_path, self.stage_specs, slots, config.device,
-                                                     dtype, config.link(), progress=progress)
+            check_main_guard()  # spawn re-imports the caller's script: say so before it fails in a child
+            self.pipeline = launcher.local_processes(self.model_path, self.stage_specs, self.num_blocks,
+                                                     self.block_size, config.device, dtype, config.link(),
+                                                     progress=progress)
         else:
-            self.pipeline = launcher.in_process(self.checkpoint, self.stage_specs, slots, config.device, dtype)
+            self.pipeline = launcher.in_process(self.checkpoint, self.stage_specs, self.num_blocks,
+                                                self.block_size, config.device, dtype)
+        if progress:
+            progress(f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens per stage "
+                     f"({self.num_blocks * self.block_size} tokens)")
         self._ids = itertools.count()
+        self._pids = itertools.count()  # shared by every core: the stages see one id space
+        self._cores: dict[tuple, EngineCore] = {}
+        self._stage_before: list[dict] = []  # the stages' counters when the last generate() began
 
     def _source(self) -> TokenSource:
         if self.source is None:
             c = self.config
             self.source = build_source(c.draft or DEFAULT_DRAFT, self.checkpoint, self.tokenizer,
-                                       c.num_slots(), c.device, c.torch_dtype())
+                                       self.num_blocks, self.block_size, c.device, c.torch_dtype())
         return self.source
 
+    def core(self, mode: Optional[str] = None, tree_width: Optional[int] = None,
+             tree_depth: Optional[int] = None) -> EngineCore:
+        """The engine core for a mode (the config's by default). Cores share the stages, so only
+        one may have requests at a time."""
+        c = self.config
+        key = (mode or c.mode, tree_width or c.tree_width, tree_depth or c.tree_depth)
+        if key[0] not in MODES:
+            raise ConfigError(f"unknown mode {key[0]!r}; choose one of {', '.join(MODES)}")
+        busy = [k for k, core in self._cores.items() if k != key and core.has_work()]
+        if busy:
+            raise RuntimeError(f"the engine is still serving requests in mode {busy[0][0]}")
+        if key not in self._cores:
+            source = self._source() if key[0] in SPECULATIVE_MODES else None
+            self._cores[key] = EngineCore(
+                self.pipeline, key[0], source, width=key[1], depth=key[2], kv_blocks=self.num_blocks,
+                block_size=self.block_size, max_num_seqs=c.max_num_seqs, step_rows=c.max_step_rows,
+                max_waiting=c.max_waiting, pids=self._pids)
+        return self._cores[key]
+
+    # -- requests -------------------------------------------------------------------------------
     def encode_prompt(self, prompt: str, chat: Optional[bool] = None) -> list[int]:
         use_chat = self.tokenizer.has_chat_template if chat is None else chat
         if use_chat:
             if not self.tokenizer.has_chat_template:
                 raise ConfigError("--chat: this model has no chat template; use --no-chat")
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-            # The template already holds the special tokens (BOS included where the model has one).
-            return self.tokenizer.encode(text, add_special_tokens=False)
+            return self.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
 
-    def generate(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
-                 chat: Optional[bool] = None, on_text: Optional[Callable[[str], None]] = None,
-                 mode: Optional[str] = None, tree_width: Optional[int] = None,
-                 tree_depth: Optional[int] = None) -> GenerationResult:
-        """Decode one request. `mode`, `tree_width` and `tree_depth` override the config for this
-        request (so one set of stage processes can serve every mode, e.g. in benchmarks)."""
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        if not self.tokenizer.has_chat_template:
+            raise ConfigError("this model has no chat template; pass plain prompts instead")
+        text = self.tokenizer.apply_chat_template(messages)
+        # The template already holds the special tokens (BOS included where the model has one).
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def make_request(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
+                     chat: Optional[bool] = None, on_text: Optional[Callable[[str], None]] = None) -> Request:
+        """A validated request (not yet added): token ids, a concrete seed, a detokenizer."""
         prompt_ids = list(prompt) if not isinstance(prompt, str) else self.encode_prompt(prompt, chat)
         if not prompt_ids:
             raise ConfigError("the prompt is empty")
@@ -117,47 +149,61 @@ class Engine:
         vocab = self.checkpoint.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
-        sampling = sampling.resolved()
-        detok = IncrementalDetokenizer(self.tokenizer)
-        pieces: list[str] = []
+        return Request(next(self._ids), prompt_ids, sampling.resolved(), frozenset(self.tokenizer.eos_token_ids),
+                       detokenizer=IncrementalDetokenizer(self.tokenizer), on_text=on_text)
 
-        def on_token(tok: int) -> None:
-            piece = detok.add(tok)
-            if piece:
-                pieces.append(piece)
-                if on_text is not None:
-                    on_text(piece)
+    def run(self, requests: Iterable[Request], core: Optional[EngineCore] = None,
+            on_finish: Optional[Callable[[Request], None]] = None) -> None:
+        """Serve `requests` together until all have finished: each joins as soon as the waiting
+        queue has room, and the stages get every release before this returns."""
+        core = core or self.core()
+        todo = list(requests)[::-1]
+        try:
+            while todo or core.has_work():
+                while todo:
+                    try:
+                        core.add_request(todo[-1])
+                    except QueueFull:
+                        break
+                    todo.pop()
+                for req in core.step():
+                    if on_finish is not None:
+                        on_finish(req)
+        except BaseException as e:
+            for rid in list(core.requests):  # nothing may be left half-served in the core
+                core.requests[rid].end("error" if isinstance(e, Exception) else "abort", str(e) or type(e).__name__)
+                core.abort(rid)
+            raise
 
-        stages_before = self.pipeline.stage_stats()
-        req = Request(next(self._ids), prompt_ids, sampling, frozenset(self.tokenizer.eos_token_ids), on_token)
-        c = self.config
-        mode = mode or c.mode
-        width, depth = tree_width or c.tree_width, tree_depth or c.tree_depth
-        decode(self.pipeline, req, mode, None if mode == "pp" else self._source(), width, depth)
-        tail = detok.flush()
-        if tail:
-            pieces.append(tail)
-            if on_text is not None:
-                on_text(tail)
+    def generate(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
+                 chat: Optional[bool] = None, on_text: Optional[Callable[[str], None]] = None,
+                 mode: Optional[str] = None, tree_width: Optional[int] = None,
+                 tree_depth: Optional[int] = None) -> GenerationResult:
+        """Decode one request. `mode`, `tree_width` and `tree_depth` override the config for this
+        request (so one set of stage processes can serve every mode, e.g. in benchmarks)."""
+        req = self.make_request(prompt, sampling, chat, on_text)
+        core = self.core(mode, tree_width, tree_depth)
+        core.request_stage_stats()  # taken on the step that delivers the release: no extra step
+        self.run([req], core)
+        stages = _stage_deltas(self._stage_before, core.stage_stats or [])
+        self._stage_before = core.stage_stats or []
         stats = req.summary(self.pipeline.num_stages)
-        stats.update(mode=mode, draft=self.source.name if mode != "pp" else None,
-                     seed=sampling.seed, stages=_stage_deltas(stages_before, self.pipeline.stage_stats()))
-        return GenerationResult("".join(pieces), prompt_ids, list(req.output_ids), req.finish_reason or "length", stats)
+        stats.update(mode=core.mode, draft=core.source.name if core.source is not None else None,
+                     seed=req.sampling.seed, stages=stages)
+        return GenerationResult(req.text, req.prompt_ids, list(req.output_ids), req.finish_reason or "length", stats)
 
     def close(self) -> None:
         self.pipeline.close()
 
 
-_CUMULATIVE = ("steps", "compute_s", "wait_s", "bytes_sent", "rows_computed", "rows_committed")
-
-
 def _stage_deltas(before: list[dict], after: list[dict]) -> list[dict]:
     """Per-stage figures for one request: cumulative counters differenced, per-step means added."""
     out = []
-    for b, a in zip(before, after):
+    for i, a in enumerate(after):
         d = dict(a)
-        for k in _CUMULATIVE:
-            d[k] = a[k] - b[k]
+        b = before[i] if i < len(before) else {}
+        for k in StageStats.CUMULATIVE:
+            d[k] = a[k] - b.get(k, 0)
         steps = max(d["steps"], 1)
         d["compute_ms_per_step"] = d["compute_s"] / steps * 1e3
         d["wait_ms_per_step"] = d["wait_s"] / steps * 1e3
@@ -165,3 +211,13 @@ def _stage_deltas(before: list[dict], after: list[dict]) -> list[dict]:
         d["occupancy"] = d["rows_committed"] / d["rows_computed"] if d["rows_computed"] else None
         out.append(d)
     return out
+
+
+def decode(pipe: Pipeline, req: Request, mode: str, source: Optional[TokenSource] = None, width: int = 8,
+           depth: int = 4, **core_options) -> EngineCore:
+    """Run one request to completion on a given pipeline (tests and step-count benchmarks)."""
+    core = EngineCore(pipe, mode, source, width=width, depth=depth, **core_options)
+    core.add_request(req)
+    while core.has_work():
+        core.step()
+    return core

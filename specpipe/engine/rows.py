@@ -17,10 +17,33 @@ def prompt_node_ids(prompt_len: int, root_id: int) -> list[int]:
     return [-2 - i for i in range(prompt_len - 1)] + [root_id]
 
 
-def prompt_rows(request_id: int, prompt: Sequence[int], root_id: int) -> Rows:
-    ids = prompt_node_ids(len(prompt), root_id)
-    return Rows(request_id, ids, [NO_PARENT] + ids[:-1], list(range(len(prompt))),
-                torch.tensor(list(prompt), dtype=torch.long), head_rows=[len(prompt) - 1])
+class Prefill:
+    """A prompt (or, after preemption, prompt + output so far) sent in chunks, one per step.
+
+    Chunks of one request may follow each other on consecutive steps: the pipeline is FIFO, so a
+    chunk reaches every stage after the chunk before it. Only the last prompt token (the tree's
+    root) asks for the target's token.
+    """
+
+    def __init__(self, request_id: int, tokens: Sequence[int], root_id: int) -> None:
+        self.request_id = request_id
+        self.tokens = list(tokens)
+        self.node_ids = prompt_node_ids(len(self.tokens), root_id)
+        self.sent = 0
+
+    def left(self) -> int:
+        return len(self.tokens) - self.sent
+
+    def take(self, n: int) -> Rows:
+        a, b = self.sent, min(self.sent + n, len(self.tokens))
+        self.sent = b
+        return self.rows(a, b)
+
+    def rows(self, a: int, b: int) -> Rows:
+        ids = self.node_ids
+        return Rows(self.request_id, ids[a:b], [ids[a - 1] if a else NO_PARENT] + ids[a:b - 1], list(range(a, b)),
+                    torch.tensor(self.tokens[a:b], dtype=torch.long),
+                    head_rows=[b - 1 - a] if b == len(self.tokens) else [])
 
 
 def node_rows(request_id: int, nodes: Sequence[Node], root_parent: int | None = None) -> Rows:

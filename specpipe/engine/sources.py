@@ -18,16 +18,18 @@ from specpipe.spec_decode.draft_model import DraftModelSource
 from specpipe.spec_decode.sources import MergedSource, NgramSource, TokenSource
 
 
-def build_source(spec: str, target: Checkpoint, tokenizer: Tokenizer, num_slots: int,
+def build_source(spec: str, target: Checkpoint, tokenizer: Tokenizer, num_blocks: int, block_size: int,
                  device: str = "cpu", dtype: torch.dtype = torch.float32) -> TokenSource:
+    """A model source gets a KV pool of `num_blocks` x `block_size` slots: as many as a stage,
+    since it holds the same committed tokens and tree nodes of every request."""
     parts = [p.strip() for p in spec.split("+") if p.strip()]
     if not parts:
         raise ConfigError("--draft is empty")
-    sources = [_one(p, target, tokenizer, num_slots, device, dtype) for p in parts]
+    sources = [_one(p, target, tokenizer, (num_blocks, block_size), device, dtype) for p in parts]
     return sources[0] if len(sources) == 1 else MergedSource(sources)
 
 
-def _one(part: str, target: Checkpoint, tokenizer: Tokenizer, num_slots: int, device, dtype) -> TokenSource:
+def _one(part: str, target: Checkpoint, tokenizer: Tokenizer, pool: tuple[int, int], device, dtype) -> TokenSource:
     if part == "ngram":
         return NgramSource()
     if part.startswith("self:"):
@@ -39,7 +41,7 @@ def _one(part: str, target: Checkpoint, tokenizer: Tokenizer, num_slots: int, de
         if not 1 <= k < n:
             raise ConfigError(f"--draft self:K needs 1 <= K < {n} (the target's layer count), got {k}")
         model = build_stage(target, StageSpec(0, k, first=True, last=True), device, dtype)
-        return DraftModelSource(model, num_slots, f"self:{k}", tokenizer.fingerprint())
+        return DraftModelSource(model, *pool, f"self:{k}", tokenizer.fingerprint())
     ckpt = open_checkpoint(part)
     draft_tok = Tokenizer.from_path(part)
     if draft_tok.fingerprint() != tokenizer.fingerprint():
@@ -51,4 +53,4 @@ def _one(part: str, target: Checkpoint, tokenizer: Tokenizer, num_slots: int, de
             f"--draft {part}: vocabulary size {ckpt.config.vocab_size} differs from the target's "
             f"{target.config.vocab_size}")
     model = build_stage(ckpt, StageSpec.whole(ckpt.config), device, dtype)
-    return DraftModelSource(model, num_slots, part, draft_tok.fingerprint())
+    return DraftModelSource(model, *pool, part, draft_tok.fingerprint())

@@ -1,0 +1,198 @@
+"""The engine core: one step loop for every mode and every number of requests (SPEC §4b).
+
+    add_request / abort                       (any time between steps)
+    step():  schedule  ->  draft (tree mode)  ->  send Control + Rows of every request  ->
+             draft for every request while the stages compute  ->  collect  ->
+             route results by (request, node)  ->  verify  ->  draft new roots  ->  emit tokens
+
+No mode owns the pipeline: each request is a small state machine (engine/modes/) that says what
+it wants to send and what to do with its results, and the scheduler (sched/) decides who sends
+how many rows. Releases, aborts, preemptions and stage statistics ride on the next ordinary step's
+Control, so no step is ever spent (and no result swallowed) outside this loop.
+
+Glossary:
+  request id  -- the caller's id for a request, stable for its whole life.
+  pid         -- pipeline id: the id the stages know it by. Fresh each time the request enters
+                 the pipeline (after a preemption it is recomputed under a new pid), so rows of an
+                 earlier incarnation still in flight can never be taken for the new one's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Iterator, Optional
+
+from specpipe.config import BUDGETED_MODES, ConfigError
+from specpipe.engine.modes.base import AFTER, BEFORE, DURING, ModeState
+from specpipe.engine.modes.rounds import RoundsState
+from specpipe.engine.modes.specpipe import SpecPipeState
+from specpipe.messages import Control, Pipeline
+from specpipe.request import Request
+from specpipe.sched.block_manager import BlockManager
+from specpipe.sched.scheduler import Scheduler
+from specpipe.spec_decode.sources import TokenSource
+
+MAX_STAGE_KV_FAILURES = 3  # a request a stage could not hold this often ends with an error
+
+
+class EngineCore:
+    def __init__(self, pipeline: Pipeline, mode: str, source: Optional[TokenSource] = None, *,
+                 width: int = 8, depth: int = 4, kv_blocks: int = 1 << 16, block_size: int = 16,
+                 max_num_seqs: int = 32, step_rows: Optional[int] = 64, max_waiting: int = 1024,
+                 pids: Optional[Iterator[int]] = None) -> None:
+        if mode != "pp" and mode != "pp-cb" and source is None:
+            raise ConfigError(f"mode {mode} needs a speculative source")
+        self.pipe, self.mode, self.source = pipeline, mode, source
+        self.width, self.depth = width, depth
+        self.scheduler = Scheduler(BlockManager(kv_blocks, block_size), max_num_seqs,
+                                   step_rows if mode in BUDGETED_MODES else None, max_waiting)
+        self.requests: dict[int, Request] = {}
+        self.states: dict[int, ModeState] = {}  # request id -> its current state machine
+        self._pids = pids if pids is not None else itertools.count()
+        self._release: list[int] = []  # pids whose KV every stage frees at the next step
+        self._failures: dict[int, int] = {}
+        self._report = False
+        self.stage_stats: Optional[list[dict]] = None  # the stages' last report (cumulative)
+        self.steps = 0
+
+    # -- requests -----------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id} is already in use")
+        need = len(req.prompt_ids) + req.sampling.max_tokens + self.spec_reserve()
+        pool = self.scheduler.blocks.capacity
+        if need > pool:
+            raise ConfigError(
+                f"request {req.request_id} needs up to {need} KV slots (prompt {len(req.prompt_ids)} + max tokens "
+                f"{req.sampling.max_tokens} + speculative tree {self.spec_reserve()}), but the KV pool holds {pool}; "
+                f"shorten it, lower --tree-width, or give the KV cache more memory (--kv-memory)")
+        self.scheduler.add(req.request_id)  # QueueFull when the waiting queue is at its bound
+        self.requests[req.request_id] = req
+        self.states[req.request_id] = self._new_state(req)
+
+    def spec_reserve(self) -> int:
+        """The most speculative nodes one request can hold at a stage at once, plus a new root."""
+        if self.mode in ("pp", "pp-cb"):
+            return 0
+        if self.mode == "tree":
+            return self.width * self.depth + 1
+        return self.width * (self.pipe.num_stages + 1) + 1
+
+    def abort(self, request_id: int) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.finished:
+            req.end("abort")
+            self._retire(request_id)
+
+    def has_work(self) -> bool:
+        """Requests to serve, or a release/report still to deliver to the stages."""
+        return self.scheduler.has_work() or bool(self._release) or self._report
+
+    def request_stage_stats(self) -> None:
+        """Ask the stages for their counters on the next step (read `stage_stats` after it)."""
+        self._report = True
+
+    # -- one pipeline step ----------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """One pipeline step; returns the requests that finished in it."""
+        plan = self.scheduler.schedule(lambda rid: self.states[rid].want())
+        for rid in plan.preempted:
+            self._restart(rid)
+        running = [self.states[rid] for rid in self.scheduler.running]
+        for st in running:
+            st.prepare(plan.grants[st.req.request_id])
+        self._draft(running, BEFORE)
+        rows = [r for st in running if (r := st.send()) is not None]
+        control = Control(release=self._release, report=self._report)
+        for st in running:
+            admit, prune = st.control()
+            if admit is not None:
+                control.admit.append(admit)
+            if prune is not None:
+                control.prune.append(prune)
+        self._release, self._report = [], False
+
+        self.pipe.submit(control, rows)
+        try:
+            self._draft(running, DURING)  # overlaps the stages' compute
+        finally:
+            results = self.pipe.collect()  # always: an error above must not leave the pipeline a step behind
+        self.steps += 1
+        if control.report:
+            self.stage_stats = getattr(self.pipe, "reported", None)
+
+        by_pid = {st.pid: st for st in running}
+        for res in results:
+            st = by_pid.get(res.request_id)
+            if st is None or self.states.get(st.req.request_id) is not st:
+                continue  # rows of a request that ended or was restarted while they travelled
+            if getattr(res, "failed", False):
+                self._stage_kv_failed(st)
+            else:
+                st.receive(res)
+        live = [st for st in running if self.states.get(st.req.request_id) is st]
+        for st in live:
+            if st.started:
+                st.req.stats.pipeline_steps += 1
+            st.verify()
+        self._draft([st for st in live if not st.req.finished], AFTER)
+        done = [st.req for st in live if st.req.finished]
+        for req in done:
+            self._retire(req.request_id)
+        return done
+
+    # -- internals ----------------------------------------------------------------------------------------
+    def _new_state(self, req: Request) -> ModeState:
+        pid = next(self._pids)
+        if self.mode in ("pp", "pp-cb"):
+            return RoundsState(pid, req, None, 1, 0)
+        if self.mode == "tree":
+            return RoundsState(pid, req, self.source, self.width, self.depth)
+        return SpecPipeState(pid, req, self.source, self.width)
+
+    def _draft(self, states: list[ModeState], phase: str) -> None:
+        """Every request's source calls of one phase in one `propose_many` (one draft forward);
+        repeated while some request has more (tree mode drafts its layers one after another)."""
+        while self.source is not None:
+            calls = [(st, c) for st in states if (c := st.drafting(phase)) is not None]
+            if not calls:
+                return
+            t0 = time.perf_counter()
+            outs = self.source.propose_many([c for _, c in calls])
+            dt = time.perf_counter() - t0
+            for (st, _), props in zip(calls, outs):
+                st.proposals(phase, props)
+                st.req.stats.draft_s += dt / len(calls)
+
+    def _retire(self, request_id: int) -> None:
+        self.scheduler.remove(request_id)
+        self.requests.pop(request_id, None)
+        st = self.states.pop(request_id, None)
+        if st is not None:
+            if st.started:
+                self._release.append(st.pid)
+            st.finish()
+        self._failures.pop(request_id, None)
+
+    def _restart(self, request_id: int) -> None:
+        """Its KV was taken back (preemption) or lost at a stage: recompute it later under a new
+        pid from its prompt and the tokens it already has (sampling is keyed by position, so
+        the continuation is the same)."""
+        old = self.states[request_id]
+        if old.started:
+            self._release.append(old.pid)
+        old.finish()
+        req = self.requests[request_id]
+        req.stats.preemptions += 1
+        self.states[request_id] = self._new_state(req)
+
+    def _stage_kv_failed(self, st: ModeState) -> None:
+        rid = st.req.request_id
+        n = self._failures[rid] = self._failures.get(rid, 0) + 1
+        if n >= MAX_STAGE_KV_FAILURES:
+            st.req.end("error", "a pipeline stage ran out of KV cache for this request")
+            self._retire(rid)
+            return
+        self.scheduler.requeue(rid)
+        self._restart(rid)

@@ -1,0 +1,106 @@
+"""What every mode is to the engine core: one request's state machine, stepped by the core.
+
+Each pipeline step the core asks every running request, in this order:
+
+  want()              what it would send: committed rows and speculative rows (sched.Want)
+  prepare(grant)      what it may send this step (sched.Grant)
+  drafting(BEFORE)    source calls to make before sending (tree mode drafts its tree here)
+  send()              the Rows it puts into stage 1 (None: nothing this step)
+  control()           its admit / pruning message for every stage this step
+  drafting(DURING)    source calls made while the stages compute (SpecPipe drafts its new layer)
+  receive(results)    the target's tokens for its rows that left the last stage
+  verify()            commit tokens (Request.append), prune, prepare next step's message
+  drafting(AFTER)     source calls after verification (SpecPipe drafts a new root at once)
+
+The core batches every request's source calls of one phase into one `propose_many`, so a draft
+model runs one forward for all requests. A state never talks to the pipeline itself.
+
+Ids: a state is bound to a *pipeline id* (`pid`), fresh for each time a request enters the
+pipeline (a preempted request comes back with a new pid), so rows of an earlier incarnation
+still in flight can never be mistaken for the new one's.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Optional
+
+from specpipe.engine.rows import Prefill
+from specpipe.messages import Admit, Prune, Results, Rows
+from specpipe.request import Request
+from specpipe.sched.scheduler import Grant, Want
+from specpipe.spec_decode.sources import ProposeCall, TokenSource
+from specpipe.spec_decode.tree import TokenTree
+
+BEFORE, DURING, AFTER = "before_send", "while_computing", "after_verify"
+
+
+class ModeState(ABC):
+    def __init__(self, pid: int, req: Request, source: Optional[TokenSource], width: int) -> None:
+        self.pid, self.req, self.source, self.width = pid, req, source, width
+        tokens = req.prompt_ids + req.output_ids  # after a preemption: recomputed from here
+        self.tree = TokenTree(tokens, width)
+        self.prefill = Prefill(pid, tokens, self.tree.root_id)
+        self.grant = Grant()
+        self.held = 0  # rows sent and not pruned: what this request may hold at any stage
+        self.started = False  # sent its first rows (steps count from there)
+        self._admit: Optional[Admit] = Admit(pid, req.sampling)
+        self._commit: list[int] = list(self.prefill.node_ids)  # the prompt is committed up front
+        self._drop: list[int] = []
+        if source is not None:
+            source.start(pid)
+            source.observe(pid, list(self.prefill.node_ids), [])  # and so it is for the source
+
+    # -- the step, as the core drives it ---------------------------------------------------------
+    @abstractmethod
+    def want(self) -> Want: ...
+
+    def prepare(self, grant: Grant) -> None:
+        self.grant = grant
+
+    def drafting(self, phase: str) -> Optional[ProposeCall]:
+        return None
+
+    def proposals(self, phase: str, props: dict) -> None:
+        pass
+
+    @abstractmethod
+    def send(self) -> Optional[Rows]: ...
+
+    def control(self) -> tuple[Optional[Admit], Optional[Prune]]:
+        """This step's admit (first step only) and pruning message; sent once."""
+        if self.grant.rows == 0 and self._admit is not None:
+            return None, None  # not in the pipeline yet: nothing to tell the stages
+        admit, self._admit = self._admit, None
+        prune = Prune(self.pid, self._commit, self._drop) if self._commit or self._drop else None
+        self._commit, self._drop = [], []
+        return admit, prune
+
+    def receive(self, results: Results) -> None:
+        for node, tok in zip(results.node_ids, results.tokens):
+            if node in self.tree:
+                self.tree.record_target(node, tok)
+
+    @abstractmethod
+    def verify(self) -> None: ...
+
+    def finish(self) -> None:
+        """The request ended or left the pipeline: free what the source holds for it."""
+        if self.source is not None:
+            self.source.finish(self.pid)
+
+    # -- helpers for the modes ---------------------------------------------------------------------
+    def _sent(self, rows: Optional[Rows]) -> Optional[Rows]:
+        if rows is not None and len(rows):
+            self.held += len(rows)
+            self.started = True
+            return rows
+        return None
+
+    def _pruned(self, commit: list[int], drop: list[int]) -> None:
+        """Queue a pruning message for every stage (and the source) and forget dropped rows."""
+        self._commit += commit
+        self._drop += drop
+        self.held -= len(drop)
+        if self.source is not None and (commit or drop):
+            self.source.observe(self.pid, commit, drop)

@@ -1,0 +1,201 @@
+"""The driver's per-step decisions: which requests run, how many rows each sends, who waits.
+
+Pure Python, no torch. Every step the engine core asks each request's mode what it would send
+(a `Want`) and gets back what it may send (a `Grant`):
+
+  must rows  -- rows carrying committed tokens: a prompt chunk, a new root after a miss, the next
+                token of plain PP. A request with no must rows granted makes no progress, so these
+                come first, oldest request first; single rows before prompt chunks, so that a long
+                prompt never stalls the others' decoding (chunked prefill).
+  spec rows  -- speculative tree nodes. They only ever use the slack the must rows leave, of the
+                row budget and of the KV pool, shared fairly (water-filling, leftovers rotating
+                so that no request is always the one cut): alone, a request gets its full width;
+                as the pipeline fills, every tree narrows; when the budget binds, no speculation.
+
+Row budget (`step_rows`): rows entering stage 1 per step, which bounds every stage's rows per
+step (rows only shrink on the way down). None = no budget (the single-request modes: exactly
+the rows the mode asks for).
+
+KV: the `BlockManager` holds, per request, blocks for everything sent and not pruned. A request
+is admitted (FIFO, never overtaken) only while blocks remain above a small watermark; when a
+running request's must rows do not fit, the newest running request is preempted (its KV freed at
+every stage, recomputed later from its prompt and the tokens it already has) and goes back to the
+front of the queue. Requests never share or corrupt each other's KV.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from specpipe.sched.block_manager import BlockManager
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound: the caller should retry later (HTTP 503 in a server)."""
+
+
+@dataclass(frozen=True)
+class Want:
+    """What one request would send this step."""
+
+    must: int = 0  # rows carrying committed tokens
+    spec: int = 0  # speculative rows at full width
+    chunkable: bool = False  # the must rows may be split over steps (a prompt)
+    held: int = 0  # KV bound before this step: rows sent for it and not pruned
+
+
+@dataclass(frozen=True)
+class Grant:
+    must: int = 0
+    spec: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.must + self.spec
+
+
+@dataclass
+class StepPlan:
+    grants: dict[int, Grant] = field(default_factory=dict)  # running request -> its rows this step
+    admitted: list[int] = field(default_factory=list)  # joined the running set this step
+    preempted: list[int] = field(default_factory=list)  # KV taken back; waiting again, at the front
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, step_rows: Optional[int] = None,
+                 max_waiting: int = 1024, watermark: float = 0.01) -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        if step_rows is not None and step_rows < max_num_seqs:
+            # Every running request must be able to send its one committed row in every step.
+            raise ValueError(f"the row budget per step ({step_rows}) must be at least max_num_seqs ({max_num_seqs})")
+        self.blocks = blocks
+        self.max_num_seqs, self.step_rows, self.max_waiting = max_num_seqs, step_rows, max_waiting
+        self.watermark = max(1, int(watermark * blocks.num_blocks)) if blocks.num_blocks > 1 else 0
+        self.waiting: deque[int] = deque()
+        self.running: list[int] = []  # admission order: the oldest first, preemption takes the last
+        self._turn = 0  # rotates who gets the leftover speculative rows
+
+    # -- queue ------------------------------------------------------------------------------------
+    def add(self, rid: int) -> None:
+        if len(self.waiting) >= self.max_waiting:
+            raise QueueFull(f"{len(self.waiting)} requests are already waiting (the limit); try again later")
+        self.waiting.append(rid)
+
+    def remove(self, rid: int) -> None:
+        """A request finished or was aborted: it leaves the queues and its blocks are free."""
+        if rid in self.running:
+            self.running.remove(rid)
+        elif rid in self.waiting:
+            self.waiting.remove(rid)
+        self.blocks.free(rid)
+
+    def requeue(self, rid: int) -> None:
+        """Back to the front of the queue (its KV at the stages failed or was preempted)."""
+        if rid in self.running:
+            self.running.remove(rid)
+        self.blocks.free(rid)
+        self.waiting.appendleft(rid)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ---------------------------------------------------------------------------------
+    def schedule(self, want_of: Callable[[int], Want]) -> StepPlan:
+        plan = StepPlan()
+        wants = {rid: want_of(rid) for rid in self.running}
+        budget = self.step_rows if self.step_rows is not None else float("inf")
+        musts: dict[int, int] = {}
+        # Single committed rows first (a decode step for everyone), then prompt chunks.
+        for chunks in (False, True):
+            for rid in list(self.running):
+                w = wants.get(rid)
+                if w is None or w.chunkable != chunks or rid in musts:
+                    continue
+                m = self._must(w, budget)
+                if m and not self._make_room(rid, w.held + m, plan):
+                    continue  # it was preempted itself
+                musts[rid] = m
+                budget -= m
+        self._admit(plan, want_of, wants, musts, budget)
+        budget -= sum(musts[r] for r in plan.admitted)
+        specs = self._share_spec(wants, musts, budget)
+        for rid in self.running:
+            plan.grants[rid] = Grant(musts.get(rid, 0), specs.get(rid, 0))
+        return plan
+
+    def _must(self, w: Want, budget: float) -> int:
+        if not w.must:
+            return 0
+        if w.chunkable:
+            return int(min(w.must, budget))
+        return w.must if w.must <= budget else 0  # a root and its rows go together or wait a step
+
+    def _make_room(self, rid: int, tokens: int, plan: StepPlan) -> bool:
+        """Reserve KV for `tokens` slots of `rid`, preempting the newest requests if need be.
+        False when `rid` itself had to go."""
+        while not self.blocks.can_hold(rid, tokens):
+            victim = self.running[-1]
+            self.requeue(victim)
+            plan.preempted.append(victim)
+            plan.grants.pop(victim, None)
+            if victim == rid:
+                return False
+        self.blocks.reserve(rid, tokens)
+        return True
+
+    def _admit(self, plan: StepPlan, want_of: Callable[[int], Want], wants: dict[int, Want],
+               musts: dict[int, int], budget: float) -> None:
+        """FIFO admission while there is room for a request's first rows, a row budget left and KV
+        above the watermark (headroom for the running requests' growth)."""
+        while self.waiting and len(self.running) < self.max_num_seqs and budget >= 1:
+            rid = self.waiting[0]
+            w = wants[rid] = want_of(rid)
+            m = self._must(w, budget)
+            if not m or self.blocks.extra_for(rid, w.held + m) > self.blocks.num_free() - self.watermark:
+                return
+            self.waiting.popleft()
+            self.running.append(rid)
+            self.blocks.reserve(rid, w.held + m)
+            musts[rid] = m
+            budget -= m
+            plan.admitted.append(rid)
+
+    def _share_spec(self, wants: dict[int, Want], musts: dict[int, int], slack: float) -> dict[int, int]:
+        """Water-fill the slack among the requests that want speculative rows; each grant is also
+        limited by the KV blocks left (above the watermark)."""
+        asking = [r for r in self.running if r in wants and wants[r].spec > 0]
+        if not asking:
+            return {}
+        self._turn = (self._turn + 1) % len(asking)
+        asking = asking[self._turn:] + asking[:self._turn]
+        grants: dict[int, int] = {}
+        left = list(asking)
+        while left and slack >= 1:
+            share, extra = divmod(int(min(slack, 1 << 30)), len(left))
+            if share == 0:  # fewer rows than requests: one each, in rotated order
+                for rid in left[:extra]:
+                    grants[rid] = grants.get(rid, 0) + 1
+                break
+            done = []
+            for rid in left:
+                g = min(share, wants[rid].spec - grants.get(rid, 0))
+                grants[rid] = grants.get(rid, 0) + g
+                slack -= g
+                if grants[rid] >= wants[rid].spec:
+                    done.append(rid)
+            if not done:
+                break
+            left = [r for r in left if r not in done]
+        out = {}
+        for rid in asking:  # rotated order: the KV left over is shared the same way
+            g = grants.get(rid, 0)
+            base = wants[rid].held + musts.get(rid, 0)
+            while g and self.blocks.extra_for(rid, base + g) > self.blocks.num_free() - self.watermark:
+                g -= 1
+            if g:
+                self.blocks.reserve(rid, base + g)
+                out[rid] = g
+        return out
