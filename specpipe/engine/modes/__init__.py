@@ -1,0 +1,1 @@
+"""Each mode as a per-request state machine stepped by the engine core (see base.py)."""
