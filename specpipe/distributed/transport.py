@@ -5,8 +5,16 @@ int64 vectors over a gloo group; activations travel over the default group, whic
 stages run on CUDA, gloo otherwise. Each kind of message has its own tag, so the driver -> stage 1
 link can carry both control and rows in order.
 
-Link emulation: `delay_ms` and `bandwidth_mbps` make the sender sleep as a slow link would, per
-message, so a cluster's network can be rehearsed on one machine (these kernels have no netem).
+Link emulation: `delay_ms` and `bandwidth_mbps` make each message arrive as over a slower network,
+so a cluster's network can be rehearsed on one machine (these kernels have no netem). As on a real
+network, messages to different peers are in flight at the same time: a message arrives `delay`
+plus its bytes / bandwidth after it was sent, and only messages on the same link (this rank to
+one peer) queue behind each other for bandwidth. The sender never waits: it stamps each message
+with its due time (LinkClock) and the receiver holds the message until then. The stamp is
+wall-clock time, so the emulation assumes the ranks share a clock: true for processes on one
+machine and across network namespaces (which do not virtualize CLOCK_REALTIME); between real
+hosts clock skew would shift every arrival, but there the network is real anyway. Without
+emulation the stamp is 0 and nobody waits.
 
 Liveness: every stage keeps a heartbeat in the rendezvous store; when a receive fails or times
 out, the driver reads the heartbeats to name the stage that stopped.
@@ -52,10 +60,35 @@ class LinkOptions:
         if self.delay_ms < 0 or self.bandwidth_mbps < 0 or self.timeout_s <= 0:
             raise ValueError("link delay and bandwidth must be >= 0 and the timeout > 0")
 
-    def sleep_for(self, nbytes: int) -> None:
-        s = self.delay_ms / 1e3 + (nbytes * 8 / (self.bandwidth_mbps * 1e6) if self.bandwidth_mbps else 0.0)
-        if s > 0:
-            time.sleep(s)
+    @property
+    def emulated(self) -> bool:
+        return self.delay_ms > 0 or self.bandwidth_mbps > 0
+
+
+class LinkClock:
+    """The sender's side of link emulation: when each message it sends is due at its peer."""
+
+    def __init__(self, options: LinkOptions) -> None:
+        self.options = options
+        self._free_ns: dict[int, int] = {}  # peer -> when its link has finished what was sent so far
+
+    def due_ns(self, dst: int, nbytes: int, now_ns: Optional[int] = None) -> int:
+        """Arrival time (time.time_ns) of `nbytes` sent to `dst` now; 0 when nothing is emulated."""
+        opts = self.options
+        if not opts.emulated:
+            return 0
+        now = time.time_ns() if now_ns is None else now_ns
+        # Bandwidth is per link: the bytes go out after those already queued for the same peer.
+        start = max(now, self._free_ns.get(dst, 0))
+        sent = start + (round(nbytes * 8e3 / opts.bandwidth_mbps) if opts.bandwidth_mbps else 0)
+        self._free_ns[dst] = sent
+        return sent + round(opts.delay_ms * 1e6)
+
+
+def _hold_until(due_ns: int) -> None:
+    """The receiver's side: a message is not seen before its emulated arrival time."""
+    if due_ns > 0 and (wait := (due_ns - time.time_ns()) / 1e9) > 0:
+        time.sleep(wait)
 
 
 class Transport:
@@ -75,6 +108,7 @@ class Transport:
         self._addr, self._port = master_addr, master_port
         self.control_group = None
         self.bytes_sent = 0
+        self.links = LinkClock(options)
         # Sends are asynchronous: a gloo send completes only when the peer posts the matching
         # receive, and a blocking one would let a busy or departed peer stall this rank.
         self._inflight: list[tuple[object, torch.Tensor]] = []
@@ -114,30 +148,40 @@ class Transport:
         self.control_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
 
     # -- int64 vectors (control) -----------------------------------------------------------------
+    # On the wire: a header [length, due time] (the receiver must know the length before it can
+    # post the receive), then the values when there are any.
     def send_ints(self, dst: int, tag: int, values: list[int]) -> None:
-        self.options.sleep_for(8 * (len(values) + 1))
-        self._isend(torch.tensor([len(values)], dtype=torch.long), dst, self.control_group, tag)
+        nbytes = 8 * (len(values) + 2)
+        due = self.links.due_ns(dst, nbytes)
+        self._isend(torch.tensor([len(values), due], dtype=torch.long), dst, self.control_group, tag)
         if values:
             self._isend(torch.tensor(values, dtype=torch.long), dst, self.control_group, tag)
-        self.bytes_sent += 8 * (len(values) + 1)
+        self.bytes_sent += nbytes
 
     def recv_ints(self, src: int, tag: int, timeout_s: Optional[float] = None) -> list[int]:
-        n = torch.empty(1, dtype=torch.long)
-        self._recv(n, src, tag, self.control_group, timeout_s)
-        if int(n) == 0:
-            return []
-        buf = torch.empty(int(n), dtype=torch.long)
-        self._recv(buf, src, tag, self.control_group, timeout_s)
-        return buf.tolist()
+        header = torch.empty(2, dtype=torch.long)
+        self._recv(header, src, tag, self.control_group, timeout_s)
+        n, due = header.tolist()
+        values = []
+        if n:
+            buf = torch.empty(n, dtype=torch.long)
+            self._recv(buf, src, tag, self.control_group, timeout_s)
+            values = buf.tolist()
+        _hold_until(due)
+        return values
 
     # -- tensors (activations, tokens) -------------------------------------------------------------
+    # On the wire: the due time as one int64 on the control group (the tensor may go over NCCL,
+    # which carries no int64 side channel of ours), then the tensor itself.
     def send_tensor(self, dst: int, tag: int, t: torch.Tensor) -> None:
         if t.device.type != "cpu" and not self.use_nccl:
             t = t.cpu()
         group = self.control_group if t.device.type == "cpu" else None
-        self.options.sleep_for(t.numel() * t.element_size())
+        nbytes = 8 + t.numel() * t.element_size()
+        due = self.links.due_ns(dst, nbytes)
+        self._isend(torch.tensor([due], dtype=torch.long), dst, self.control_group, tag)
         self._isend(t.contiguous(), dst, group, tag if group is not None else 0)
-        self.bytes_sent += t.numel() * t.element_size()
+        self.bytes_sent += nbytes
 
     def _isend(self, t: torch.Tensor, dst: int, group, tag: int) -> None:
         try:
@@ -167,8 +211,11 @@ class Transport:
                     timeout_s: Optional[float] = None) -> torch.Tensor:
         # Token ids stay on the CPU; activations arrive on this rank's device.
         on_cpu = dtype == torch.long or not self.use_nccl
+        due = torch.empty(1, dtype=torch.long)
+        self._recv(due, src, tag, self.control_group, timeout_s)
         buf = torch.empty(shape, dtype=dtype, device="cpu" if on_cpu else self.device)
         self._recv(buf, src, tag if on_cpu else 0, self.control_group if on_cpu else None, timeout_s)
+        _hold_until(int(due))
         return buf if dtype == torch.long else buf.to(self.device)
 
     def _recv(self, buf, src, tag, group, timeout_s) -> None:

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from specpipe.config import ModelConfig
+
+if TYPE_CHECKING:  # only annotations need torch: the tokenizer imports this package without it
+    import torch
 
 
 class CheckpointError(ValueError):

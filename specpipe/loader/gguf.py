@@ -1,8 +1,8 @@
 """GGUF checkpoints (llama.cpp's single-file format), read lazily into canonical names.
 
-The file is memory-mapped once at open; only the metadata and the tensor directory are
-parsed then. A tensor's bytes are touched when `load` asks for it, so a pipeline stage
-pays only for its own slice of the model.
+The file is memory-mapped once at open; only the metadata (gguf_metadata.py, the reader the
+tokenizer shares) and the tensor directory are parsed then. A tensor's bytes are touched when
+`load` asks for it, so a pipeline stage pays only for its own slice of the model.
 
 Differences from the Hugging Face layout that this module undoes:
   * GGUF lists dimensions fastest-first, so its [in, out] is torch's (out, in).
@@ -31,6 +31,7 @@ import torch
 
 from specpipe.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig, RopeScaling
 from specpipe.loader.checkpoint import Checkpoint, CheckpointError
+from specpipe.loader.gguf_metadata import GGUFMetadataError, read_gguf_metadata
 
 # Architectures whose Q/K rows llama.cpp's converter permutes. llama.cpp itself calls
 # Mistral "llama"; a file that says "mistral" came from a llama-style writer too.
@@ -145,26 +146,22 @@ _REQUIRED = object()
 class _Metadata:
     """Typed access to GGUF key/values, with errors that name the file and the key."""
 
-    def __init__(self, reader: gguf.GGUFReader, file_name: str) -> None:
-        self._fields = reader.fields
+    def __init__(self, meta: dict[str, Any], file_name: str) -> None:
+        self._meta = meta
         self._file = file_name
 
     def array_len(self, key: str) -> Optional[int]:
-        field = self._fields.get(key)
-        return None if field is None else len(field.data)
+        value = self._meta.get(key)
+        return len(value) if isinstance(value, list) else None
 
     def _get(self, key: str, default: Any, accepts: tuple[type, ...], what: str) -> Any:
-        field = self._fields.get(key)
-        if field is None:
+        if key not in self._meta:
             if default is _REQUIRED:
                 raise CheckpointError(f"{self._file}: metadata is missing {key}")
             return default
-        if field.types and field.types[0] == gguf.GGUFValueType.ARRAY:
+        value = self._meta[key]
+        if isinstance(value, list):
             raise CheckpointError(f"{self._file}: metadata {key} is an array (per-layer values are not supported)")
-        try:
-            value = field.contents()
-        except UnicodeDecodeError:
-            raise CheckpointError(f"{self._file}: metadata {key} is not valid UTF-8") from None
         # bool is an int subclass, but a flag where a count belongs means a broken file.
         if isinstance(value, bool) or not isinstance(value, accepts):
             raise CheckpointError(f"{self._file}: metadata {key} should be {what}, got {value!r}")
@@ -231,8 +228,8 @@ def _rope_scaling(
     return scaling
 
 
-def _read_config(reader: gguf.GGUFReader, tensors: dict[str, Any], file_name: str) -> ModelConfig:
-    md = _Metadata(reader, file_name)
+def _read_config(meta: dict[str, Any], tensors: dict[str, Any], file_name: str) -> ModelConfig:
+    md = _Metadata(meta, file_name)
     arch = md.get_str("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise CheckpointError(
@@ -312,7 +309,13 @@ class GGUFCheckpoint(Checkpoint):
                 extras[t.name] = t
             else:
                 self._tensors[name] = t
-        self.config = _read_config(self._reader, {**extras, **self._tensors}, self.path.name)
+        try:
+            # After _open_reader: a missing, foreign, cut-off or corrupt file is reported by its
+            # checks first, which name the tensor or field at fault.
+            meta = read_gguf_metadata(self.path)
+        except GGUFMetadataError as e:
+            raise CheckpointError(f"{self.path.name}: {e.reason}") from None
+        self.config = _read_config(meta, {**extras, **self._tensors}, self.path.name)
         self._permuted = self.config.arch in PERMUTED_ARCHS
 
     def names(self) -> set[str]:

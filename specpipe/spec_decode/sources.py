@@ -11,6 +11,7 @@ Glossary:
 
 from __future__ import annotations
 
+import heapq
 import math
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -68,9 +69,55 @@ class TokenSource(ABC):
         """The request ended: free what the source holds for it."""
 
 
+class NgramIndex:
+    """n-gram -> Counter of the tokens that followed it, over a token sequence that only grows.
+
+    Holds, for every n in [min_n, max_n], each occurrence whose follower is inside the sequence.
+    `extend` adds the occurrences that new tokens complete, so keeping up costs O(new tokens x
+    n-gram sizes) instead of a scan of the whole context per query.
+    """
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self._follow: dict[int, dict[tuple[int, ...], Counter]] = {n: {} for n in range(min_n, max_n + 1)}
+
+    def extend(self, new_tokens: Sequence[int]) -> None:
+        start = len(self.tokens)
+        self.tokens.extend(new_tokens)
+        toks = self.tokens
+        for j in range(max(start, self.min_n), len(toks)):  # j: the follower's index
+            for n, table in self._follow.items():
+                if n > j:
+                    break
+                gram = tuple(toks[j - n:j])
+                follow = table.get(gram)
+                if follow is None:
+                    follow = table[gram] = Counter()
+                follow[toks[j]] += 1
+
+    def followers(self, path: Sequence[int], n: int) -> Counter:
+        """Tokens that followed the last n tokens of `tokens + path`, wherever an earlier
+        occurrence lies (in the indexed prefix, or overlapping `path`), with their counts.
+        Read-only: when nothing overlaps the path, this is the index's own Counter."""
+        tail_start = max(0, len(self.tokens) - n)  # occurrences from here on overlap the path
+        tail = self.tokens[tail_start:] + list(path)
+        suffix = tail[len(tail) - n:]
+        indexed = self._follow[n].get(tuple(suffix), Counter())  # followers inside the prefix
+        # An occurrence starting at or after tail_start has its follower at len(tokens) or later,
+        # in the path: the index does not hold those. Scan them; there are at most len(path).
+        scanned = Counter(tail[i + n] for i in range(len(tail) - n) if tail[i:i + n] == suffix)
+        return indexed + scanned if scanned else indexed
+
+
 class NgramSource(TokenSource):
-    """Prompt lookup: find the most recent earlier occurrence of the context's last n tokens
-    (longest n first) and propose the tokens that followed it. No model."""
+    """Prompt lookup: find earlier occurrences of the context's last n tokens (longest n first)
+    and propose the tokens that followed them. No model.
+
+    A node's context is the committed sequence plus the node's path. The committed part is kept
+    in an NgramIndex per request, brought up to date on each propose from tree.num_committed, so
+    a lookup costs O(path length x n) plus a dictionary read, however long the context is.
+    """
 
     name = "ngram"
 
@@ -78,28 +125,47 @@ class NgramSource(TokenSource):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.max_n, self.min_n = max_n, min_n
+        self._requests: dict[int, tuple[TokenTree, NgramIndex]] = {}
+
+    def start(self, request_id):
+        self._requests.pop(request_id, None)
+
+    def finish(self, request_id):
+        self._requests.pop(request_id, None)
+
+    def _index(self, request_id: int, tree: TokenTree) -> NgramIndex:
+        held = self._requests.get(request_id)
+        # Started lazily: a caller may skip start(). A different tree under the same id (a reused
+        # id, or a caller that never finished) gets a fresh index rather than a wrong one.
+        if held is None or held[0] is not tree:
+            held = self._requests[request_id] = (tree, NgramIndex(self.min_n, self.max_n))
+        index = held[1]
+        if len(index.tokens) < tree.num_committed:
+            index.extend(tree.committed_since(len(index.tokens)))
+        return index
 
     def propose(self, request_id, tree, rows, want, k):
-        committed = tree.committed
-        return {n: self.lookup(list(committed) + tree.path_tokens(n) if n != tree.root_id else list(committed), k)
-                for n in want}
+        index = self._index(request_id, tree)
+        return {n: self._candidates(index, tree.path_tokens(n), k) for n in want}
 
     def lookup(self, context: Sequence[int], k: int) -> list[tuple[int, float]]:
-        """Candidates for the token after `context`, scored by how often each followed the
-        longest matching suffix (log of the relative frequency, minus a penalty for short n)."""
-        L = len(context)
+        """Candidates for the token after `context` alone (no request, nothing kept)."""
+        index = NgramIndex(self.min_n, self.max_n)
+        index.extend(context)
+        return self._candidates(index, [], k)
+
+    def _candidates(self, index: NgramIndex, path: Sequence[int], k: int) -> list[tuple[int, float]]:
+        """Candidates for the token after `index.tokens + path`, scored by how often each followed
+        the longest matching suffix (log of the relative frequency, minus a penalty for short n)."""
+        L = len(index.tokens) + len(path)
         for n in range(min(self.max_n, L - 1), self.min_n - 1, -1):
-            suffix = list(context[L - n:])
-            follow: Counter = Counter()
-            for i in range(L - n - 1, -1, -1):
-                if list(context[i:i + n]) == suffix:
-                    follow[context[i + n]] += 1
+            follow = index.followers(path, n)
             if follow:
                 total = sum(follow.values())
                 # A short match is weaker evidence: lower its scores so that, merged with a
                 # model source, it does not crowd out the model's confident guesses.
                 penalty = math.log(n / self.max_n)
-                ranked = sorted(follow.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+                ranked = heapq.nsmallest(k, follow.items(), key=lambda kv: (-kv[1], kv[0]))
                 return [(tok, math.log(c / total) + penalty) for tok, c in ranked]
         return []
 
@@ -120,14 +186,12 @@ class MergedSource(TokenSource):
             s.start(request_id)
 
     def propose(self, request_id, tree, rows, want, k):
-        merged: dict[int, dict[int, float]] = {n: {} for n in want}
-        for s in self.sources:
-            for node, cands in s.propose(request_id, tree, rows, want, k).items():
-                best = merged[node]
-                for tok, lp in cands:
-                    if tok not in best or lp > best[tok]:
-                        best[tok] = lp
-        return {n: sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))[:k] for n, c in merged.items()}
+        return _merge([s.propose(request_id, tree, rows, want, k) for s in self.sources], want, k)
+
+    def propose_many(self, calls):
+        # Each source sees the whole step at once (a model source batches it into one forward).
+        per_source = [s.propose_many(calls) for s in self.sources]
+        return [_merge([props[i] for props in per_source], c.want, c.k) for i, c in enumerate(calls)]
 
     def observe(self, request_id, commit, drop):
         for s in self.sources:
@@ -138,4 +202,17 @@ class MergedSource(TokenSource):
             s.finish(request_id)
 
 
-__all__ = ["MergedSource", "NgramSource", "ProposeCall", "Proposals", "SourceRows", "TokenSource"]
+def _merge(proposals: Sequence[dict[int, list[tuple[int, float]]]], want: Sequence[int],
+           k: int) -> dict[int, list[tuple[int, float]]]:
+    """One candidate list per node from several sources': each token keeps its best logprob."""
+    merged: dict[int, dict[int, float]] = {n: {} for n in want}
+    for props in proposals:
+        for node, cands in props.items():
+            best = merged[node]
+            for tok, lp in cands:
+                if tok not in best or lp > best[tok]:
+                    best[tok] = lp
+    return {n: sorted(c.items(), key=lambda kv: (-kv[1], kv[0]))[:k] for n, c in merged.items()}
+
+
+__all__ = ["MergedSource", "NgramIndex", "NgramSource", "ProposeCall", "Proposals", "SourceRows", "TokenSource"]

@@ -1,6 +1,7 @@
 """The dynamic speculative token tree of one request (SPEC.md §3-§4), kept by the driver.
 
-Pure Python: no torch, no model, no processes. numpy only builds the tree attention mask.
+Pure Python: no torch, no model, no processes. (Each stage builds its tree attention mask itself,
+in worker/slot_table.py, from the parent ids the rows carry.)
 
 Glossary:
   committed  -- every token the target has decided, prompt included, in order.
@@ -19,25 +20,15 @@ Glossary:
 Positions are absolute and never change while a node lives; depth is relative to the current
 root (depth = position - p), so after a hit every survivor's depth drops by one. Node ids are
 unique for the request's lifetime and increase in creation order; since a parent is always created
-before its children, id order is also a topological order, which lets pruning and masks work in one
-pass over the live nodes (O(live) per step, with about W*S live nodes).
+before its children, id order is also a topological order, which lets pruning work in one pass
+over the live nodes (O(live) per step, with about W*S live nodes).
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional, Sequence
-
-import numpy as np
-
-
-class NodeStatus(enum.Enum):
-    WAITING = "waiting"      # created, not yet sent to stage 1
-    IN_FLIGHT = "in_flight"  # somewhere in the pipeline
-    COMPUTED = "computed"    # left the last stage; its target token is known
-    PRUNED = "pruned"        # dropped by verification; no longer in the tree
+from typing import Mapping, Optional, Sequence
 
 
 @dataclass(slots=True)
@@ -48,7 +39,6 @@ class Node:
     position: int           # absolute position in the sequence; fixed for the node's life
     logprob: float          # draft log-probability of `token` given the path to it
     score: float            # sum of logprobs from the current root (the root's own score is 0)
-    status: NodeStatus = NodeStatus.WAITING
     target: Optional[int] = None  # the target's token for position + 1, once computed
 
 
@@ -104,6 +94,13 @@ class TokenTree:
     @property
     def num_committed(self) -> int:
         return len(self._committed)
+
+    def committed_since(self, start: int) -> list[int]:
+        """The committed tokens from index `start` on: O(new tokens), for readers that keep up
+        with the sequence incrementally (the n-gram index) instead of copying all of it."""
+        if not 0 <= start <= len(self._committed):
+            raise IndexError(f"committed_since({start}): {len(self._committed)} tokens are committed")
+        return self._committed[start:]
 
     @property
     def root(self) -> Node:
@@ -185,37 +182,11 @@ class TokenTree:
         """The speculative continuation of the committed sequence that ends at `node_id`."""
         return [self._nodes[i].token for i in self.ancestors(node_id)]
 
-    def attention_mask(self, node_ids: Sequence[int]) -> np.ndarray:
-        """Tree attention among `node_ids`: mask[i, j] is True iff node j is node i or one of its
-        ancestors. Shape (len(node_ids), len(node_ids)), dtype bool. The committed prefix (root
-        included) is visible to every node and is not part of this mask.
-        """
-        index = {nid: k for k, nid in enumerate(node_ids)}
-        if len(index) != len(node_ids):
-            raise ValueError("attention_mask: node ids must be distinct")
-        mask = np.zeros((len(node_ids), len(node_ids)), dtype=bool)
-        for i, nid in enumerate(node_ids):
-            for anc in self.ancestors(nid):
-                j = index.get(anc)
-                if j is not None:
-                    mask[i, j] = True
-            mask[i, i] = True  # also for the root, whose ancestor list is empty
-        return mask
-
     # ---- driver bookkeeping ------------------------------------------------------------------
-
-    def set_status(self, node_ids: Iterable[int], status: NodeStatus) -> None:
-        """Record where nodes are in the pipeline (PRUNED is verify's job, not the caller's)."""
-        if status is NodeStatus.PRUNED:
-            raise ValueError("nodes are pruned by verify(), not by set_status()")
-        for nid in node_ids:
-            self.node(nid).status = status
 
     def record_target(self, node_id: int, token: int) -> None:
         """The last stage computed `node_id`: the target's token for its position + 1."""
-        node = self.node(node_id)
-        node.target = int(token)
-        node.status = NodeStatus.COMPUTED
+        self.node(node_id).target = int(token)
 
     def root_target(self) -> Optional[int]:
         """The root's target token if it has been computed: verify(root_target()) is due."""
@@ -286,15 +257,12 @@ class TokenTree:
                     survivors[nid] = n
                 elif nid != child.node_id:
                     pruned.append(nid)
-                    n.status = NodeStatus.PRUNED
             child.parent, child.score = None, 0.0
             for n in survivors.values():  # re-summed rather than shifted: exact, and safe at -inf
                 n.score = survivors.get(n.parent, child).score + n.logprob
             self._root = child
         else:
             pruned = list(self._nodes)
-            for n in self._nodes.values():
-                n.status = NodeStatus.PRUNED
             self._root = self._new_root(token)
         self._nodes = survivors
         return VerifyResult(

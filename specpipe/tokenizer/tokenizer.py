@@ -11,8 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import mmap
-import struct
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -20,75 +18,13 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
+from specpipe.loader.gguf_metadata import GGUFMetadataError, read_gguf_metadata
+
 log = logging.getLogger(__name__)
 
 
 class TokenizerError(ValueError):
     """A tokenizer that cannot be loaded or used; the message is meant for the user."""
-
-
-# --- GGUF metadata ---------------------------------------------------------------------------
-
-_GGUF_SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def read_gguf_metadata(path: str | Path) -> dict[str, Any]:
-    """All key/value metadata of a GGUF file (v2/v3), without reading its tensors.
-
-    gguf.GGUFReader builds a numpy view per array element and needs ~2.5 s for SmolLM2's 49k
-    tokens + 49k merges; walking the header with struct is an order of magnitude faster.
-    """
-    path = Path(path)
-    try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-            if buf[:4] != b"GGUF":
-                raise TokenizerError(f"{path}: not a GGUF file (it does not start with 'GGUF')")
-            # A small version number read the wrong way round has its low half zero: the file is big-endian.
-            end = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"
-            (version,) = struct.unpack_from(end + "I", buf, 4)
-            if version not in (2, 3):
-                raise TokenizerError(f"{path}: GGUF version {version} is not supported (only 2 and 3)")
-            (n_kv,) = struct.unpack_from(end + "Q", buf, 16)
-
-            def string(off: int) -> tuple[str, int]:
-                (n,) = struct.unpack_from(end + "Q", buf, off)
-                if off + 8 + n > len(buf):  # slicing past the end would quietly return less
-                    raise struct.error("string runs past the end of the file")
-                return buf[off + 8 : off + 8 + n].decode("utf-8", "replace"), off + 8 + n
-
-            def value(vtype: int, off: int) -> tuple[Any, int]:
-                if vtype == _GGUF_STRING:
-                    return string(off)
-                if vtype in _GGUF_SCALAR:
-                    fmt = end + _GGUF_SCALAR[vtype]
-                    return struct.unpack_from(fmt, buf, off)[0], off + struct.calcsize(fmt)
-                if vtype != _GGUF_ARRAY:
-                    raise TokenizerError(f"{path}: unknown GGUF value type {vtype}")
-                etype, count = struct.unpack_from(end + "IQ", buf, off)
-                off += 12
-                if etype in _GGUF_SCALAR:  # numbers: one unpack for the whole array
-                    fmt = f"{end}{count}{_GGUF_SCALAR[etype]}"
-                    return list(struct.unpack_from(fmt, buf, off)), off + struct.calcsize(fmt)
-                items = []
-                for _ in range(count):
-                    item, off = value(etype, off)
-                    items.append(item)
-                return items, off
-
-            meta: dict[str, Any] = {}
-            off = 24
-            for _ in range(n_kv):
-                key, off = string(off)
-                (vtype,) = struct.unpack_from(end + "I", buf, off)
-                meta[key], off = value(vtype, off + 4)
-            return meta
-    except struct.error as e:
-        raise TokenizerError(f"{path}: GGUF metadata is cut short ({e}); the file may be truncated") from e
-    except (OSError, ValueError) as e:  # ValueError: mmap of an empty file
-        if isinstance(e, TokenizerError):
-            raise
-        raise TokenizerError(f"{path}: cannot read GGUF metadata ({e})") from e
 
 
 # --- byte-level BPE from GGUF ("gpt2") ----------------------------------------------------------
@@ -205,7 +141,10 @@ def _sentencepiece_from_gguf(meta: dict[str, Any], path: Path) -> tuple[_Backend
 
 
 def _from_gguf(path: Path) -> Tokenizer:
-    meta = read_gguf_metadata(path)
+    try:
+        meta = read_gguf_metadata(path)
+    except GGUFMetadataError as e:
+        raise TokenizerError(str(e)) from None
     kind = meta.get("tokenizer.ggml.model")
     if "tokenizer.ggml.tokens" not in meta:
         raise TokenizerError(f"{path}: this GGUF file holds no tokenizer (no tokenizer.ggml.tokens)")

@@ -1,13 +1,9 @@
-"""Sampling keyed by (seed, position), and the model-free speculative sources."""
-
-import math
+"""Sampling keyed by (seed, position)."""
 
 import pytest
 import torch
 
 from specpipe.sampling import SamplingParams, position_uniform, target_tokens
-from specpipe.spec_decode.sources import MergedSource, NgramSource, SourceRows, TokenSource
-from specpipe.spec_decode.tree import TokenTree
 
 
 def test_greedy_is_argmax():
@@ -55,32 +51,4 @@ def test_bad_sampling_params(bad):
         SamplingParams(**bad)
 
 
-def test_ngram_proposes_what_followed_the_longest_match():
-    src = NgramSource(max_n=3)
-    ctx = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
-    cands = src.lookup(ctx, k=4)
-    assert [t for t, _ in cands] == [7, 9]  # both followed "1 2 3"; ties broken by token id
-    assert all(lp <= 0 for _, lp in cands)
-    assert src.lookup([4, 5, 6], k=4) == []
-
-
-def test_ngram_uses_the_tree_path():
-    tree = TokenTree([1, 2, 3, 4, 1, 2], width=4)
-    node = tree.expand({tree.root_id: [(3, -0.1)]})[0]
-    props = NgramSource().propose(0, tree, SourceRows([], [], [], []), [node.node_id], 4)
-    assert props[node.node_id][0][0] == 4  # "... 1 2 3" was followed by 4
-
-
-class Fixed(TokenSource):
-    def __init__(self, cands):
-        self.cands = cands
-
-    def propose(self, request_id, tree, rows, want, k):
-        return {n: self.cands for n in want}
-
-
-def test_merged_source_keeps_the_best_score_per_token():
-    m = MergedSource([Fixed([(1, -2.0), (2, -0.5)]), Fixed([(1, -0.1), (3, -3.0)])])
-    got = m.propose(0, None, None, [0], k=3)[0]
-    assert got == [(1, -0.1), (2, -0.5), (3, -3.0)]
-    assert not any(math.isnan(lp) for _, lp in got)
+# The n-gram and merged sources are tested in tests/spec_decode/test_sources.py.

@@ -288,6 +288,17 @@ def test_unknown_architecture(tmp_path):
         GGUFCheckpoint(path)
 
 
+@pytest.mark.parametrize("add, message", [
+    (lambda wr: wr.add_string("llama.block_count", "two"), "metadata llama.block_count should be an integer, got 'two'"),
+    (lambda wr: wr.add_bool("llama.rope.freq_base", True), "metadata llama.rope.freq_base should be a number, got True"),
+    (lambda wr: wr.add_array("llama.feed_forward_length", [FFN, FFN]), "metadata llama.feed_forward_length is an array"),
+])
+def test_metadata_of_the_wrong_type(tmp_path, add, message):
+    path = write_gguf(tmp_path / "bad.gguf", tiny_weights(), meta=add)  # the writer keeps the last value
+    with pytest.raises(CheckpointError, match=f"bad.gguf: {message}"):
+        GGUFCheckpoint(path)
+
+
 def test_not_gguf_missing_and_empty(tmp_path):
     (tmp_path / "model.gguf").write_text("this is not a model\n")
     with pytest.raises(CheckpointError, match=r"model.gguf: not a GGUF file \(bad magic"):

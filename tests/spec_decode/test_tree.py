@@ -3,12 +3,11 @@ independent reference model (parents recorded at creation, pruning recomputed fr
 
 import math
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specpipe.spec_decode.tree import NodeStatus, TokenTree
+from specpipe.spec_decode.tree import TokenTree
 
 PROMPT = [11, 12, 13]
 
@@ -135,7 +134,7 @@ def test_verify_hit_promotes_child_and_prunes_siblings():
     assert set(res.pruned) == {l1[6].node_id, l2[8].node_id, l3[10].node_id}
     assert res.surviving == (l2[7].node_id, l3[9].node_id)
     assert tree.committed == (11, 12, 13, 5)
-    assert l1[6].status is NodeStatus.PRUNED and l1[6].node_id not in tree
+    assert l1[6].node_id not in tree and not tree.is_live(l2[8].node_id)
     # positions stay, depths and scores are re-based on the new root
     assert tree.position(l3[9].node_id) == pos9 and tree.depth_of(l3[9].node_id) == 2
     assert tree.root.score == 0.0 and tree.root.parent is None
@@ -153,7 +152,7 @@ def test_verify_miss_makes_fresh_root_and_drops_everything():
     res = tree.verify(42)
     assert not res.hit and res.surviving == () and len(res.pruned) == 3
     assert res.committed_id == tree.root_id > highest
-    assert tree.root.token == 42 and tree.root_position == 3 and tree.root.status is NodeStatus.WAITING
+    assert tree.root.token == 42 and tree.root_position == 3 and tree.root_target() is None
     assert tree.num_live() == 0 and [n.node_id for n in tree.frontier()] == [tree.root_id]
     assert tree.committed == (11, 12, 13, 42)
     assert (tree.hits, tree.verifications) == (0, 1)
@@ -177,36 +176,32 @@ def test_frontier_after_hit_is_deepest_surviving_layer():
     assert {n.node_id for n in tree.frontier()} == {l2[7].node_id, l2[8].node_id}
 
 
-def test_recorded_targets_and_status():
+def test_recorded_targets():
     tree = TokenTree(PROMPT, width=2)
     l1 = grow(tree, {tree.root_id: [(5, -0.1)]})
-    tree.set_status([tree.root_id, l1[5].node_id], NodeStatus.IN_FLIGHT)
-    assert tree.root_target() is None and l1[5].status is NodeStatus.IN_FLIGHT
+    assert tree.root_target() is None
     tree.record_target(tree.root_id, 5)
     tree.record_target(l1[5].node_id, 9)
     assert tree.root_target() == 5
     with pytest.raises(ValueError):
         tree.verify(6)  # disagrees with what the last stage reported
-    with pytest.raises(ValueError):
-        tree.set_status([tree.root_id], NodeStatus.PRUNED)
     tree.verify(tree.root_target())
     assert tree.root_target() == 9  # the new root was already computed: verify is due again
 
 
-def test_attention_mask_on_subset_and_order():
-    tree = TokenTree(PROMPT, width=4)
-    l1 = grow(tree, {tree.root_id: [(1, -0.1), (2, -0.2)]})
-    l2 = grow(tree, {l1[1].node_id: [(3, -0.1)], l1[2].node_id: [(4, -0.1)]})
-    ids = [l2[3].node_id, l1[1].node_id, l2[4].node_id, tree.root_id]
-    mask = tree.attention_mask(ids)
-    expect = np.array([
-        [1, 1, 0, 0],
-        [0, 1, 0, 0],
-        [0, 0, 1, 0],  # its parent (token 2) is not among the given ids
-        [0, 0, 0, 1],
-    ], dtype=bool)
-    assert mask.dtype == bool and (mask == expect).all()
-    assert tree.attention_mask([]).shape == (0, 0)
+def test_committed_since_reads_only_the_new_tokens():
+    tree = TokenTree(PROMPT, width=2)
+    assert tree.committed_since(0) == PROMPT and tree.committed_since(3) == []
+    grow(tree, {tree.root_id: [(5, -0.1)]})
+    tree.verify(5)
+    tree.verify(8)
+    assert tree.committed_since(3) == [5, 8] and tree.num_committed == 5
+    got = tree.committed_since(4)
+    got.append(99)  # a copy of the tail: the tree is not changed through it
+    assert tree.committed == (11, 12, 13, 5, 8)
+    for bad in (-1, 6):
+        with pytest.raises(IndexError):
+            tree.committed_since(bad)
 
 
 # ---- random operation sequences against a reference model ------------------------------------
@@ -255,6 +250,7 @@ def check_invariants(tree, ref):
     assert set(ids) == ref.live and ids == sorted(ids)
     assert tree.num_live() == len(ids)
     assert tree.committed == tuple(ref.prompt + ref.verified)
+    assert tree.committed_since(len(ref.prompt)) == ref.verified and tree.num_committed == len(tree.committed)
     assert tree.root_id == ref.root and tree.root_position == len(tree.committed) - 1
     assert tree.root.parent is None and tree.root.token == tree.committed[-1]
     assert tree.num_live() <= ref.max_width * tree.max_depth()
@@ -276,16 +272,6 @@ def check_invariants(tree, ref):
         assert [n.node_id for n in tree.layer(d)] == [i for i, dd in zip(ids, depths) if dd == d]
     assert {n.node_id for n in tree.frontier()} == (
         {i for i, d in zip(ids, depths) if d == max(depths)} if ids else {tree.root_id})
-
-
-def check_mask(tree, ref, data):
-    pool = sorted(ref.live | {ref.root})
-    subset = data.draw(st.lists(st.sampled_from(pool), unique=True, max_size=len(pool)) if pool else st.just([]),
-                       label="mask subset")
-    mask = tree.attention_mask(subset)
-    expect = np.array([[j == i or j in ref.chain(i) for j in subset] for i in subset], dtype=bool)
-    assert mask.shape == (len(subset), len(subset))
-    assert (mask == expect.reshape(mask.shape)).all()
 
 
 def do_expand(tree, ref, data):
@@ -311,7 +297,7 @@ def do_expand(tree, ref, data):
     for n in new:
         ref.fresh(n.node_id)
         assert n.logprob == best[(n.parent, n.token)]
-        assert n.status is NodeStatus.WAITING
+        assert n.target is None
         ref.parent[n.node_id] = n.parent
         ref.token[n.node_id] = n.token
         ref.logprob[n.node_id] = n.logprob
@@ -362,4 +348,3 @@ def test_random_expand_verify_sequences(prompt, width, data):
             tree.width = data.draw(st.integers(1, 5), label="new width")
             ref.max_width = max(ref.max_width, tree.width)
         check_invariants(tree, ref)
-        check_mask(tree, ref, data)

