@@ -28,7 +28,6 @@ import torch  # noqa: E402
 
 from specbench import load_prompts  # noqa: E402
 from specpipe.config import StageSpec  # noqa: E402
-from specpipe.engine.decode_rounds import decode_rounds  # noqa: E402
 from specpipe.engine.default_model import default_model_path  # noqa: E402
 from specpipe.engine.engine import decode  # noqa: E402
 from specpipe.engine.launcher import in_process  # noqa: E402
@@ -39,7 +38,7 @@ from specpipe.request import Request  # noqa: E402
 from specpipe.sampling import SamplingParams  # noqa: E402
 from specpipe.sim.oracle_pipeline import OraclePipeline  # noqa: E402
 
-SLOTS = 4096
+BLOCKS, BLOCK_SIZE = 256, 16  # KV pool per stage and for the draft: 4096 slots
 
 
 def log(msg: str) -> None:
@@ -61,12 +60,12 @@ def reference_outputs(target_path, ckpt, prompts_ids, max_tokens, stop_ids, cach
     cache = cache_dir / f"reference-{key}.json"
     if cache.is_file():
         return json.loads(cache.read_text())
-    pipe = in_process(ckpt, [StageSpec.whole(ckpt.config)], SLOTS, "cpu", torch.float32)
+    pipe = in_process(ckpt, [StageSpec.whole(ckpt.config)], BLOCKS, BLOCK_SIZE, "cpu", torch.float32)
     outs = []
     for i, ids in enumerate(prompts_ids):
         t0 = time.perf_counter()
         req = Request(i, ids, SamplingParams(max_tokens=max_tokens), stop_ids)
-        decode_rounds(pipe, req)
+        decode(pipe, req, "pp")
         outs.append(req.output_ids)
         log(f"  reference {i + 1}/{len(prompts_ids)}: {len(req.output_ids)} tokens in {time.perf_counter() - t0:.1f} s")
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -109,7 +108,7 @@ def main() -> None:
                               add_special_tokens=False) for p in prompts]
     log(f"target {Path(target_path).name}, source {draft_spec}, {len(prompts)} prompts, {args.max_tokens} tokens")
     refs = reference_outputs(target_path, ckpt, prompts_ids, args.max_tokens, stop_ids, Path(args.cache_dir))
-    source = build_source(draft_spec, ckpt, tok, SLOTS)
+    source = build_source(draft_spec, ckpt, tok, BLOCKS, BLOCK_SIZE)
     stages = [int(s) for s in args.stages.split(",")]
     widths = [int(w) for w in args.widths.split(",")]
     width_stages = {int(s) for s in args.width_stages.split(",")}
@@ -190,7 +189,7 @@ def validate(ckpt, source, ids, ref, max_tokens, stop_ids, width) -> None:
     """Run specpipe on a real in-process pipeline at S=4 and compare with the oracle."""
     from specpipe.loader.partition import partition_layers
 
-    pipe = in_process(ckpt, partition_layers(ckpt.config.num_layers, 4), SLOTS, "cpu", torch.float32)
+    pipe = in_process(ckpt, partition_layers(ckpt.config.num_layers, 4), BLOCKS, BLOCK_SIZE, "cpu", torch.float32)
     real = run_mode(pipe, "specpipe", ids, max_tokens, stop_ids, source, width, 0)
     oracle = run_mode(OraclePipeline(4, ids + ref), "specpipe", ids, max_tokens, stop_ids, source, width, 0)
     same = (real.output_ids, real.stats.pipeline_steps, real.stats.hits) == \

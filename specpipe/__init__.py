@@ -1,3 +1,21 @@
-"""SpecPipe: pipeline-parallel LLM inference kept busy by a dynamic speculative token tree."""
+"""SpecPipe: pipeline-parallel LLM inference kept busy by a dynamic speculative token tree.
+
+    from specpipe import LLM, SamplingParams
+"""
 
 __version__ = "0.1.0"
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy, so that `specpipe --version` and the stage processes do not import the whole engine.
+    if name in ("LLM", "RequestOutput"):
+        from specpipe.engine import llm
+
+        return getattr(llm, name)
+    if name == "SamplingParams":
+        from specpipe.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'specpipe' has no attribute {name!r}")

@@ -15,7 +15,6 @@ import multiprocessing
 import sys
 from pathlib import Path
 
-from specpipe.config import ConfigError
 
 MESSAGE = ("SpecPipe starts its pipeline stages as new processes, which re-import your script: put the code "
            "that creates the engine (LLM(...), Engine(...)) under `if __name__ == \"__main__\":`")
@@ -24,7 +23,7 @@ MESSAGE = ("SpecPipe starts its pipeline stages as new processes, which re-impor
 def check_main_guard() -> None:
     if multiprocessing.parent_process() is not None and multiprocessing.current_process().name.startswith(
             "specpipe-stage"):
-        raise ConfigError(MESSAGE)  # we are a stage child re-importing an unguarded script
+        raise SystemExit(f"specpipe: error: {MESSAGE}")  # a stage child re-importing an unguarded script
     main = sys.modules.get("__main__")
     path = getattr(main, "__file__", None)
     if main is None or path is None or not Path(path).is_file():
@@ -37,7 +36,8 @@ def check_main_guard() -> None:
     if frame is None:
         return  # not reached from the script's module-level code (e.g. a thread)
     if not _under_main_guard(Path(path), frame.f_lineno):
-        raise ConfigError(MESSAGE)
+        # One sentence, no traceback: the fix is in the user's script, not in a stack trace.
+        raise SystemExit(f"specpipe: error: {MESSAGE}")
 
 
 def _under_main_guard(path: Path, line: int) -> bool:

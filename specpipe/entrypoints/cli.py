@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wrap the prompt in the model's chat template (default when it has one)")
     g.add_argument("--no-chat", dest="chat", action="store_false")
     g.add_argument("--json", action="store_true", help="print one JSON object with tokens and stats as the last line")
-    g.add_argument("--mode", default="pp", help="pp | tree | specpipe (default pp)")
+    g.add_argument("--mode", default="pp", help="pp | pp-cb | tree | specpipe | specpipe-db (default pp)")
     g.add_argument("--stages", type=int, default=1, help="pipeline stages S (default 1)")
     g.add_argument("--stage-layers", default=None, help="layers per stage, e.g. 8,8,7,7 (default: even split)")
     g.add_argument("--draft", default=None,
@@ -52,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--link-bandwidth-mbps", type=float, default=0.0, help="emulated link bandwidth (0 = unlimited)")
     g.add_argument("--stage-timeout", type=float, default=30.0,
                    help="seconds without an answer from the pipeline before requests fail (default 30)")
+    g.add_argument("--max-num-seqs", type=_positive_int, default=32, help="requests in the pipeline at once (default 32)")
+    g.add_argument("--max-step-rows", type=_positive_int, default=64,
+                   help="pp-cb/specpipe-db: rows entering stage 1 per step, prefill chunks included (default 64)")
+    g.add_argument("--kv-memory", default=None,
+                   help="KV cache per stage, e.g. 2GiB (default: --kv-memory-fraction of the free memory)")
+    g.add_argument("--kv-memory-fraction", type=float, default=0.25,
+                   help="share of free memory for the KV caches when --kv-memory is not given (default 0.25)")
+    g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default 16)")
     g.add_argument("--quiet", action="store_true", help="no progress or stats on stderr")
     return p
 
@@ -70,7 +78,9 @@ def _generate(args: argparse.Namespace) -> int:
                           tree_width=args.tree_width, tree_depth=args.tree_depth,
                           max_context=args.max_context, device=args.device, dtype=args.dtype,
                           transport=args.transport, link_delay_ms=args.link_delay_ms,
-                          link_bandwidth_mbps=args.link_bandwidth_mbps, stage_timeout_s=args.stage_timeout)
+                          link_bandwidth_mbps=args.link_bandwidth_mbps, stage_timeout_s=args.stage_timeout,
+                          max_num_seqs=args.max_num_seqs, max_step_rows=args.max_step_rows, kv_memory=args.kv_memory,
+                          kv_memory_fraction=args.kv_memory_fraction, block_size=args.block_size)
     config.validate()  # bad configuration is reported before any process starts
     rank_env = RankEnv.from_environ()
     if rank_env is not None and rank_env.rank > 0:
@@ -94,15 +104,24 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve_stage(config, env) -> int:
     """A stage rank under torchrun: load its layers and serve until the driver stops."""
+    import os
+
     from specpipe.engine.default_model import default_model_path
+    from specpipe.engine.engine import spec_reserve
+    from specpipe.engine.kv_pool import pool_blocks
     from specpipe.engine.launcher import torchrun_stage
     from specpipe.loader import open_checkpoint
     from specpipe.loader.partition import partition_layers
 
     path = config.model or str(default_model_path())
-    layers = open_checkpoint(path).config.num_layers
-    specs = partition_layers(layers, config.stages, config.stage_layers)
-    return torchrun_stage(env, path, specs, config.num_slots(), config.device, config.torch_dtype(), config.link())
+    cfg = open_checkpoint(path).config
+    specs = partition_layers(cfg.num_layers, config.stages, config.stage_layers)
+    # The pool this machine's memory allows (shared with the other ranks on it); the driver admits
+    # requests against the smallest pool that any stage reports.
+    reserve = spec_reserve(config.mode, config.tree_width, config.tree_depth, config.stages)
+    blocks = pool_blocks(config, cfg, specs, reserve, sharing=int(os.environ.get("LOCAL_WORLD_SIZE", len(specs))))
+    return torchrun_stage(env, path, specs, blocks, config.block_size, config.device, config.torch_dtype(),
+                          config.link())
 
 
 def _summary(s: dict, n: int) -> str:

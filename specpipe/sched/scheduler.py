@@ -111,9 +111,9 @@ class Scheduler:
         # Single committed rows first (a decode step for everyone), then prompt chunks.
         for chunks in (False, True):
             for rid in list(self.running):
-                w = wants.get(rid)
-                if w is None or w.chunkable != chunks or rid in musts:
-                    continue
+                w = wants[rid]
+                if rid not in self.running or w.chunkable != chunks or rid in musts:
+                    continue  # preempted a moment ago, or not this pass
                 m = self._must(w, budget)
                 if m and not self._make_room(rid, w.held + m, plan):
                     continue  # it was preempted itself
