@@ -14,7 +14,7 @@ It also records, per step, how many rows each stage computed: the input of the t
 from __future__ import annotations
 
 from collections import deque
-from typing import Sequence
+from typing import Callable, Sequence
 
 from specpipe.messages import NO_PARENT, Control, Results, Rows
 
@@ -22,14 +22,17 @@ OFF_PATH = -1  # target token reported for rows that are not on the committed pa
 
 
 class OraclePipeline:
-    def __init__(self, num_stages: int, sequence: Sequence[int]) -> None:
-        """`sequence`: prompt + greedy output of the target, the tokens every mode must commit."""
+    def __init__(self, num_stages: int, sequence: Sequence[int] | Callable[[int], Sequence[int]]) -> None:
+        """`sequence`: prompt + greedy output of the target, the tokens every mode must commit;
+        for many requests, a function from the request id the stages see (the pid) to its own."""
         self.num_stages = num_stages
-        self.sequence = list(sequence)
+        self._sequence = sequence if callable(sequence) else (lambda _rid, seq=list(sequence): seq)
         self._stages: deque[list[Rows]] = deque([[] for _ in range(num_stages)], maxlen=num_stages)
-        self._on_path: set[int] = set()
-        self._dropped: set[int] = set()
+        self._on_path: set[tuple[int, int]] = set()  # (request, node)
+        self._dropped: set[tuple[int, int]] = set()
+        self._released: set[int] = set()
         self._control = Control()
+        self.reported: list[dict] | None = None  # no real stages: reports are empty
         self.rows_per_step: list[list[int]] = []  # step -> rows computed at each stage
 
     def submit(self, control: Control, rows: list[Rows]) -> None:
@@ -38,14 +41,18 @@ class OraclePipeline:
 
     def collect(self) -> list[Results]:
         for p in self._control.prune:
-            self._dropped.update(p.drop)
+            self._dropped.update((p.request_id, n) for n in p.drop)
+        self._released.update(self._control.release)
         # Shift the pipeline by one stage: what stage s held last step is at stage s + 1 now.
         self._stages.appendleft(self._incoming)
         counts, results = [], []
         for s, batch in enumerate(self._stages):
             kept = []
             for rows in batch:
-                keep = [i for i, n in enumerate(rows.node_ids) if n not in self._dropped]
+                if rows.request_id in self._released:
+                    continue  # a stage drops the rows of a released request
+                rid = rows.request_id
+                keep = [i for i, n in enumerate(rows.node_ids) if (rid, n) not in self._dropped]
                 kept.append(rows.select(keep) if len(keep) < len(rows) else rows)
             self._stages[s] = [r for r in kept if len(r)]
             counts.append(sum(len(r) for r in self._stages[s]))
@@ -53,6 +60,7 @@ class OraclePipeline:
         for rows in self._stages[-1]:
             results.append(self._answer(rows))
         self._stages[-1] = []  # they leave the pipeline
+        self.reported = [] if self._control.report else None
         return results
 
     def step(self, control: Control, rows: list[Rows]) -> list[Results]:
@@ -61,22 +69,19 @@ class OraclePipeline:
 
     def _answer(self, rows: Rows) -> Results:
         tokens, node_ids = [], []
+        rid, seq = rows.request_id, self._sequence(rows.request_id)
         data = rows.data.tolist()
         picked = rows.head_rows if rows.head_rows is not None else range(len(rows))
         for i in range(len(rows)):
             n, parent, pos = rows.node_ids[i], rows.parent_ids[i], rows.positions[i]
-            if (parent == NO_PARENT or parent in self._on_path) and pos < len(self.sequence) \
-                    and data[i] == self.sequence[pos]:
-                self._on_path.add(n)
+            if (parent == NO_PARENT or (rid, parent) in self._on_path) and pos < len(seq) and data[i] == seq[pos]:
+                self._on_path.add((rid, n))
         for i in picked:
             n, pos = rows.node_ids[i], rows.positions[i]
-            ok = n in self._on_path and pos + 1 < len(self.sequence)
+            ok = (rid, n) in self._on_path and pos + 1 < len(seq)
             node_ids.append(n)
-            tokens.append(self.sequence[pos + 1] if ok else OFF_PATH)
+            tokens.append(seq[pos + 1] if ok else OFF_PATH)
         return Results(rows.request_id, node_ids, tokens)
-
-    def stage_stats(self) -> list[dict]:
-        return []
 
     def close(self) -> None:
         pass
