@@ -6,7 +6,7 @@ on the CPU with the same number of torch threads, on the same prompt, greedily:
 
   ours  -- the whole model as one stage (build_stage); prefill = one forward over the prompt
            (logits for the last row only), decode = one forward per token through the KV cache,
-           slots planned by KVManager, argmax in the loop.
+           slots planned by a SlotTable, argmax in the loop.
   HF    -- AutoModelForCausalLM.from_pretrained(dir, gguf_file=...); prefill = model(ids) with
            logits_to_keep=1 and a fresh cache (what generate() runs as its first step),
            decode = generate(max_new_tokens=N, min_new_tokens=N, do_sample=False) minus prefill.
@@ -41,7 +41,7 @@ from specpipe.config import StageSpec
 from specpipe.loader import open_checkpoint
 from specpipe.model.runner import run_rows
 from specpipe.model.stage import build_stage
-from specpipe.worker.slot_table import NO_PARENT, KVManager
+from specpipe.worker.slot_table import NO_PARENT, SlotTable
 
 SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT_TEXT = (
@@ -92,7 +92,7 @@ def prompt_ids(model_path: Path, n: int) -> list[int]:
 def ours_run(model, prompt: list[int], new_tokens: int, suppress: list[int]) -> tuple[float, float, list[int]]:
     """(prefill seconds, decode seconds, new tokens): one greedy generation."""
     n = len(prompt)
-    kvm = KVManager(n + new_tokens)
+    kvm = SlotTable(n + new_tokens, 1)  # one-slot blocks: exactly the slots needed
     kvm.admit(0)
     kv = model.make_kv_cache(n + new_tokens)
     ids = list(range(n))

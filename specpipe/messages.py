@@ -12,8 +12,8 @@ Control data are plain lists of ints; only the activations are a tensor.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from dataclasses import dataclass, field, fields
+from typing import ClassVar, Optional, Protocol
 
 import torch
 
@@ -56,6 +56,9 @@ class Rows:
 
     Parents precede their children within a message; every parent is either committed or a node
     that this stage has already computed (the pipeline is FIFO, so ancestors always arrive first).
+
+    `failed`: a marker with no rows saying that a stage ran out of KV for this request and dropped
+    it; every later stage drops the request too and passes the marker on (see `Results.failed`).
     """
 
     request_id: int
@@ -64,6 +67,11 @@ class Rows:
     positions: list[int]  # (T,) absolute positions
     data: torch.Tensor  # (T,) token ids into stage 1, (T, H) hidden states after
     head_rows: Optional[list[int]] = None  # rows whose target token is wanted; None = all
+    failed: bool = False  # no rows: the request ran out of KV at an earlier stage
+
+    @staticmethod
+    def failure(request_id: int) -> "Rows":
+        return Rows(request_id, [], [], [], torch.empty(0, dtype=torch.long), failed=True)
 
     def __len__(self) -> int:
         return len(self.node_ids)
@@ -86,11 +94,61 @@ class Rows:
 
 @dataclass
 class Results:
-    """The last stage's answer for one request: the target's token for each computed row."""
+    """The last stage's answer for one request: the target's token for each computed row.
+
+    `failed`: some stage ran out of KV for this request (node_ids and tokens are empty). Every
+    stage has freed the request's KV and drops its rows until the driver releases it; the driver
+    then re-queues it under a fresh request id. At most one such result comes per request id.
+    """
 
     request_id: int
-    node_ids: list[int]
-    tokens: list[int]
+    node_ids: list[int]  # (N,)
+    tokens: list[int]  # (N,)
+    failed: bool = False
+
+
+@dataclass
+class StageStats:
+    """One stage's accounting, reported to the driver when a step's Control has report=True.
+
+    The one definition of the report's fields: the stage worker fills them, the stage process
+    sends them as floats in this order, and the driver decodes them with `from_values`.
+    Counters in CUMULATIVE are summed over the run (difference two reports for a window; divide
+    by steps for per-step figures); the others are levels at the time of the report.
+    """
+
+    steps: int = 0
+    compute_s: float = 0.0  # time in forward passes
+    wait_s: float = 0.0  # time blocked on receiving (set by the transport loop)
+    bytes_sent: int = 0  # activation + control bytes sent downstream (set by the transport)
+    rows_computed: int = 0
+    rows_committed: int = 0  # computed rows that ended on the committed path: useful work
+    requests_failed: int = 0  # requests dropped here because the KV pool ran out
+    peak_slots: int = 0  # most KV slots in use at once
+    blocks_in_use: int = 0  # KV blocks held by requests now
+    num_blocks: int = 0  # KV blocks in this stage's pool
+    rss_bytes: int = 0  # resident memory of the stage process (0 in-process: the stages share it)
+    peak_rss_bytes: int = 0
+
+    CUMULATIVE: ClassVar[tuple[str, ...]] = (
+        "steps", "compute_s", "wait_s", "bytes_sent", "rows_computed", "rows_committed", "requests_failed")
+
+    def values(self) -> list[float]:
+        return [float(getattr(self, f.name)) for f in fields(self)]
+
+    @classmethod
+    def from_values(cls, values: list[float]) -> dict:
+        """The report dict from `values()`; ValueError when the count does not match."""
+        fs = fields(cls)
+        if len(values) != len(fs):
+            raise ValueError(f"a stage report has {len(fs)} values, got {len(values)}")
+        # Each field's default (0 or 0.0) gives its type: counts travel as floats, return as ints.
+        return cls(**{f.name: type(f.default)(v) for f, v in zip(fs, values)}).as_dict()
+
+    def as_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
+        d["occupancy"] = self.rows_committed / self.rows_computed if self.rows_computed else None
+        return d
 
 
 class Pipeline(Protocol):
@@ -99,9 +157,14 @@ class Pipeline(Protocol):
     `step` is one pipeline step: every stage applies `control`, stage 1 takes `rows`, every stage
     computes what it received the step before, and the results leaving the last stage return.
     Rows fed at step t come back at step t + S - 1.
+
+    Statistics ride on ordinary steps: after `collect` of a step whose Control had report=True,
+    `reported` holds each stage's `StageStats.as_dict()` (stage 1 first; [] when the pipeline has
+    no real stages); after any other step it is None.
     """
 
     num_stages: int
+    reported: Optional[list[dict]]
 
     def submit(self, control: Control, rows: list[Rows]) -> None:
         """Start a step: control to every stage, rows into stage 1."""
@@ -111,7 +174,5 @@ class Pipeline(Protocol):
 
     def step(self, control: Control, rows: list[Rows]) -> list[Results]:
         """`submit` then `collect`."""
-
-    def stage_stats(self) -> list[dict]: ...
 
     def close(self) -> None: ...

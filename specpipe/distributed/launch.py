@@ -91,7 +91,10 @@ class LocalStages:
 
 def wait_ready(store, num_stages: int, exits: Callable[[], dict[int, str]], timeout_s: float,
                progress: Optional[Callable[[str], None]] = None) -> list[dict]:
-    """Wait until every stage has loaded its layers; fail fast when one reports an error or dies."""
+    """Wait until every stage has loaded its layers; fail fast when one reports an error or dies.
+
+    Returns each stage's readiness (stage 1 first): memory figures and its KV pool, `num_blocks`
+    blocks of `block_size` slots (the driver admits requests against the smallest pool)."""
     deadline = time.monotonic() + timeout_s
     ready: dict[int, dict] = {}
     while len(ready) < num_stages:
@@ -101,8 +104,10 @@ def wait_ready(store, num_stages: int, exits: Callable[[], dict[int, str]], time
             if store.check([f"error/{r}"]):
                 raise RuntimeError(f"stage {r} failed to start: {store.get(f'error/{r}').decode()}")
             if store.check([f"ready/{r}"]):
-                rss, peak, weights, kv = (int(x) for x in store.get(f"ready/{r}").decode().split())
-                ready[r] = {"rss_bytes": rss, "peak_rss_bytes": peak, "weight_bytes": weights, "kv_bytes": kv}
+                rss, peak, weights, kv, blocks, block_size = (
+                    int(x) for x in store.get(f"ready/{r}").decode().split())
+                ready[r] = {"rss_bytes": rss, "peak_rss_bytes": peak, "weight_bytes": weights, "kv_bytes": kv,
+                            "num_blocks": blocks, "block_size": block_size}
                 if progress:
                     progress(f"stage {r}/{num_stages} ready: weights {weights / 2**20:.0f} MiB, "
                              f"KV {kv / 2**20:.0f} MiB, resident {rss / 2**20:.0f} MiB")

@@ -7,11 +7,8 @@ from typing import Callable, Optional
 
 from specpipe.distributed.transport import (HEARTBEAT_S, TAG_CONTROL, TAG_REPORT, TAG_RESULTS, TAG_ROWS, LinkError,
                                      Transport, short_error)
-from specpipe.distributed.wire import decode_floats, decode_results, encode_control, encode_rows
+from specpipe.distributed.wire import decode_report, decode_results, encode_control, encode_rows
 from specpipe.messages import Control, Results, Rows
-
-STAT_FIELDS = ("steps", "compute_s", "wait_s", "bytes_sent", "rows_computed", "rows_committed",
-               "peak_slots", "rss_bytes", "peak_rss_bytes")
 
 
 class PipelineError(RuntimeError):
@@ -31,11 +28,14 @@ class RemotePipeline:
         # sent to some stages only, or a result never read), so the pipeline is unusable after it:
         # later steps re-raise the interrupt and close() tears the stages down instead.
         self._interrupted = False
+        self._report = False  # the step in flight asked every stage for its report
+        self.reported: Optional[list[dict]] = None
 
     def submit(self, control: Control, rows: list[Rows]) -> None:
         self._check()
         try:
             values = encode_control(control)
+            self._report = control.report
             for rank in range(1, self.num_stages + 1):
                 self.t.send_ints(rank, TAG_CONTROL, values)
             header, tensors = encode_rows(rows)
@@ -51,7 +51,12 @@ class RemotePipeline:
     def collect(self) -> list[Results]:
         self._check()
         try:
-            return decode_results(self.t.recv_ints(self.num_stages, TAG_RESULTS, self.t.options.timeout_s))
+            timeout = self.t.options.timeout_s
+            results = decode_results(self.t.recv_ints(self.num_stages, TAG_RESULTS, timeout))
+            # Each stage sends its report after the step that asked for it (see stage_main.py).
+            self.reported = [decode_report(self.t.recv_ints(rank, TAG_REPORT, timeout))
+                             for rank in range(1, self.num_stages + 1)] if self._report else None
+            return results
         except (LinkError, RuntimeError) as e:
             raise self._fail(e) from None
         except KeyboardInterrupt:
@@ -61,25 +66,6 @@ class RemotePipeline:
     def step(self, control: Control, rows: list[Rows]) -> list[Results]:
         self.submit(control, rows)
         return self.collect()
-
-    def stage_stats(self) -> list[dict]:
-        self.step(Control(report=True), [])
-        out = []
-        try:
-            for rank in range(1, self.num_stages + 1):
-                values = decode_floats(self.t.recv_ints(rank, TAG_REPORT, self.t.options.timeout_s))
-                d = dict(zip(STAT_FIELDS, values))
-                for k in ("steps", "bytes_sent", "rows_computed", "rows_committed", "peak_slots",
-                          "rss_bytes", "peak_rss_bytes"):
-                    d[k] = int(d[k])
-                d["occupancy"] = d["rows_committed"] / d["rows_computed"] if d["rows_computed"] else None
-                out.append(d)
-        except (LinkError, RuntimeError) as e:
-            raise self._fail(e) from None
-        except KeyboardInterrupt:
-            self._interrupted = True
-            raise
-        return out
 
     def _check(self) -> None:
         if self._broken is not None:

@@ -2,17 +2,18 @@
 
 Every message is one int64 vector (control data as plain integers; floats travel as their IEEE
 bits) followed, for rows, by one activation tensor per request whose shape and dtype the vector
-announces. Decoding validates lengths, so a corrupt or foreign message is an error, not a crash.
+announces (none for a failure marker). Decoding validates lengths, so a corrupt or foreign
+message is an error, not a crash.
 """
 
 from __future__ import annotations
 
 import struct
-
+from typing import Optional
 
 import torch
 
-from specpipe.messages import Admit, Control, Prune, Results, Rows
+from specpipe.messages import Admit, Control, Prune, Results, Rows, StageStats
 from specpipe.sampling import SamplingParams
 
 DTYPES = [torch.long, torch.float32, torch.bfloat16, torch.float16]
@@ -92,26 +93,46 @@ def decode_control(values: list[int]) -> Control:
     return c
 
 
+FAILED = 1  # flag of a Rows or Results: the request ran out of KV at some stage (no rows)
+
+
+def _flags(values: _Reader, what: str) -> bool:
+    """The flags value of a Rows or Results entry: True when it is a failure marker."""
+    flags = values.one()
+    if flags & ~FAILED:
+        raise WireError(f"unknown {what} flags {flags:#x}")
+    return bool(flags & FAILED)
+
+
 def encode_rows(batch: list[Rows]) -> tuple[list[int], list[torch.Tensor]]:
-    """Header values plus the activation tensors that follow it, one per Rows."""
+    """Header values plus the activation tensors that follow it, one per Rows that is not a
+    failure marker (a marker carries nothing but its request id)."""
     out, tensors = [len(batch)], []
     for rows in batch:
+        if rows.failed:
+            out += [rows.request_id, FAILED]
+            continue
         t = len(rows)
         heads = rows.head_rows
         data = rows.data.contiguous()
-        out += [rows.request_id, t, -1 if heads is None else len(heads), *(heads or []),
+        out += [rows.request_id, 0, t, -1 if heads is None else len(heads), *(heads or []),
                 *rows.node_ids, *rows.parent_ids, *rows.positions,
                 DTYPES.index(data.dtype), data.dim(), *data.shape]
         tensors.append(data)
     return out, tensors
 
 
-def decode_rows_header(values: list[int]) -> list[tuple[Rows, tuple[int, ...], torch.dtype]]:
-    """The Rows (data still empty) with the shape and dtype of the tensor to receive for each."""
+def decode_rows_header(values: list[int]) -> list[tuple[Rows, Optional[tuple[int, ...]], Optional[torch.dtype]]]:
+    """The Rows (data still empty) with the shape and dtype of the tensor to receive for each;
+    (marker, None, None) for a failure marker, which has no tensor."""
     r = _Reader(values)
     out = []
     for _ in range(r.count()):
-        rid, t, n_heads = r.one(), r.count(), r.one()
+        rid = r.one()
+        if _flags(r, "rows"):
+            out.append((Rows.failure(rid), None, None))
+            continue
+        t, n_heads = r.count(), r.one()
         if n_heads < -1:
             raise WireError(f"bad head-row count {n_heads}")
         heads = None if n_heads == -1 else r.take(n_heads)
@@ -134,7 +155,9 @@ def decode_rows_header(values: list[int]) -> list[tuple[Rows, tuple[int, ...], t
 def encode_results(results: list[Results]) -> list[int]:
     out = [len(results)]
     for res in results:
-        out += [res.request_id, len(res.node_ids), *res.node_ids, *res.tokens]
+        if res.failed and res.node_ids:
+            raise ValueError(f"request {res.request_id}: a failed result carries no tokens")
+        out += [res.request_id, FAILED if res.failed else 0, len(res.node_ids), *res.node_ids, *res.tokens]
     return out
 
 
@@ -142,8 +165,12 @@ def decode_results(values: list[int]) -> list[Results]:
     r = _Reader(values)
     out = []
     for _ in range(r.count()):
-        rid, n = r.one(), r.count()
-        out.append(Results(rid, r.take(n), r.take(n)))
+        rid = r.one()
+        failed = _flags(r, "results")
+        n = r.count()
+        if failed and n:
+            raise WireError(f"request {rid}: a failed result with {n} tokens")
+        out.append(Results(rid, r.take(n), r.take(n), failed))
     r.done()
     return out
 
@@ -156,3 +183,13 @@ def decode_floats(values: list[int]) -> list[float]:
     return [_i2f(v) for v in values]
 
 
+def encode_report(stats: StageStats) -> list[int]:
+    return encode_floats(stats.values())
+
+
+def decode_report(values: list[int]) -> dict:
+    """A stage's report as `StageStats.as_dict()`."""
+    try:
+        return StageStats.from_values(decode_floats(values))
+    except ValueError as e:  # a stage of another version
+        raise WireError(str(e)) from None

@@ -183,8 +183,8 @@ class Engine:
         request (so one set of stage processes can serve every mode, e.g. in benchmarks)."""
         req = self.make_request(prompt, sampling, chat, on_text)
         core = self.core(mode, tree_width, tree_depth)
-        core.request_stage_stats()  # taken on the step that delivers the release: no extra step
-        self.run([req], core)
+        # The stages' counters ride on the step that delivers the release: no extra step.
+        self.run([req], core, on_finish=lambda _req: core.request_stage_stats())
         stages = _stage_deltas(self._stage_before, core.stage_stats or [])
         self._stage_before = core.stage_stats or []
         stats = req.summary(self.pipeline.num_stages)

@@ -22,12 +22,12 @@ from specpipe.worker.stage_worker import StageWorker
 Progress = Optional[Callable[[str], None]]
 
 
-def in_process(ckpt: Checkpoint, specs: list[StageSpec], num_slots: int, device: str,
+def in_process(ckpt: Checkpoint, specs: list[StageSpec], num_blocks: int, block_size: int, device: str,
                dtype: torch.dtype) -> LocalPipeline:
-    return LocalPipeline([StageWorker(build_stage(ckpt, s, device, dtype), num_slots) for s in specs])
+    return LocalPipeline([StageWorker(build_stage(ckpt, s, device, dtype), num_blocks, block_size) for s in specs])
 
 
-def local_processes(model_path: Path, specs: list[StageSpec], num_slots: int, device: str,
+def local_processes(model_path: Path, specs: list[StageSpec], num_blocks: int, block_size: int, device: str,
                     dtype: torch.dtype, link: LinkOptions, load_timeout_s: float = 600.0,
                     progress: Progress = None) -> RemotePipeline:
     """Spawn one process per stage on this machine; the caller's process is the driver."""
@@ -37,8 +37,8 @@ def local_processes(model_path: Path, specs: list[StageSpec], num_slots: int, de
     threads = max(1, (os.cpu_count() or 1) // S)  # the stages share this machine's cores
     stages = LocalStages(
         stage_process_main,
-        lambda r: (r, S + 1, "127.0.0.1", port, str(model_path), specs[r - 1], num_slots, device, dtype, link, threads,
-                   True),
+        lambda r: (r, S + 1, "127.0.0.1", port, str(model_path), specs[r - 1], num_blocks, block_size, device,
+                   dtype, link, threads, True),
         S)
     try:
         ready = wait_ready(t.store, S, stages.exits, load_timeout_s, progress)
@@ -73,14 +73,14 @@ def torchrun_driver(env: RankEnv, num_stages: int, device: str, link: LinkOption
     return pipe
 
 
-def torchrun_stage(env: RankEnv, model_path: Path, specs: list[StageSpec], num_slots: int, device: str,
-                   dtype: torch.dtype, link: LinkOptions) -> int:
+def torchrun_stage(env: RankEnv, model_path: Path, specs: list[StageSpec], num_blocks: int, block_size: int,
+                   device: str, dtype: torch.dtype, link: LinkOptions) -> int:
     """Ranks 1..S of a torchrun job: serve one stage until the driver shuts the pipeline down."""
     if not 1 <= env.rank <= len(specs):
         print(f"specpipe: rank {env.rank} has no stage (--stages {len(specs)})", file=sys.stderr)
         return 2
     stage_process_main(env.rank, env.world_size, env.master_addr, env.master_port, str(model_path),
-                       specs[env.rank - 1], num_slots, device, dtype, link)
+                       specs[env.rank - 1], num_blocks, block_size, device, dtype, link)
     return 0
 
 

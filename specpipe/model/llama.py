@@ -6,6 +6,8 @@ first stage and the final norm + LM head when it is the last; the whole model is
 (see loader/checkpoint.py), so loading is a checked copy.
 
 Shapes: T = rows computed in this call, H = hidden size, Hq/Hkv = query/KV heads, D = head dim.
+The T rows may pack several sequences: everything but attention runs once over all of them, and
+attention runs per segment of the metadata (see attention.py).
 """
 
 from __future__ import annotations
@@ -75,8 +77,12 @@ class Attention(nn.Module):
         q = apply_rope(self.q_proj(x).view(t, self.hq, self.d), cos, sin)  # (T, Hq, D)
         k = apply_rope(self.k_proj(x).view(t, self.hkv, self.d), cos, sin)  # (T, Hkv, D)
         v = self.v_proj(x).view(t, self.hkv, self.d)  # (T, Hkv, D)
-        k_all, v_all = kv.write_and_read(layer, k, v, meta)  # (C, Hkv, D)
-        out = attend(q, k_all, v_all, meta.mask)  # (T, Hq, D)
+        kv.write(layer, k, v, meta.write_slots)  # every segment's rows first: a segment may read another's
+        outs = []
+        for seg in meta.segments:
+            k_seg, v_seg = kv.read(layer, seg)  # (C, Hkv, D)
+            outs.append(attend(q[seg.start:seg.end], k_seg, v_seg, seg.mask))  # (rows, Hq, D)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (T, Hq, D)
         return self.o_proj(out.reshape(t, self.hq * self.d))
 
 
@@ -126,6 +132,7 @@ class LlamaStage(nn.Module):
         return self.spec.end - self.spec.start
 
     def make_kv_cache(self, num_slots: int) -> KVCache:
+        """A cache of `num_slots` slots for this stage's layers (the caller groups them in blocks)."""
         dtype = next(self.parameters()).dtype  # every stage has at least one norm or layer
         return KVCache(self.num_layers, num_slots, self.cfg.num_kv_heads, self.cfg.head_dim, dtype,
                        self.inv_freq.device)
@@ -135,7 +142,8 @@ class LlamaStage(nn.Module):
         """x: token ids (T,) on the first stage, hidden states (T, H) otherwise.
 
         Returns hidden states (T, H), or on the last stage logits (R, V) for the rows `head_rows`
-        (all rows when None): prefill needs only the last row's logits.
+        (all rows when None): prefill needs only the last row's logits, so the LM head, the
+        largest matrix, runs only on the rows whose token is wanted.
         """
         if self.spec.first:
             x = self.embed_tokens(x)  # (T, H)

@@ -1,8 +1,13 @@
 """A draft model as a speculative token source: any causal LM with the target's tokenizer.
 
-The draft decodes the tree node-wise with its own tree-masked KV cache, using the same slot
-bookkeeping as a pipeline stage (sched/kv_manager.py), and prunes it with the same messages, so its
-cache too holds only committed tokens + live nodes.
+The draft decodes the tree node-wise with its own tree-masked, paged KV cache, using the same slot
+table and the same packed forward as a pipeline stage (worker/slot_table.py, worker/batch.py), and
+prunes it with the same messages, so its cache too holds only committed tokens + live nodes.
+One step's drafting for every request is one forward (`propose_many`).
+
+If the draft's block pool runs out for a request, that request only loses its draft: its draft
+KV is freed and it gets no more proposals (decoding stays correct, just unspeculated) until it
+finishes.
 """
 
 from __future__ import annotations
@@ -11,40 +16,53 @@ from typing import Sequence
 
 import torch
 
+from specpipe.messages import Rows
 from specpipe.model.llama import LlamaStage
-from specpipe.model.runner import run_rows
-from specpipe.worker.slot_table import KVManager
-from specpipe.spec_decode.sources import SourceRows, TokenSource
+from specpipe.spec_decode.sources import ProposeCall, SourceRows, TokenSource
+from specpipe.worker.batch import run_packed
+from specpipe.worker.slot_table import SlotTable
 
 
 class DraftModelSource(TokenSource):
-    def __init__(self, model: LlamaStage, num_slots: int, name: str,
+    def __init__(self, model: LlamaStage, num_blocks: int, block_size: int, name: str,
                  tokenizer_fingerprint: str | None = None) -> None:
         if not (model.spec.first and model.spec.last):
             raise ValueError("a draft model needs its embedding and its LM head")
         self.model, self.name = model, name
         self.tokenizer_fingerprint = tokenizer_fingerprint
-        self.kv = model.make_kv_cache(num_slots)
-        self.slots = KVManager(num_slots)
+        self.slots = SlotTable(num_blocks, block_size)
+        self.kv = model.make_kv_cache(self.slots.num_slots)
 
     def start(self, request_id: int) -> None:
         self.slots.admit(request_id)
 
     def propose(self, request_id, tree, rows: SourceRows, want: Sequence[int], k: int):
-        if not rows.node_ids:
-            return {}
-        plan = self.slots.plan(request_id, rows.node_ids, rows.parent_ids)
-        index = {n: i for i, n in enumerate(rows.node_ids)}
-        head = [index[n] for n in want]
-        tokens = torch.tensor(rows.tokens, dtype=torch.long)
-        logits = run_rows(self.model, self.kv, tokens, rows.positions, plan.write_slots,
-                          plan.read_slots, plan.mask, head)  # (len(want), V)
-        self.slots.computed(request_id)
-        if not head:
-            return {}
-        top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
-        ids, lps = top.indices.tolist(), top.values.tolist()
-        return {n: list(zip(ids[i], lps[i])) for i, n in enumerate(want)}
+        return self.propose_many([ProposeCall(request_id, tree, rows, want, k)])[0]
+
+    def propose_many(self, calls: Sequence[ProposeCall]) -> list[dict[int, list[tuple[int, float]]]]:
+        parts, owner = [], []  # the Rows computed, and the index of the call each belongs to
+        for i, c in enumerate(calls):
+            if not c.rows.node_ids or self.slots.requests[c.request_id].failed:
+                continue
+            index = {n: j for j, n in enumerate(c.rows.node_ids)}
+            missing = [n for n in c.want if n not in index]
+            if missing:
+                raise ValueError(f"request {c.request_id}: proposals wanted for nodes {missing} that "
+                                 "are not among this call's rows (the draft keeps no logits)")
+            parts.append(Rows(c.request_id, list(c.rows.node_ids), list(c.rows.parent_ids),
+                              list(c.rows.positions), torch.tensor(c.rows.tokens, dtype=torch.long),
+                              head_rows=[index[n] for n in c.want]))
+            owner.append(i)
+        out: list[dict[int, list[tuple[int, float]]]] = [{} for _ in calls]
+        packed = run_packed(self.model, self.kv, self.slots, parts)
+        for i, logits in zip(owner, packed.outputs):  # logits (len(want), V)
+            c = calls[i]
+            if logits is None or not len(c.want):
+                continue
+            top = torch.log_softmax(logits.float(), dim=-1).topk(c.k, dim=-1)
+            ids, lps = top.indices.tolist(), top.values.tolist()
+            out[i] = {n: list(zip(ids[j], lps[j])) for j, n in enumerate(c.want)}
+        return out
 
     def observe(self, request_id, commit, drop):
         if request_id in self.slots.requests:

@@ -6,6 +6,8 @@ so step counts, hit rates and losslessness can be tested at any S without spawni
 
 from __future__ import annotations
 
+from typing import Optional
+
 from specpipe.messages import Control, Results, Rows
 from specpipe.worker.stage_worker import StageWorker
 
@@ -14,6 +16,7 @@ class LocalPipeline:
     def __init__(self, workers: list[StageWorker]) -> None:
         self.workers = workers
         self.num_stages = len(workers)
+        self.reported: Optional[list[dict]] = None
         self._inbox: list[list[Rows]] = [[] for _ in workers]  # what each stage computes next
 
     def submit(self, control: Control, rows: list[Rows]) -> None:
@@ -35,10 +38,9 @@ class LocalPipeline:
                 results = out  # type: ignore[assignment]
             else:
                 self._inbox[s + 1] = out  # type: ignore[assignment]
+        # As the stage processes do: the report follows the step that asked for it.
+        self.reported = [w.report() for w in self.workers] if control.report else None
         return results
-
-    def stage_stats(self) -> list[dict]:
-        return [w.stats.as_dict() for w in self.workers]
 
     def close(self) -> None:
         self._inbox = [[] for _ in self.workers]

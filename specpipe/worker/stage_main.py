@@ -15,7 +15,7 @@ import torch
 
 from specpipe.config import StageSpec
 from specpipe.distributed.transport import TAG_CONTROL, TAG_REPORT, TAG_RESULTS, TAG_ROWS, LinkError, Transport, short_error
-from specpipe.distributed.wire import decode_control, decode_rows_header, encode_floats, encode_results, encode_rows
+from specpipe.distributed.wire import decode_control, decode_rows_header, encode_report, encode_results, encode_rows
 from specpipe.loader import open_checkpoint
 from specpipe.model.stage import build_stage
 from specpipe.worker.stage_worker import StageWorker
@@ -44,19 +44,20 @@ def send_rows(t: Transport, dst: int, batch: list) -> None:
         t.send_tensor(dst, TAG_ROWS, data)
 
 
-def run_stage(t: Transport, model_path: str, spec: StageSpec, num_slots: int, device: str,
-              dtype: torch.dtype) -> None:
+def run_stage(t: Transport, model_path: str, spec: StageSpec, num_blocks: int, block_size: int,
+              device: str, dtype: torch.dtype) -> None:
     rank, num_stages = t.rank, t.world_size - 1
     t.start_heartbeat()
     try:
         model = build_stage(open_checkpoint(model_path), spec, device, dtype)
-        worker = StageWorker(model, num_slots)
+        worker = StageWorker(model, num_blocks, block_size)
     except Exception as e:  # reported through the store so the driver can show it
         t.store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         raise
     rss, peak = memory_bytes()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    t.store.set(f"ready/{rank}", f"{rss} {peak} {weights} {worker.kv.nbytes()}")
+    # The driver sizes its block manager by the smallest pool over the stages.
+    t.store.set(f"ready/{rank}", f"{rss} {peak} {weights} {worker.kv.nbytes()} {num_blocks} {block_size}")
     try:
         t.init_groups()
     except RuntimeError as e:  # typically: gloo bound to an address the other ranks cannot reach
@@ -75,7 +76,8 @@ def run_stage(t: Transport, model_path: str, spec: StageSpec, num_slots: int, de
             return
         batch = []
         for rows, shape, dt in decode_rows_header(t.recv_ints(prev, TAG_ROWS)):
-            rows.data = t.recv_tensor(prev, TAG_ROWS, shape, dt)
+            if shape is not None:  # a failure marker carries no tensor
+                rows.data = t.recv_tensor(prev, TAG_ROWS, shape, dt)
             batch.append(rows)
         stats.wait_s += time.perf_counter() - t0
         out = worker.step(control, batch)
@@ -85,14 +87,21 @@ def run_stage(t: Transport, model_path: str, spec: StageSpec, num_slots: int, de
             send_rows(t, nxt, out)
         stats.bytes_sent = t.bytes_sent
         if control.report:
-            rss, peak = memory_bytes()
-            t.send_ints(0, TAG_REPORT, encode_floats([
-                stats.steps, stats.compute_s, stats.wait_s, stats.bytes_sent, stats.rows_computed,
-                stats.rows_committed, stats.peak_slots, rss, peak]))
+            stats.rss_bytes, stats.peak_rss_bytes = memory_bytes()
+            t.send_ints(0, TAG_REPORT, encode_report(stats))
+
+
+def cuda_index(rank: int, device_count: int, local_rank: str | None) -> int:
+    """The GPU of stage `rank`. Under torchrun LOCAL_RANK numbers the ranks of this machine only
+    (a stage alone on a second machine has LOCAL_RANK 0), so it is the index to use; a stage
+    spawned by a local driver has none, and ranks 1..S take GPUs 0..S-1. Wraps around when the
+    stages outnumber the GPUs."""
+    index = int(local_rank) if local_rank is not None else rank - 1
+    return index % device_count
 
 
 def stage_process_main(rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
-                       spec: StageSpec, num_slots: int, device: str, dtype: torch.dtype, link,
+                       spec: StageSpec, num_blocks: int, block_size: int, device: str, dtype: torch.dtype, link,
                        threads: int = 0, managed: bool = False) -> None:
     """Entry point of a stage process (spawned locally, or one rank under torchrun).
 
@@ -114,12 +123,11 @@ def stage_process_main(rank: int, world_size: int, master_addr: str, master_port
     if device == "cuda":
         # One GPU per stage when there are enough; otherwise stages share and use host copies.
         count = torch.cuda.device_count()
-        index = int(os.environ.get("LOCAL_RANK", rank)) - 1
-        device = f"cuda:{index % count}"
+        device = f"cuda:{cuda_index(rank, count, os.environ.get('LOCAL_RANK'))}"
         use_nccl = count >= world_size - 1 or "LOCAL_RANK" in os.environ
     try:
         t = Transport(rank, world_size, master_addr, master_port, link, device, use_nccl=use_nccl)
-        run_stage(t, model_path, spec, num_slots, device, dtype)
+        run_stage(t, model_path, spec, num_blocks, block_size, device, dtype)
     except KeyboardInterrupt:
         pass
     except LinkError as e:

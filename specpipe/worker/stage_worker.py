@@ -1,51 +1,38 @@
 """One pipeline stage: apply the driver's control, drop pruned rows, compute, pass rows on.
 
-    recv Control + Rows  ->  prune / commit bookkeeping  ->  forward over surviving rows
-                         ->  Rows to the next stage (or, on the last stage, the target's tokens)
+    recv Control + Rows (one per request)  ->  prune / commit bookkeeping
+        ->  one packed forward over every request's surviving rows (worker/batch.py)
+        ->  Rows to the next stage (or, on the last stage, each request's target tokens)
 
 The worker is transport-agnostic: the in-process pipeline (local_pipeline.py) and the
-torch.distributed stage process (dist/stage_process.py) both drive it the same way.
+torch.distributed stage process (stage_main.py) both drive it the same way.
+
+When the KV pool runs out for a request, only that request fails: its KV is freed here, its later
+rows are dropped, and a `Rows.failure` marker goes downstream in its place; the last stage turns
+the marker into `Results(failed=True)` for the driver.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
+import torch
 
-from specpipe.messages import Control, Results, Rows
+from specpipe.messages import Control, Results, Rows, StageStats
 from specpipe.model.llama import LlamaStage
-from specpipe.model.runner import run_rows
 from specpipe.sampling import SamplingParams, target_tokens
-from specpipe.worker.slot_table import KVManager
-
-
-@dataclass
-class StageStats:
-    """Cheap per-stage accounting, summed over the run (divide by steps for per-step figures)."""
-
-    steps: int = 0
-    compute_s: float = 0.0  # time in forward passes
-    wait_s: float = 0.0  # time blocked on receiving (set by the transport loop)
-    bytes_sent: int = 0  # activation + control bytes sent downstream (set by the transport)
-    rows_computed: int = 0
-    rows_committed: int = 0  # computed rows that ended on the committed path: useful work
-    peak_slots: int = 0
-
-    def as_dict(self) -> dict:
-        d = self.__dict__.copy()
-        d["occupancy"] = self.rows_committed / self.rows_computed if self.rows_computed else None
-        return d
+from specpipe.worker.batch import run_packed
+from specpipe.worker.slot_table import SlotTable
 
 
 class StageWorker:
-    def __init__(self, model: LlamaStage, num_slots: int) -> None:
+    def __init__(self, model: LlamaStage, num_blocks: int, block_size: int) -> None:
         self.model = model
-        self.first, self.last = model.spec.first, model.spec.last
-        self.kv = model.make_kv_cache(num_slots)
-        self.slots = KVManager(num_slots)
+        self.last = model.spec.last
+        self.slots = SlotTable(num_blocks, block_size)
+        self.kv = model.make_kv_cache(self.slots.num_slots)
         self.sampling: dict[int, SamplingParams] = {}
-        self.stats = StageStats()
+        self.stats = StageStats(num_blocks=num_blocks)
 
     def apply(self, control: Control) -> None:
         for a in control.admit:
@@ -54,43 +41,64 @@ class StageWorker:
         for p in control.prune:
             if p.request_id not in self.slots.requests:
                 continue
-            before = len(self.slots.requests[p.request_id].committed)
             self.slots.drop(p.request_id, p.drop)
-            self.slots.commit(p.request_id, p.commit)
-            self.stats.rows_committed += len(self.slots.requests[p.request_id].committed) - before
+            self.stats.rows_committed += self.slots.commit(p.request_id, p.commit)
         for rid in control.release:
             self.slots.release(rid)
             self.sampling.pop(rid, None)
-
-    def compute(self, rows: Rows) -> Rows | Results | None:
-        """Forward the surviving rows; None when all of them were pruned in transit."""
-        rid = rows.request_id
-        if rid not in self.slots.requests:
-            return None  # released while these rows were in flight (EOS or max tokens mid-tree)
-        rows = rows.select(self.slots.live_rows(rid, rows.node_ids))
-        if not len(rows):
-            return None
-        t0 = time.perf_counter()
-        plan = self.slots.plan(rid, rows.node_ids, rows.parent_ids)
-        out = run_rows(self.model, self.kv, rows.data, rows.positions, plan.write_slots,
-                       plan.read_slots, plan.mask, rows.head_rows if self.last else None)
-        before = len(self.slots.requests[rid].committed)
-        self.slots.computed(rid)
-        self.stats.rows_committed += len(self.slots.requests[rid].committed) - before
-        self.stats.rows_computed += len(rows)
-        self.stats.peak_slots = max(self.stats.peak_slots, self.slots.total_in_use())
-        if self.last:
-            picked = rows.head_rows if rows.head_rows is not None else range(len(rows))
-            node_ids = [rows.node_ids[i] for i in picked]
-            tokens = target_tokens(out, [rows.positions[i] for i in picked], self.sampling[rid])
-            result: Rows | Results = Results(rid, node_ids, tokens)
-        else:
-            result = Rows(rid, rows.node_ids, rows.parent_ids, rows.positions, out, rows.head_rows)
-        self.stats.compute_s += time.perf_counter() - t0
-        return result
 
     def step(self, control: Control, incoming: list[Rows]) -> list[Rows | Results]:
         """One pipeline step of this stage."""
         self.apply(control)
         self.stats.steps += 1
-        return [out for rows in incoming if (out := self.compute(rows)) is not None]
+        out: list[Rows | Results] = []
+        parts = []
+        for rows in incoming:
+            r = self.slots.requests.get(rows.request_id)
+            if r is None:
+                continue  # released while these rows were in flight (EOS or max tokens mid-tree)
+            if rows.failed:
+                if not r.failed:  # pass the marker on once; later stages then drop it alone
+                    self.slots.fail(rows.request_id)
+                    out.append(self._failure(rows.request_id))
+                continue
+            rows = rows.select(self.slots.live_rows(rows.request_id, rows.node_ids))
+            if len(rows):
+                parts.append(rows)
+        if parts:
+            t0 = time.perf_counter()
+            packed = run_packed(self.model, self.kv, self.slots, parts)
+            self.stats.requests_failed += len(packed.failed)
+            out += [self._failure(rid) for rid in packed.failed]
+            done = [(rows, o) for rows, o in zip(parts, packed.outputs) if o is not None]
+            out += self._results(done) if self.last else [
+                Rows(rows.request_id, rows.node_ids, rows.parent_ids, rows.positions, o, rows.head_rows)
+                for rows, o in done]
+            self.stats.rows_committed += packed.committed
+            self.stats.rows_computed += sum(len(rows) for rows, _ in done)
+            self.stats.peak_slots = max(self.stats.peak_slots, self.slots.total_in_use())
+            self.stats.compute_s += time.perf_counter() - t0
+        self.stats.blocks_in_use = self.slots.blocks_in_use()
+        return out
+
+    def _results(self, done: list[tuple[Rows, torch.Tensor]]) -> list[Results]:
+        """The target's token for each head row, sampled per request with its own parameters (RNG
+        keyed by (seed, position)). All greedy requests share one argmax: one device sync per
+        step instead of one per request."""
+        greedy = [logits for rows, logits in done if self.sampling[rows.request_id].greedy]  # (R_i, V) each
+        argmax = iter(torch.cat(greedy).argmax(dim=-1).tolist() if greedy else [])
+        out = []
+        for rows, logits in done:
+            picked = rows.head_rows if rows.head_rows is not None else range(len(rows))
+            params = self.sampling[rows.request_id]
+            tokens = [next(argmax) for _ in picked] if params.greedy else \
+                target_tokens(logits, [rows.positions[i] for i in picked], params)
+            out.append(Results(rows.request_id, [rows.node_ids[i] for i in picked], tokens))
+        return out
+
+    def _failure(self, request_id: int) -> Rows | Results:
+        return Results(request_id, [], [], failed=True) if self.last else Rows.failure(request_id)
+
+    def report(self) -> dict:
+        """This stage's StageStats as a dict (the in-process twin of the stage process's report)."""
+        return self.stats.as_dict()

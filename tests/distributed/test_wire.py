@@ -13,13 +13,15 @@ from specpipe.distributed.wire import (
     decode_control,
     decode_floats,
     decode_results,
+    decode_report,
     decode_rows_header,
     encode_control,
     encode_floats,
+    encode_report,
     encode_results,
     encode_rows,
 )
-from specpipe.messages import NO_PARENT, Admit, Control, Prune, Results, Rows
+from specpipe.messages import NO_PARENT, Admit, Control, Prune, Results, Rows, StageStats
 from specpipe.sampling import SamplingParams
 
 
@@ -32,23 +34,28 @@ def roundtrip_control(c: Control) -> Control:
 
 def roundtrip_rows(batch: list[Rows]) -> list[Rows]:
     header, tensors = encode_rows(batch)
-    assert len(tensors) == len(batch)
+    assert len(tensors) == sum(not r.failed for r in batch)  # a failure marker carries no tensor
     decoded = decode_rows_header(torch.tensor(header, dtype=torch.long).tolist())
-    out = []
-    for (rows, shape, dtype), sent in zip(decoded, tensors):
-        assert tuple(sent.shape) == shape and sent.dtype == dtype
-        received = torch.empty(shape, dtype=dtype)
-        received.copy_(sent)  # what recv_tensor fills in
-        rows.data = received
+    out, sent_tensors = [], iter(tensors)
+    for rows, shape, dtype in decoded:
+        if shape is None:
+            assert rows.failed and dtype is None
+        else:
+            sent = next(sent_tensors)
+            assert tuple(sent.shape) == shape and sent.dtype == dtype
+            received = torch.empty(shape, dtype=dtype)
+            received.copy_(sent)  # what recv_tensor fills in
+            rows.data = received
         out.append(rows)
     return out
 
 
 def assert_rows_equal(a: Rows, b: Rows) -> None:
-    assert (a.request_id, a.node_ids, a.parent_ids, a.positions, a.head_rows) == \
-        (b.request_id, b.node_ids, b.parent_ids, b.positions, b.head_rows)
-    assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
-    assert torch.equal(a.data, b.data)
+    assert (a.request_id, a.node_ids, a.parent_ids, a.positions, a.head_rows, a.failed) == \
+        (b.request_id, b.node_ids, b.parent_ids, b.positions, b.head_rows, b.failed)
+    if not a.failed:
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape
+        assert torch.equal(a.data, b.data)
 
 
 # -- Control ---------------------------------------------------------------------------------------
@@ -124,6 +131,15 @@ def test_rows_dtypes_and_batches(dtype):
         assert_rows_equal(x, y)
 
 
+def test_rows_failure_markers_roundtrip():
+    a = Rows(1, [1, 2], [0, 1], [5, 6], torch.randn(2, 8), head_rows=[1])
+    batch = [Rows.failure(7), a, Rows.failure(2**40)]
+    back = roundtrip_rows(batch)
+    for x, y in zip(back, batch):
+        assert_rows_equal(x, y)
+    assert [r.failed for r in back] == [True, False, True] and len(back[0]) == 0
+
+
 def test_rows_empty_batch():
     header, tensors = encode_rows([])
     assert tensors == [] and decode_rows_header(header) == []
@@ -143,9 +159,29 @@ def test_rows_non_contiguous_data_is_sent_contiguous():
     [Results(1, [], [])],
     [Results(1, [4], [17])],
     [Results(1, [4, 5, 6], [17, 0, 49151]), Results(2**33, [2**45], [299])],
+    [Results(3, [], [], failed=True)],
+    [Results(1, [4], [17]), Results(2, [], [], failed=True), Results(5, [], [])],
 ])
 def test_results_roundtrip(results):
     assert decode_results(encode_results(results)) == results
+
+
+def test_failed_result_with_tokens_is_refused():
+    with pytest.raises(ValueError):
+        encode_results([Results(1, [4], [17], failed=True)])
+
+
+def test_report_roundtrip():
+    stats = StageStats(steps=12, compute_s=0.25, wait_s=1e-6, bytes_sent=2**40, rows_computed=30,
+                       rows_committed=20, requests_failed=1, peak_slots=64, blocks_in_use=3, num_blocks=8,
+                       rss_bytes=2**31, peak_rss_bytes=2**32)
+    back = decode_report(encode_report(stats))
+    assert back == stats.as_dict() and back["occupancy"] == 20 / 30
+    assert all(isinstance(back[k], int) for k in ("steps", "bytes_sent", "num_blocks", "blocks_in_use"))
+    assert isinstance(back["compute_s"], float)
+    assert set(StageStats.CUMULATIVE) <= set(back)
+    with pytest.raises(WireError, match="values"):
+        decode_report(encode_report(stats)[:-1])
 
 
 def test_floats_roundtrip():
@@ -212,7 +248,8 @@ def test_rows_truncated(cut):
 
 def test_rows_malformed():
     h = _rows_header()
-    # layout: n, rid, t, n_heads, heads..., node_ids(t), parent_ids(t), positions(t), dtype, ndim, shape
+    # layout: n, rid, flags, t, n_heads, heads..., node_ids(t), parent_ids(t), positions(t), dtype, ndim,
+    # shape
     with pytest.raises(WireError, match="trailing"):
         decode_rows_header(h + [1])
     bad_dtype = list(h)
@@ -232,13 +269,19 @@ def test_rows_malformed():
     with pytest.raises(WireError, match="shape"):
         decode_rows_header(negative_width)
     bad_head = list(h)
-    bad_head[4] = 2  # head row 2 of 2 rows
+    bad_head[5] = 2  # head row 2 of 2 rows
     with pytest.raises(WireError, match="head"):
         decode_rows_header(bad_head)
     with pytest.raises(WireError):
-        decode_rows_header([1, 1, -2, -1])  # negative row count
+        decode_rows_header([1, 1, 0, -2, -1])  # negative row count
     with pytest.raises(WireError):
-        decode_rows_header([1, 1, 0, -5])  # head-row count below -1
+        decode_rows_header([1, 1, 0, 0, -5])  # head-row count below -1
+    with pytest.raises(WireError, match="flags"):
+        decode_rows_header([1, 1, 2])  # unknown flag
+    with pytest.raises(WireError, match="flags"):
+        decode_rows_header([1, 1, -1])
+    with pytest.raises(WireError, match="trailing"):
+        decode_rows_header([1, 1, 1, 0])  # a failure marker carries nothing more
     with pytest.raises(WireError, match="negative"):
         decode_rows_header([-1])
 
@@ -251,6 +294,10 @@ def test_results_malformed():
     with pytest.raises(WireError, match="trailing"):
         decode_results(values + [0])
     with pytest.raises(WireError, match="negative"):
-        decode_results([1, 1, -1])
+        decode_results([1, 1, 0, -1])
+    with pytest.raises(WireError, match="flags"):
+        decode_results([1, 1, 4, 0])
+    with pytest.raises(WireError, match="failed"):
+        decode_results([1, 1, 1, 1, 4, 17])  # a failed result carrying a token
     with pytest.raises(WireError, match="negative"):
         decode_results([-2])

@@ -26,7 +26,7 @@ from specpipe.spec_decode.sources import MergedSource, NgramSource
 from specpipe.worker.local_pipeline import LocalPipeline
 from specpipe.worker.stage_worker import StageWorker
 
-SLOTS = 1024
+BLOCKS, BLOCK_SIZE = 64, 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=24)
 
@@ -55,7 +55,7 @@ class CheckedPipeline(LocalPipeline):
 
 def make_pipeline(ckpt, num_stages: int, width: int, max_committed: int) -> CheckedPipeline:
     specs = partition_layers(ckpt.config.num_layers, num_stages)
-    return CheckedPipeline([StageWorker(build_stage(ckpt, s), SLOTS) for s in specs], width, max_committed)
+    return CheckedPipeline([StageWorker(build_stage(ckpt, s), BLOCKS, BLOCK_SIZE) for s in specs], width, max_committed)
 
 
 def run(pipe, mode: str, prompt: list[int], sampling: SamplingParams, source=None, width=4, depth=3,
@@ -71,7 +71,7 @@ def run(pipe, mode: str, prompt: list[int], sampling: SamplingParams, source=Non
 
 
 def self_draft(ckpt, k: int) -> DraftModelSource:
-    return DraftModelSource(build_stage(ckpt, StageSpec(0, k, first=True, last=True)), SLOTS, f"self:{k}")
+    return DraftModelSource(build_stage(ckpt, StageSpec(0, k, first=True, last=True)), BLOCKS, BLOCK_SIZE, f"self:{k}")
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,8 @@ def test_all_modes_and_sources_equal_pp_tiny(tiny8, num_stages, sampling):
     sources = {
         "ngram": lambda: NgramSource(),
         "self:2": lambda: self_draft(target, 2),
-        "draft": lambda: DraftModelSource(build_stage(draft_ckpt, StageSpec.whole(draft_ckpt.config)), SLOTS, "draft"),
+        "draft": lambda: DraftModelSource(build_stage(draft_ckpt, StageSpec.whole(draft_ckpt.config)),
+                                          BLOCKS, BLOCK_SIZE, "draft"),
         "self:6+ngram": lambda: MergedSource([self_draft(target, 6), NgramSource()]),
     }
     for (name, make), mode in itertools.product(sources.items(), ["tree", "specpipe"]):

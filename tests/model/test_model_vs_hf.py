@@ -21,7 +21,7 @@ from specpipe.config import StageSpec
 from specpipe.loader import CheckpointError, open_checkpoint
 from specpipe.model.runner import run_rows
 from specpipe.model.stage import build_stage
-from specpipe.worker.slot_table import NO_PARENT, KVManager
+from specpipe.worker.slot_table import NO_PARENT, SlotTable
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,14 +57,14 @@ def hf_logits(model, tokens: list[int]) -> torch.Tensor:
 
 
 class Session:
-    """One request on a chain of stage models: KVManager plans, every stage computes.
+    """One request on a chain of stage models: a SlotTable plans, every stage computes.
 
-    All stages see the same rows, so one KVManager plan is valid for each stage's cache.
+    All stages see the same rows, so one plan is valid for each stage's cache.
     """
 
     def __init__(self, stages, num_slots: int = 256) -> None:
         self.stages = stages
-        self.kvm = KVManager(num_slots)
+        self.kvm = SlotTable(num_slots, 1)  # one-slot blocks: any number of slots
         self.kvm.admit(0)
         self.caches = [m.make_kv_cache(num_slots) for m in stages]
         self.committed = 0  # number of committed tokens (= next position)

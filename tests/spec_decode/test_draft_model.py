@@ -6,15 +6,16 @@ import pytest
 import torch
 
 from specpipe.config import StageSpec
-from specpipe.engine.decode_rounds import decode_rounds
-from specpipe.engine.decode_specpipe import decode_specpipe
+from specpipe.engine.engine import decode
 from specpipe.loader import open_checkpoint
+from specpipe.messages import NO_PARENT
 from specpipe.model.runner import run_rows
 from specpipe.model.stage import build_stage
 from specpipe.request import Request
 from specpipe.sampling import SamplingParams
 from specpipe.sim.oracle_pipeline import OraclePipeline
 from specpipe.spec_decode.draft_model import DraftModelSource
+from specpipe.spec_decode.sources import ProposeCall, SourceRows
 
 PROMPT = [5, 17, 33, 90, 5, 17, 33, 90, 5, 17, 120, 7]
 
@@ -24,26 +25,28 @@ class CheckedDraft(DraftModelSource):
 
     checked = 0
 
-    def propose(self, rid, tree, rows, want, k):
-        out = super().propose(rid, tree, rows, want, k)
-        for n in want:
-            path = list(tree.committed) + (tree.path_tokens(n) if n != tree.root_id else [])
-            m = len(path)
-            kv = self.model.make_kv_cache(m)
-            logits = run_rows(self.model, kv, torch.tensor(path), list(range(m)), list(range(m)),
-                              list(range(m)), np.tri(m, dtype=bool), [m - 1])
-            expected = logits.log_softmax(-1).topk(k, -1)
-            assert [t for t, _ in out[n]] == expected.indices[0].tolist(), f"node {n} at {tree.position(n)}"
-            assert np.allclose([lp for _, lp in out[n]], expected.values[0].tolist(), atol=1e-4)
-            self.checked += 1
-        return out
+    def propose_many(self, calls):
+        outs = super().propose_many(calls)  # one packed forward, as the engine calls it
+        for c, out in zip(calls, outs):
+            tree, k = c.tree, c.k
+            for n in c.want:
+                path = list(tree.committed) + (tree.path_tokens(n) if n != tree.root_id else [])
+                m = len(path)
+                kv = self.model.make_kv_cache(m)
+                logits = run_rows(self.model, kv, torch.tensor(path), list(range(m)), list(range(m)),
+                                  list(range(m)), np.tri(m, dtype=bool), [m - 1])
+                expected = logits.log_softmax(-1).topk(k, -1)
+                assert [t for t, _ in out[n]] == expected.indices[0].tolist(), f"node {n} at {tree.position(n)}"
+                assert np.allclose([lp for _, lp in out[n]], expected.values[0].tolist(), atol=1e-4)
+                self.checked += 1
+        return outs
 
 
 @pytest.mark.parametrize("mode", ["specpipe", "tree"])
 def test_tree_drafting_equals_plain_path_drafting(tiny_model_dir, mode):
     ckpt = open_checkpoint(tiny_model_dir("llama"))
     target = build_stage(ckpt, StageSpec.whole(ckpt.config))
-    draft = CheckedDraft(build_stage(ckpt, StageSpec(0, 3, True, True)), 512, "self:3")
+    draft = CheckedDraft(build_stage(ckpt, StageSpec(0, 3, True, True)), 32, 16, "self:3")
     # the reference output, then decode against an oracle pipeline (fast; the draft is real)
     kv = target.make_kv_cache(64)
     seq = list(PROMPT)
@@ -54,8 +57,61 @@ def test_tree_drafting_equals_plain_path_drafting(tiny_model_dir, mode):
         seq.append(int(logits.argmax()))
     req = Request(0, PROMPT, SamplingParams(max_tokens=16), frozenset())
     if mode == "specpipe":
-        decode_specpipe(OraclePipeline(4, seq), req, draft, 4)
+        decode(OraclePipeline(4, seq), req, "specpipe", draft, 4)
     else:
-        decode_rounds(OraclePipeline(4, seq), req, draft, 3, 4)
+        decode(OraclePipeline(4, seq), req, "tree", draft, 4, 3)
     assert req.output_ids == seq[len(PROMPT):]
     assert draft.checked > 12 and req.stats.hits > 0
+
+
+def test_propose_many_equals_propose_per_request(tiny_model_dir):
+    """One packed forward for three requests (a prompt, a tree layer under a prompt, one decode
+    row) proposes what each request's own draft proposes."""
+    ckpt = open_checkpoint(tiny_model_dir("llama"))
+
+    def draft():
+        return DraftModelSource(build_stage(ckpt, StageSpec(0, 3, True, True)), 8, 4, "self:3")
+
+    def prompt(n, seed):
+        toks = torch.randint(0, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+        return SourceRows(list(range(n)), [NO_PARENT] + list(range(n - 1)), list(range(n)), toks)
+
+    # The tree argument is not read by a model source.
+    first = [ProposeCall(1, None, prompt(5, 1), [4], 3), ProposeCall(2, None, prompt(4, 2), [3], 3)]
+    second = [
+        ProposeCall(0, None, prompt(7, 0), [6], 4),
+        ProposeCall(1, None, SourceRows([10, 11, 12], [4, 10, 10], [5, 6, 6], [7, 8, 9]), [11, 12], 3),
+        ProposeCall(2, None, SourceRows([4], [3], [4], [21]), [4], 2),
+    ]
+    packed, alone = draft(), {rid: draft() for rid in (0, 1, 2)}
+    for rid in (0, 1, 2):
+        packed.start(rid)
+        alone[rid].start(rid)
+    for calls in (first, second):
+        got = packed.propose_many(calls)
+        want = [alone[c.request_id].propose(c.request_id, c.tree, c.rows, c.want, c.k) for c in calls]
+        for g, w, c in zip(got, want, calls):
+            assert list(g) == list(c.want) == list(w)
+            for n in c.want:
+                assert len(g[n]) == c.k and [t for t, _ in g[n]] == [t for t, _ in w[n]]
+                assert np.allclose([lp for _, lp in g[n]], [lp for _, lp in w[n]], atol=1e-5)
+        for c in calls:  # the prompts join the committed prefix, the tree stays speculative
+            if c.request_id != 1 or calls is first:
+                packed.observe(c.request_id, c.rows.node_ids, [])
+                alone[c.request_id].observe(c.request_id, c.rows.node_ids, [])
+    for rid in (0, 1, 2):
+        packed.finish(rid)
+    assert packed.slots.total_in_use() == 0 and packed.slots.blocks_in_use() == 0
+
+
+def test_draft_out_of_blocks_drops_only_that_request(tiny_model_dir):
+    ckpt = open_checkpoint(tiny_model_dir("llama"))
+    source = DraftModelSource(build_stage(ckpt, StageSpec(0, 3, True, True)), 2, 4, "self:3")
+    rows = [SourceRows(list(range(n)), [NO_PARENT] + list(range(n - 1)), list(range(n)), [5] * n) for n in (3, 6)]
+    source.start(0)
+    source.start(1)
+    got = source.propose_many([ProposeCall(0, None, rows[0], [2], 2), ProposeCall(1, None, rows[1], [5], 2)])
+    assert len(got[0][2]) == 2 and got[1] == {}
+    assert source.slots.requests[1].failed and source.slots.blocks_in_use() == 1
+    assert source.propose(1, None, SourceRows([6], [5], [6], [5]), [6], 2) == {}  # until it finishes
+    source.finish(1)

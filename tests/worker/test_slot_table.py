@@ -1,23 +1,16 @@
-"""KV slot bookkeeping: pure Python, no torch."""
+"""KV slot bookkeeping: pure Python, no torch. Paged: blocks per request follow the rule the
+driver's block manager mirrors (ceil(peak slots / block_size)), checked on random histories."""
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from specpipe.worker.slot_table import NO_PARENT, KVCacheFull, KVManager, KVStateError, SlotAllocator
-
-
-def test_allocator_reuses_lowest_freed_slots():
-    a = SlotAllocator(8)
-    assert a.alloc(3) == [0, 1, 2]
-    a.free([1, 0])
-    assert a.alloc(3) == [0, 1, 3]
-    assert a.num_used() == 4
-    with pytest.raises(KVCacheFull):
-        a.alloc(5)
+from specpipe.worker.slot_table import NO_PARENT, KVCacheFull, KVStateError, SlotTable
 
 
 def test_prefill_is_a_causal_chain():
-    m = KVManager(16)
+    m = SlotTable(4, 4)
     m.admit(7)
     plan = m.plan(7, [-2, -3, 0], [NO_PARENT, -2, -3])
     assert plan.write_slots == [0, 1, 2]
@@ -26,7 +19,7 @@ def test_prefill_is_a_causal_chain():
 
 
 def test_tree_mask_is_ancestry_and_commit_moves_slots_without_copy():
-    m = KVManager(32)
+    m = SlotTable(8, 4)
     m.admit(1)
     m.plan(1, [-2, 0], [NO_PARENT, -2])
     m.commit(1, [-2, 0])
@@ -43,30 +36,146 @@ def test_tree_mask_is_ancestry_and_commit_moves_slots_without_copy():
     assert plan.mask[:, :base].all()
     # hit on node 1: commit it, drop the sibling subtree; node 3's slot stays where it is
     m.drop(1, [2, 4])
-    m.commit(1, [1])
+    assert m.commit(1, [1]) == 1
     assert m.requests[1].committed == [0, 1, slot_of[1]]
     assert set(m.requests[1].spec) == {3}
     assert m.total_in_use() == 4
+    assert m.blocks_of(1) == 2 == m.blocks_in_use()  # the peak was 6 slots
     m.release(1)
-    assert m.total_in_use() == 0
+    assert m.total_in_use() == 0 and m.blocks_in_use() == 0
 
 
 def test_commit_of_a_node_not_yet_computed_waits():
-    m = KVManager(8)
+    m = SlotTable(2, 4)
     m.admit(0)
     m.plan(0, [-2], [NO_PARENT])
-    m.commit(0, [-2, 5])  # node 5 is still upstream of this stage
+    assert m.commit(0, [-2, 5]) == 1  # node 5 is still upstream of this stage
     assert m.requests[0].committed == [0] and list(m.requests[0].pending) == [5]
     m.plan(0, [5], [-2])
-    m.computed(0)
+    assert m.computed(0) == 1
     assert m.requests[0].committed == [0, 1] and not m.requests[0].pending
 
 
 def test_rows_pruned_in_transit_are_recognised():
-    m = KVManager(8)
+    m = SlotTable(2, 4)
     m.admit(0)
     m.plan(0, [-2], [NO_PARENT])
     m.drop(0, [3, 4])
     assert m.live_rows(0, [3, 5, 4]) == [1]
     with pytest.raises(KVStateError):
         m.plan(0, [9], [3])  # a child of a pruned node must never be computed
+
+
+def test_requests_own_their_blocks_and_a_sequence_reads_contiguous_slots():
+    m = SlotTable(4, 4)
+    m.admit(0)
+    m.admit(1)
+    a = m.plan(0, [10, 11, 12], [NO_PARENT, 10, 11])
+    b = m.plan(1, [20], [NO_PARENT])
+    assert a.write_slots == [0, 1, 2] and b.write_slots == [4]  # request 1 took block 1
+    # Request 0 fills its own block before taking another, and the next block it gets is 2.
+    c = m.plan(0, [13, 14], [12, 13])
+    assert c.write_slots == [3, 8]
+    assert m.requests[0].blocks == [0, 2] and m.requests[1].blocks == [1]
+    m.release(0)
+    m.admit(2)
+    assert m.plan(2, [30], [NO_PARENT]).write_slots == [0]  # lowest free block first
+
+
+def test_pool_exhaustion_fails_only_the_plan_and_leaks_nothing():
+    m = SlotTable(2, 4)
+    m.admit(0)
+    m.admit(1)
+    m.plan(0, list(range(5)), [NO_PARENT, 0, 1, 2, 3])  # two blocks: the whole pool
+    with pytest.raises(KVCacheFull):
+        m.plan(1, [100], [NO_PARENT])
+    assert m.requests[1].blocks == [] and m.requests[1].spec == {}
+    # Request 0 still has 3 free slots of its own: it does not need the pool.
+    m.plan(0, [5, 6, 7], [4, 5, 6])
+    with pytest.raises(KVCacheFull):
+        m.plan(0, [8], [7])
+    assert m.total_in_use() == 8 and 8 not in m.requests[0].spec
+    m.fail(0)  # frees its KV, keeps it as failed until released
+    assert m.blocks_in_use() == 0 and m.requests[0].failed
+    assert m.live_rows(0, [8, 9]) == [] and m.commit(0, [8]) == 0
+    m.drop(0, [1])  # pruning a failed request is a no-op
+    with pytest.raises(KVStateError):
+        m.plan(0, [8], [7])
+    m.release(0)
+    assert 0 not in m.requests
+
+
+def test_rejected_plan_changes_nothing():
+    m = SlotTable(2, 4)
+    m.admit(0)
+    m.plan(0, [1, 2], [NO_PARENT, 1])
+    before = (m.requests[0].spec.copy(), list(m.requests[0].free), m.blocks_in_use())
+    for nodes, parents in [([3, 2], [2, 3]),  # node 2 computed twice
+                           ([3, 3], [2, 3]),  # the same node twice in one message
+                           ([3, 4], [2]),  # a parent missing
+                           ([], [])]:
+        with pytest.raises(KVStateError):
+            m.plan(0, nodes, parents)
+        assert (m.requests[0].spec, list(m.requests[0].free), m.blocks_in_use()) == before
+
+
+# -- property: random histories of several requests -----------------------------------------------
+
+OPS = st.lists(st.tuples(st.sampled_from(["grow", "prune", "commit", "release", "fail"]),
+                         st.integers(0, 2), st.integers(1, 7)), max_size=60)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=OPS, num_blocks=st.integers(1, 6), block_size=st.integers(1, 5))
+def test_paged_table_invariants(ops, num_blocks, block_size):
+    """Any history of plans (chains and trees), prunes, commits, failures and releases: no slot is
+    held twice, every slot lies in a block its request owns, each request holds exactly
+    ceil(peak slots / block_size) blocks, a refused plan changes nothing, and a release frees all."""
+    m = SlotTable(num_blocks, block_size)
+    peak: dict[int, int] = {}
+    next_node = iter(range(10**6))
+    for op, rid, n in ops:
+        if rid not in m.requests:
+            m.admit(rid)
+            peak[rid] = 0
+        r = m.requests[rid]
+        if op == "grow" and not r.failed:
+            # n new nodes, each under a random live node (or the committed prefix).
+            live = list(r.spec)
+            nodes, parents = [], []
+            for i in range(n):
+                nodes.append(next(next_node))
+                options = live + nodes[:-1]
+                parents.append(options[(nodes[-1] * 7) % len(options)] if options else NO_PARENT)
+            state = (dict(r.spec), list(r.free), list(r.blocks), m.pool.num_free())
+            try:
+                plan = m.plan(rid, nodes, parents)
+            except KVCacheFull:
+                assert (dict(r.spec), list(r.free), list(r.blocks), m.pool.num_free()) == state
+                continue
+            assert len(plan.write_slots) == n and (plan.mask is None or plan.mask.shape[0] == n)
+        elif op == "prune" and r.spec:
+            m.drop(rid, sorted(r.spec)[:n])
+        elif op == "commit" and r.spec:
+            m.commit(rid, sorted(r.spec)[:1])
+            m.computed(rid)
+        elif op == "release":
+            m.release(rid)
+            peak.pop(rid)
+        elif op == "fail" and not r.failed:
+            m.fail(rid)
+            peak[rid] = 0
+        held = []
+        for q, rq in m.requests.items():
+            slots = rq.committed + [s for s, _ in rq.spec.values()]
+            held += slots
+            owned = {s for b in rq.blocks for s in range(b * block_size, (b + 1) * block_size)}
+            assert set(slots) <= owned and set(rq.free) == owned - set(slots)
+            peak[q] = max(peak[q], len(slots))
+            assert len(rq.blocks) == -(-peak[q] // block_size)
+            assert m.blocks_of(q) == len(rq.blocks)
+        assert len(held) == len(set(held)) == m.total_in_use()
+        assert m.blocks_in_use() == sum(len(rq.blocks) for rq in m.requests.values())
+    for rid in list(m.requests):
+        m.release(rid)
+    assert m.blocks_in_use() == 0 and m.total_in_use() == 0 and m.pool.num_free() == num_blocks
