@@ -114,10 +114,15 @@ class EngineCore:
         self._release, self._report = [], False
 
         self.pipe.submit(control, rows)
+        error: Optional[BaseException] = None
         try:
             self._draft(running, DURING)  # overlaps the stages' compute
-        finally:
-            results = self.pipe.collect()  # always: an error above must not leave the pipeline a step behind
+        except BaseException as e:  # noqa: BLE001  (re-raised once the step is complete)
+            # Finish the step first: collect and route its results, or the pipeline would stay a
+            # step behind and these rows' results would be lost. A request whose drafting was cut
+            # short only has fewer proposals (its tree grows less), never a wrong token.
+            error = e
+        results = self.pipe.collect()
         self.steps += 1
         if control.report:
             self.stage_stats = getattr(self.pipe, "reported", None)
@@ -136,10 +141,16 @@ class EngineCore:
             if st.started:
                 st.req.stats.pipeline_steps += 1
             st.verify()
-        self._draft([st for st in live if not st.req.finished], AFTER)
+        if error is None:
+            self._draft([st for st in live if not st.req.finished], AFTER)
+        else:
+            for st in live:
+                st.drafting(AFTER)  # drop a new root's draft call: the source may be in any state
         done = [st.req for st in live if st.req.finished]
         for req in done:
             self._retire(req.request_id)
+        if error is not None:
+            raise error
         return done
 
     # -- internals ----------------------------------------------------------------------------------------

@@ -1,0 +1,67 @@
+"""Engine core details: an error while drafting, and a tree too wide for the KV pool."""
+
+from __future__ import annotations
+
+import pytest
+
+from specpipe.config import ConfigError
+from specpipe.engine.core import EngineCore
+from specpipe.engine.engine import decode
+from specpipe.loader import open_checkpoint
+from specpipe.loader.partition import partition_layers
+from specpipe.model.stage import build_stage
+from specpipe.request import Request
+from specpipe.sampling import SamplingParams
+from specpipe.spec_decode.sources import NgramSource
+from specpipe.worker.local_pipeline import LocalPipeline
+from specpipe.worker.stage_worker import StageWorker
+
+PROMPT = [5, 17, 33, 90, 5, 17, 33, 90, 5, 17, 120, 7, 5, 17]
+
+
+class FlakySource(NgramSource):
+    """Fails on its 3rd and 4th calls, as a draft model on a flaky device might."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def propose_many(self, calls):
+        self.calls += 1
+        if self.calls in (3, 4):
+            raise RuntimeError("draft device error")
+        return super().propose_many(calls)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny_model_dir):
+    return open_checkpoint(tiny_model_dir("llama"))
+
+
+def pipeline(ckpt, S):
+    return LocalPipeline([StageWorker(build_stage(ckpt, s), 32, 16) for s in partition_layers(4, S)])
+
+
+def test_an_error_while_the_stages_compute_leaves_the_pipeline_in_step(ckpt):
+    pipe = pipeline(ckpt, 4)
+    reference = Request(0, PROMPT, SamplingParams(max_tokens=16), frozenset())
+    decode(pipe, reference, "pp", kv_blocks=32, block_size=16)
+    core = EngineCore(pipe, "specpipe", FlakySource(), width=4, kv_blocks=32, block_size=16)
+    req = Request(1, PROMPT, SamplingParams(max_tokens=16), frozenset())
+    core.add_request(req)
+    errors = 0
+    while core.has_work():
+        try:
+            core.step()
+        except RuntimeError as e:
+            assert "draft device error" in str(e)
+            errors += 1
+    assert errors == 2
+    assert req.output_ids == reference.output_ids  # no result was lost, no token is wrong
+    assert all(w.slots.total_in_use() == 0 for w in pipe.workers)
+
+
+def test_a_tree_too_wide_for_the_pool_is_refused(ckpt):
+    core = EngineCore(pipeline(ckpt, 2), "specpipe", NgramSource(), width=64, kv_blocks=8, block_size=16)
+    with pytest.raises(ConfigError, match="tree-width"):
+        core.add_request(Request(0, PROMPT, SamplingParams(max_tokens=16), frozenset()))
