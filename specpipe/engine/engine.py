@@ -86,7 +86,7 @@ class Engine:
         else:
             self.pipeline = launcher.in_process(self.checkpoint, self.stage_specs, self.num_blocks,
                                                 self.block_size, config.device, dtype)
-        if progress:
+        if progress and (rank_env is not None or config.uses_processes()):  # with the stages' own lines
             progress(f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens per stage "
                      f"({self.num_blocks * self.block_size} tokens)")
         self._ids = itertools.count()
