@@ -174,8 +174,7 @@ def generate(args: list[str], timeout_s: float = 120.0) -> dict:
 def error_lines(stderr: str) -> list[str]:
     """Stderr without progress lines and torch's C++ warnings."""
     return [line for line in stderr.splitlines()
-            if line.strip() and not (line.startswith("specpipe: ") and not line.startswith("specpipe: error"))
-            and not line.startswith(("[W", "[I"))]
+            if line.strip() and " ready: " not in line and not line.startswith(("specpipe: KV cache:", "[W", "[I"))]
 
 
 # -- S = 1, 2, 4 give the same tokens ----------------------------------------------------------------
