@@ -190,6 +190,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache/specpipe/bench"))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--merge", default=None,
+                    help="earlier --out JSON: its configurations not run now are reported with these")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     global STOP_IDS
@@ -229,6 +231,10 @@ def main() -> None:
                         f"{r['hit_rate']}, {r['preemptions']} preemptions ({time.perf_counter() - t0:.0f} s)")
                 if args.out:
                     Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}))
+        if args.merge:
+            done = {(r["stages"], r["concurrency"], r["mode"]) for r in results}
+            results += [r for r in json.loads(Path(args.merge).read_text())["results"]
+                        if (r["stages"], r["concurrency"], r["mode"]) not in done]
         report(results, args, ckpt.config.num_layers)
     if args.out:
         Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}))

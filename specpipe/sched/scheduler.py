@@ -4,13 +4,16 @@ Pure Python, no torch. Every step the engine core asks each request's mode what 
 (a `Want`) and gets back what it may send (a `Grant`):
 
   must rows  -- rows carrying committed tokens: a prompt chunk, a new root after a miss, the next
-                token of plain PP. A request with no must rows granted makes no progress, so these
-                come first, oldest request first; single rows before prompt chunks, so that a long
-                prompt never stalls the others' decoding (chunked prefill).
-  spec rows  -- speculative tree nodes. They only ever use the slack the must rows leave, of the
-                row budget and of the KV pool, shared fairly (water-filling, leftovers rotating
+                token of plain PP. A request with no must rows granted makes no progress, so single
+                rows come first, oldest request first: every decoding request moves each step, and
+                a long prompt never stalls the others' decoding (it is prefilled in chunks).
+  spec rows  -- speculative tree nodes. They only ever use the slack the single rows leave, of
+                the row budget and of the KV pool, shared fairly (water-filling, leftovers rotating
                 so that no request is always the one cut): alone, a request gets its full width;
                 as the pipeline fills, every tree narrows; when the budget binds, no speculation.
+                Prompt chunks and trees split that slack: trees may take up to half of it first
+                (running requests keep their width while a prompt streams in, as vLLM schedules
+                running requests' draft tokens before new prefills), chunks keep the other half.
 
 Row budget (`step_rows`): rows entering stage 1 per step, which bounds every stage's rows per
 step (rows only shrink on the way down). None = no budget (the single-request modes: exactly
@@ -108,23 +111,36 @@ class Scheduler:
         wants = {rid: want_of(rid) for rid in self.running}
         budget = self.step_rows if self.step_rows is not None else float("inf")
         musts: dict[int, int] = {}
-        # Single committed rows first (a decode step for everyone), then prompt chunks.
-        for chunks in (False, True):
-            for rid in list(self.running):
-                w = wants[rid]
-                if rid not in self.running or w.chunkable != chunks or rid in musts:
-                    continue  # preempted a moment ago, or not this pass
-                m = self._must(w, budget)
-                if m and not self._make_room(rid, w.held + m, plan):
-                    continue  # it was preempted itself
-                musts[rid] = m
-                budget -= m
-        self._admit(plan, want_of, wants, musts, budget)
-        budget -= sum(musts[r] for r in plan.admitted)
-        specs = self._share_spec(wants, musts, budget)
+        # 1. One committed row for every decoding request: a decode step for everyone.
+        budget -= self._grant_musts(wants, musts, budget, chunks=False, plan=plan)
+        # 2. Prompt chunks and speculation share the rest. The running requests' trees may take
+        #    up to half of it before the chunks (so a long prompt streaming in does not cut every
+        #    tree to nothing, as vLLM schedules running requests' draft tokens before new
+        #    prefills), and the chunks always keep the other half (so no prompt starves).
+        decoding = [w.spec for r, w in wants.items() if r in self.running and not w.chunkable]
+        spec_first = min(sum(decoding), budget // 2) if self.step_rows is not None else 0
+        used = self._grant_musts(wants, musts, budget - spec_first, chunks=True, plan=plan)
+        used += self._admit(plan, want_of, wants, musts, budget - spec_first - used)
+        specs = self._share_spec(wants, musts, budget - used)
         for rid in self.running:
             plan.grants[rid] = Grant(musts.get(rid, 0), specs.get(rid, 0))
         return plan
+
+    def _grant_musts(self, wants: dict[int, Want], musts: dict[int, int], budget: float, chunks: bool,
+                     plan: StepPlan) -> int:
+        """Committed rows of the running requests of one kind (single rows, or prompt chunks),
+        oldest first, within `budget`; returns the rows granted."""
+        used = 0
+        for rid in list(self.running):
+            w = wants[rid]
+            if rid not in self.running or w.chunkable != chunks or rid in musts:
+                continue  # preempted a moment ago, or not this pass
+            m = self._must(w, budget - used)
+            if m and not self._make_room(rid, w.held + m, plan):
+                continue  # it was preempted itself
+            musts[rid] = m
+            used += m
+        return used
 
     def _must(self, w: Want, budget: float) -> int:
         if not w.must:
@@ -147,21 +163,24 @@ class Scheduler:
         return True
 
     def _admit(self, plan: StepPlan, want_of: Callable[[int], Want], wants: dict[int, Want],
-               musts: dict[int, int], budget: float) -> None:
+               musts: dict[int, int], budget: float) -> int:
         """FIFO admission while there is room for a request's first rows, a row budget left and KV
-        above the watermark (headroom for the running requests' growth)."""
+        above the watermark (headroom for the running requests' growth). Returns the rows granted."""
         while self.waiting and len(self.running) < self.max_num_seqs and budget >= 1:
             rid = self.waiting[0]
+            if rid in plan.preempted:
+                break  # it comes back next step, with its state rebuilt for recomputation
             w = wants[rid] = want_of(rid)
             m = self._must(w, budget)
             if not m or self.blocks.extra_for(rid, w.held + m) > self.blocks.num_free() - self.watermark:
-                return
+                break
             self.waiting.popleft()
             self.running.append(rid)
             self.blocks.reserve(rid, w.held + m)
             musts[rid] = m
             budget -= m
             plan.admitted.append(rid)
+        return sum(musts[r] for r in plan.admitted)
 
     def _share_spec(self, wants: dict[int, Want], musts: dict[int, int], slack: float) -> dict[int, int]:
         """Water-fill the slack among the requests that want speculative rows; each grant is also

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specpipe.sched.block_manager import BlockManager, blocks_for
-from specpipe.sched.scheduler import QueueFull, Scheduler, Want
+from specpipe.sched.scheduler import Grant, QueueFull, Scheduler, Want
 
 
 @dataclass
@@ -150,3 +150,23 @@ def test_waiting_queue_is_bounded():
 def test_a_budget_smaller_than_the_running_set_is_refused():
     with pytest.raises(ValueError):
         Scheduler(BlockManager(10, 4), max_num_seqs=8, step_rows=4)
+
+
+def test_a_prompt_streaming_in_does_not_cut_the_running_trees():
+    sched = Scheduler(BlockManager(1000, 16), max_num_seqs=4, step_rows=64)
+    wants = {0: Want(must=1, spec=8, held=40), 1: Want(must=500, chunkable=True)}
+    sched.add(0)
+    sched.schedule(lambda r: Want(must=40, chunkable=True))  # request 0's prompt
+    sched.add(1)
+    plan = sched.schedule(wants.get)
+    assert plan.grants[0] == Grant(1, 8)  # the running request keeps its full width
+    assert plan.grants[1].must == 55  # the prompt takes the rest of the budget
+    # Many trees never starve a prompt: it keeps at least half of the slack.
+    many = Scheduler(BlockManager(1000, 16), max_num_seqs=40, step_rows=40)
+    for r in range(33):
+        many.add(r)
+    many.schedule(lambda r: Want(must=1, chunkable=True))  # 33 one-token prompts: all admitted
+    wants = {r: Want(must=1, spec=8, held=1) for r in range(32)}
+    wants[32] = Want(must=100, chunkable=True, held=1)
+    plan = many.schedule(wants.get)
+    assert plan.grants[32].must >= 4  # (40 - 32 single rows) / 2
