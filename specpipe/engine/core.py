@@ -23,7 +23,7 @@ import itertools
 import time
 from typing import Iterator, Optional
 
-from specpipe.config import BUDGETED_MODES, ConfigError
+from specpipe.config import BUDGETED_MODES, SPECULATIVE_MODES, ConfigError
 from specpipe.engine.modes.base import AFTER, BEFORE, DURING, ModeState
 from specpipe.engine.modes.rounds import RoundsState
 from specpipe.engine.modes.specpipe import SpecPipeState
@@ -36,12 +36,21 @@ from specpipe.spec_decode.sources import TokenSource
 MAX_STAGE_KV_FAILURES = 3  # a request a stage could not hold this often ends with an error
 
 
+def spec_reserve(mode: str, width: int, depth: int, num_stages: int) -> int:
+    """The most speculative nodes (plus a new root) one request can hold at a stage at once."""
+    if mode not in SPECULATIVE_MODES:
+        return 0
+    if mode == "tree":
+        return width * depth + 1
+    return width * (num_stages + 1) + 1
+
+
 class EngineCore:
     def __init__(self, pipeline: Pipeline, mode: str, source: Optional[TokenSource] = None, *,
                  width: int = 8, depth: int = 4, kv_blocks: int = 1 << 16, block_size: int = 16,
                  max_num_seqs: int = 32, step_rows: Optional[int] = 64, max_waiting: int = 1024,
                  pids: Optional[Iterator[int]] = None) -> None:
-        if mode != "pp" and mode != "pp-cb" and source is None:
+        if mode in SPECULATIVE_MODES and source is None:
             raise ConfigError(f"mode {mode} needs a speculative source")
         self.pipe, self.mode, self.source = pipeline, mode, source
         self.width, self.depth = width, depth
@@ -72,12 +81,7 @@ class EngineCore:
         self.states[req.request_id] = self._new_state(req)
 
     def spec_reserve(self) -> int:
-        """The most speculative nodes one request can hold at a stage at once, plus a new root."""
-        if self.mode in ("pp", "pp-cb"):
-            return 0
-        if self.mode == "tree":
-            return self.width * self.depth + 1
-        return self.width * (self.pipe.num_stages + 1) + 1
+        return spec_reserve(self.mode, self.width, self.depth, self.pipe.num_stages)
 
     def abort(self, request_id: int) -> None:
         req = self.requests.get(request_id)

@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Optional, Sequence
 from specpipe.config import DEFAULT_DRAFT, MODES, SPECULATIVE_MODES, ConfigError, EngineConfig
 from specpipe.distributed.launch import RankEnv
 from specpipe.engine import launcher
-from specpipe.engine.core import EngineCore
+from specpipe.engine.core import EngineCore, spec_reserve
 from specpipe.engine.default_model import default_model_path
 from specpipe.engine.kv_pool import pool_blocks
 from specpipe.engine.main_guard import check_main_guard
@@ -42,15 +42,6 @@ class GenerationResult:
     def as_dict(self) -> dict:
         return {"text": self.text, "prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
                 "finish_reason": self.finish_reason, "stats": self.stats}
-
-
-def spec_reserve(mode: str, width: int, depth: int, num_stages: int) -> int:
-    """The most speculative nodes (plus a new root) one request can hold at a stage at once."""
-    if mode not in SPECULATIVE_MODES:
-        return 0
-    if mode == "tree":
-        return width * depth + 1
-    return width * (num_stages + 1) + 1
 
 
 class Engine:

@@ -107,7 +107,7 @@ def _serve_stage(config, env) -> int:
     import os
 
     from specpipe.engine.default_model import default_model_path
-    from specpipe.engine.engine import spec_reserve
+    from specpipe.engine.core import spec_reserve
     from specpipe.engine.kv_pool import pool_blocks
     from specpipe.engine.launcher import torchrun_stage
     from specpipe.loader import open_checkpoint
