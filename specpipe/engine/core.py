@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterable, Iterator, Optional
 
 from specpipe.config import BUDGETED_MODES, SPECULATIVE_MODES, ConfigError
 from specpipe.engine.modes.base import AFTER, BEFORE, DURING, ModeState
@@ -30,7 +30,7 @@ from specpipe.engine.modes.specpipe import SpecPipeState
 from specpipe.messages import Control, Pipeline
 from specpipe.request import Request
 from specpipe.sched.block_manager import BlockManager
-from specpipe.sched.scheduler import Scheduler
+from specpipe.sched.scheduler import QueueFull, Scheduler
 from specpipe.spec_decode.sources import TokenSource
 
 MAX_STAGE_KV_FAILURES = 3  # a request a stage could not hold this often ends with an error
@@ -83,11 +83,33 @@ class EngineCore:
     def spec_reserve(self) -> int:
         return spec_reserve(self.mode, self.width, self.depth, self.pipe.num_stages)
 
-    def abort(self, request_id: int) -> None:
+    def abort(self, request_id: int, reason: str = "abort", error: Optional[str] = None) -> None:
+        """End a request now (what it decoded stays); its KV is freed on the next step."""
         req = self.requests.get(request_id)
         if req is not None and not req.finished:
-            req.end("abort")
+            req.end(reason, error)
             self._retire(request_id)
+
+    def run(self, requests: Iterable[Request], on_finish: Optional[Callable[[Request], None]] = None) -> None:
+        """Serve `requests` together until all have finished: each joins as soon as the waiting
+        queue has room, and the stages get every release before this returns. If a step fails,
+        every request still here ends (error, or abort on Ctrl-C) before the exception goes on."""
+        todo = list(requests)[::-1]
+        try:
+            while todo or self.has_work():
+                while todo:
+                    try:
+                        self.add_request(todo[-1])
+                    except QueueFull:
+                        break
+                    todo.pop()
+                for req in self.step():
+                    if on_finish is not None:
+                        on_finish(req)
+        except BaseException as e:
+            for rid in list(self.requests):  # nothing may be left half-served
+                self.abort(rid, "error" if isinstance(e, Exception) else "abort", str(e) or type(e).__name__)
+            raise
 
     def has_work(self) -> bool:
         """Requests to serve, or a release/report still to deliver to the stages."""

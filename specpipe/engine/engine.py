@@ -25,7 +25,6 @@ from specpipe.loader.partition import partition_layers
 from specpipe.messages import Pipeline
 from specpipe.request import Request
 from specpipe.sampling import SamplingParams
-from specpipe.sched.scheduler import QueueFull
 from specpipe.spec_decode.sources import TokenSource
 from specpipe.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
 from specpipe.worker.stage_worker import StageStats
@@ -145,26 +144,8 @@ class Engine:
 
     def run(self, requests: Iterable[Request], core: Optional[EngineCore] = None,
             on_finish: Optional[Callable[[Request], None]] = None) -> None:
-        """Serve `requests` together until all have finished: each joins as soon as the waiting
-        queue has room, and the stages get every release before this returns."""
-        core = core or self.core()
-        todo = list(requests)[::-1]
-        try:
-            while todo or core.has_work():
-                while todo:
-                    try:
-                        core.add_request(todo[-1])
-                    except QueueFull:
-                        break
-                    todo.pop()
-                for req in core.step():
-                    if on_finish is not None:
-                        on_finish(req)
-        except BaseException as e:
-            for rid in list(core.requests):  # nothing may be left half-served in the core
-                core.requests[rid].end("error" if isinstance(e, Exception) else "abort", str(e) or type(e).__name__)
-                core.abort(rid)
-            raise
+        """Serve `requests` together until all have finished (see EngineCore.run)."""
+        (core or self.core()).run(requests, on_finish)
 
     def generate(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
                  chat: Optional[bool] = None, on_text: Optional[Callable[[str], None]] = None,

@@ -65,3 +65,16 @@ def test_a_tree_too_wide_for_the_pool_is_refused(ckpt):
     core = EngineCore(pipeline(ckpt, 2), "specpipe", NgramSource(), width=64, kv_blocks=8, block_size=16)
     with pytest.raises(ConfigError, match="tree-width"):
         core.add_request(Request(0, PROMPT, SamplingParams(max_tokens=16), frozenset()))
+
+
+def test_an_engine_error_ends_every_request_and_frees_the_core(ckpt):
+    class Broken(NgramSource):
+        def propose_many(self, calls):
+            raise RuntimeError("draft device lost")
+
+    core = EngineCore(pipeline(ckpt, 2), "specpipe", Broken(), width=4, kv_blocks=32, block_size=16)
+    reqs = [Request(i, PROMPT, SamplingParams(max_tokens=8), frozenset()) for i in range(3)]
+    with pytest.raises(RuntimeError, match="draft device lost"):
+        core.run(reqs)
+    assert [r.finish_reason for r in reqs] == ["error"] * 3 and "draft device lost" in reqs[0].error
+    assert not core.scheduler.has_work() and not core.requests
