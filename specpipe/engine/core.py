@@ -182,7 +182,7 @@ class EngineCore:
     # -- internals ----------------------------------------------------------------------------------------
     def _new_state(self, req: Request) -> ModeState:
         pid = next(self._pids)
-        if self.mode in ("pp", "pp-cb"):
+        if self.mode not in SPECULATIVE_MODES:
             return RoundsState(pid, req, None, 1, 0)
         if self.mode == "tree":
             return RoundsState(pid, req, self.source, self.width, self.depth)

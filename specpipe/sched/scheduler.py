@@ -212,8 +212,8 @@ class Scheduler:
         for rid in asking:  # rotated order: the KV left over is shared the same way
             g = grants.get(rid, 0)
             base = wants[rid].held + musts.get(rid, 0)
-            while g and self.blocks.extra_for(rid, base + g) > self.blocks.num_free() - self.watermark:
-                g -= 1
+            room = (self.blocks.held(rid) + self.blocks.num_free() - self.watermark) * self.blocks.block_size
+            g = min(g, max(0, room - base))  # the most rows whose blocks fit above the watermark
             if g:
                 self.blocks.reserve(rid, base + g)
                 out[rid] = g
