@@ -22,8 +22,9 @@ class DecodeStats:
     """Step-level counters; see SPEC §7 for the definitions."""
 
     pipeline_steps: int = 0  # steps from its first rows entering stage 1 to its last token
-    verifications: int = 0
-    hits: int = 0
+    drafted: int = 0  # draft tokens sent into the pipeline (tree nodes)
+    verifications: int = 0  # target tokens checked against the tree
+    hits: int = 0  # ... that the tree held (accepted draft tokens)
     hits_by_depth: dict[int, int] = field(default_factory=dict)  # hits by the depth the token was drafted at
     rounds: int = 0  # tree mode: verification rounds
     live_nodes_sum: int = 0  # sum over steps of the live tree size (for the mean)
@@ -111,6 +112,7 @@ class Request:
         return {
             "pipeline_steps": s.pipeline_steps,
             "tokens_per_step": n / s.pipeline_steps if s.pipeline_steps else None,
+            "drafted": s.drafted,
             "hit_rate": s.hits / s.verifications if s.verifications else None,
             "hits_by_depth": {str(k): v for k, v in sorted(s.hits_by_depth.items())} or None,
             "acceptance_length": n / s.rounds if s.rounds else None,

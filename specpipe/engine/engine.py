@@ -127,8 +127,10 @@ class Engine:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def make_request(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
-                     chat: Optional[bool] = None, on_text: Optional[Callable[[str], None]] = None) -> Request:
-        """A validated request (not yet added): token ids, a concrete seed, a detokenizer."""
+                     chat: Optional[bool] = None, on_text: Optional[Callable[[str], None]] = None,
+                     ignore_eos: bool = False) -> Request:
+        """A validated request (not yet added): token ids, a concrete seed, a detokenizer.
+        `ignore_eos`: decode past end-of-sequence tokens, up to max_tokens (for benchmarks)."""
         prompt_ids = list(prompt) if not isinstance(prompt, str) else self.encode_prompt(prompt, chat)
         if not prompt_ids:
             raise ConfigError("the prompt is empty")
@@ -139,7 +141,8 @@ class Engine:
         vocab = self.checkpoint.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise ConfigError(f"prompt token ids must be in [0, {vocab})")
-        return Request(next(self._ids), prompt_ids, sampling.resolved(), frozenset(self.tokenizer.eos_token_ids),
+        stop_ids = frozenset() if ignore_eos else frozenset(self.tokenizer.eos_token_ids)
+        return Request(next(self._ids), prompt_ids, sampling.resolved(), stop_ids,
                        detokenizer=IncrementalDetokenizer(self.tokenizer), on_text=on_text)
 
     def run(self, requests: Iterable[Request], core: Optional[EngineCore] = None,

@@ -1,4 +1,9 @@
-"""`specpipe` command line: `specpipe generate [options] PROMPT`."""
+"""`specpipe` command line:
+
+    specpipe generate [options] PROMPT     one completion, streamed to the terminal
+    specpipe serve [options]               the OpenAI-compatible server
+    specpipe bench serve [options]         load-test an OpenAI-compatible server
+"""
 
 from __future__ import annotations
 
@@ -26,7 +31,6 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="stream a completion of PROMPT to the terminal")
     g.add_argument("prompt", help="the prompt text ('-' reads it from standard input)")
-    g.add_argument("--model", help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--max-tokens", type=_positive_int, default=128, help="stop after this many new tokens (default 128)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -36,7 +40,35 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wrap the prompt in the model's chat template (default when it has one)")
     g.add_argument("--no-chat", dest="chat", action="store_false")
     g.add_argument("--json", action="store_true", help="print one JSON object with tokens and stats as the last line")
-    g.add_argument("--mode", default="pp", help="pp | pp-cb | tree | specpipe | specpipe-db (default pp)")
+    g.add_argument("--quiet", action="store_true", help="no progress or stats on stderr")
+    _add_engine_args(g)
+
+    s = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 = any free port)")
+    s.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: env SPECPIPE_API_KEY, else none)")
+    s.add_argument("--max-queue", type=int, default=1024,
+                   help="requests waiting for the pipeline beyond which new ones get HTTP 429 (default 1024)")
+    s.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model file's name)")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="server log level (default info: one line per request)")
+    _add_engine_args(s)
+    s.set_defaults(mode="specpipe-db")  # a server batches: SpecPipe-DB (lossless; --mode pp-cb for plain PP)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    from specpipe.bench import serve as bench_serve
+
+    bench_serve.add_arguments(bsub.add_parser(
+        "serve", help="load-test any OpenAI-compatible server (Poisson arrivals or fixed concurrency)"))
+    return p
+
+
+def _add_engine_args(g: argparse.ArgumentParser) -> None:
+    """The engine flags `generate` and `serve` share."""
+    g.add_argument("--model", help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--mode", default="pp", help="pp | pp-cb | tree | specpipe | specpipe-db (default: pp for generate, specpipe-db for serve)")
     g.add_argument("--stages", type=int, default=1, help="pipeline stages S (default 1)")
     g.add_argument("--stage-layers", default=None, help="layers per stage, e.g. 8,8,7,7 (default: even split)")
     g.add_argument("--draft", default=None,
@@ -60,19 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-memory-fraction", type=float, default=0.25,
                    help="share of free memory for the KV caches when --kv-memory is not given (default 0.25)")
     g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default 16)")
-    g.add_argument("--quiet", action="store_true", help="no progress or stats on stderr")
-    return p
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from specpipe.distributed.launch import RankEnv
+def _engine_config(args: argparse.Namespace, **extra):
+    """The EngineConfig of the engine flags, validated before any process starts."""
     from specpipe.config import EngineConfig
-    from specpipe.engine.engine import Engine
     from specpipe.loader.partition import parse_stage_layers
-    from specpipe.sampling import SamplingParams
 
-    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                              seed=args.seed, max_tokens=args.max_tokens)
     config = EngineConfig(model=args.model, mode=args.mode, stages=args.stages,
                           stage_layers=parse_stage_layers(args.stage_layers), draft=args.draft,
                           tree_width=args.tree_width, tree_depth=args.tree_depth,
@@ -80,8 +106,19 @@ def _generate(args: argparse.Namespace) -> int:
                           transport=args.transport, link_delay_ms=args.link_delay_ms,
                           link_bandwidth_mbps=args.link_bandwidth_mbps, stage_timeout_s=args.stage_timeout,
                           max_num_seqs=args.max_num_seqs, max_step_rows=args.max_step_rows, kv_memory=args.kv_memory,
-                          kv_memory_fraction=args.kv_memory_fraction, block_size=args.block_size)
-    config.validate()  # bad configuration is reported before any process starts
+                          kv_memory_fraction=args.kv_memory_fraction, block_size=args.block_size, **extra)
+    config.validate()
+    return config
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from specpipe.distributed.launch import RankEnv
+    from specpipe.engine.engine import Engine
+    from specpipe.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                              seed=args.seed, max_tokens=args.max_tokens)
+    config = _engine_config(args)  # bad configuration is reported before any process starts
     rank_env = RankEnv.from_environ()
     if rank_env is not None and rank_env.rank > 0:
         return _serve_stage(config, rank_env)
@@ -100,6 +137,26 @@ def _generate(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(_summary(result.stats, len(result.token_ids)), file=sys.stderr)
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from specpipe.config import ConfigError
+    from specpipe.distributed.launch import RankEnv
+
+    if args.max_queue < 0:
+        raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if not 0 <= args.port < 65536:
+        raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    config = _engine_config(args, max_waiting=args.max_queue)
+    rank_env = RankEnv.from_environ()
+    if rank_env is not None and rank_env.rank > 0:
+        return _serve_stage(config, rank_env)
+    from specpipe.entrypoints.openai.api_server import serve
+
+    return serve(config, args.host, args.port, args.api_key or os.environ.get("SPECPIPE_API_KEY"),
+                 args.served_model_name, args.log_level, rank_env)
 
 
 def _serve_stage(config, env) -> int:
@@ -147,6 +204,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with user_errors() as status:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
+        if args.command == "bench":
+            from specpipe.bench import serve as bench_serve
+
+            return bench_serve.main(args)
     return status.code
 
 

@@ -71,6 +71,7 @@ class RoundsState(ModeState):
             if not layer:
                 return
             self.nodes.extend(layer)
+            self.req.stats.drafted += len(layer)
             if d + 1 == self.depth:
                 self.undrafted = {n.node_id for n in layer}
                 return

@@ -63,6 +63,7 @@ class SpecPipeState(ModeState):
             layer = tree.expand({n: self.props[n] for n in frontier})
             for n in layer:
                 self.drafted_depth[n.node_id] = n.position - tree.root_position
+            self.req.stats.drafted += len(layer)
             if layer:
                 layer_rows = node_rows(self.pid, layer)
                 self._feed, self._want = source_rows(layer_rows), [n.node_id for n in layer]

@@ -1,0 +1,1 @@
+"""Benchmark clients: prompt data sets and the serving benchmark (`specpipe bench serve`)."""

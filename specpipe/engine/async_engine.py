@@ -1,0 +1,263 @@
+"""The engine core in a thread of its own, for servers: requests come and go from asyncio code,
+each with its own queue of outputs, while one thread runs the step loop.
+
+    handler --add(req)------> inbox --(engine thread: add_request / abort / report)--> step()
+    handler <--Delta--------- the request's asyncio.Queue <--(after every step: new tokens, text)
+
+A slow client only lets its own queue grow: the step loop never waits for a reader. When the
+pipeline fails (a stage died), every request in it ends with the error, `dead` says why, and new
+requests are refused; the thread stays up to answer them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+from specpipe.config import ConfigError
+from specpipe.engine.core import EngineCore
+from specpipe.request import Request
+from specpipe.sched.scheduler import QueueFull
+
+
+class EngineDead(RuntimeError):
+    """The pipeline failed; the message names the stage. No request can be served any more."""
+
+
+@dataclass
+class Delta:
+    """What one request decoded since its last Delta. The last one has `finish_reason` set
+    (stop | length | abort | error; `error` says what went wrong)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+
+
+@dataclass
+class EngineSnapshot:
+    """Levels the step loop publishes after each step (read by the metrics)."""
+
+    running: int = 0
+    waiting: int = 0
+    steps: int = 0
+    kv_blocks_used: int = 0  # the scheduler's view of the pool (the stages report their own)
+    kv_blocks: int = 0
+
+
+class Observer(Protocol):
+    """Metrics hooks, called on the engine thread."""
+
+    def on_admit(self, req: Request) -> None: ...
+
+    def on_tokens(self, req: Request, n: int, gap_s: Optional[float]) -> None: ...
+
+    def on_finish(self, req: Request) -> None: ...
+
+    def on_step(self, seconds: float) -> None: ...
+
+
+@dataclass
+class _Stream:
+    """The engine thread's end of one request: text not yet delivered and how far it got."""
+
+    req: Request
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    pending: list[str] = field(default_factory=list)
+    sent: int = 0  # output tokens delivered
+    last_emit: Optional[float] = None
+
+    def put(self, delta: Delta) -> None:
+        _call_soon(self.loop, self.queue.put_nowait, delta)
+
+
+class RequestStream:
+    """The caller's end: iterate for Deltas; `cancel()` (idempotent) aborts the request if it is
+    still running, so its KV is freed at every stage on the next step."""
+
+    def __init__(self, engine: "AsyncEngine", req: Request, queue: asyncio.Queue) -> None:
+        self._engine, self.req, self._queue = engine, req, queue
+        self.done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> Delta:
+        if self.done:
+            raise StopAsyncIteration
+        delta = await self._queue.get()
+        self.done = delta.finish_reason is not None
+        return delta
+
+    def cancel(self) -> None:
+        if not self.done:
+            self.done = True
+            self._engine.abort(self.req.request_id)
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, observer: Optional[Observer] = None) -> None:
+        self.core = core
+        self.observer = observer
+        self.dead: Optional[str] = None
+        self.snapshot = EngineSnapshot(kv_blocks=core.scheduler.blocks.num_blocks)
+        self._cond = threading.Condition()
+        self._inbox: list[tuple] = []
+        self._stopping = False
+        self._streams: dict[int, _Stream] = {}
+        self._report_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._thread = threading.Thread(target=self._run, name="specpipe-engine", daemon=True)
+        self._thread.start()
+
+    # -- the asyncio side -------------------------------------------------------------------------
+    async def add(self, req: Request) -> RequestStream:
+        """Queue `req`; returns its stream once the engine has taken it. Raises QueueFull (the
+        waiting queue is at --max-queue), ConfigError (it can never fit the KV pool) or
+        EngineDead."""
+        loop = asyncio.get_running_loop()
+        admitted: asyncio.Future = loop.create_future()
+        queue: asyncio.Queue = asyncio.Queue()
+        stream = _Stream(req, loop, queue)
+        req.on_text = stream.pending.append  # called on the engine thread as tokens commit
+        self._post(("add", stream, admitted))
+        try:
+            await admitted
+        except asyncio.CancelledError:
+            self.abort(req.request_id)  # the client left while it was being admitted
+            raise
+        return RequestStream(self, req, queue)
+
+    def abort(self, request_id: int) -> None:
+        self._post(("abort", request_id))
+
+    async def stage_stats(self, timeout_s: float = 5.0) -> Optional[list[dict]]:
+        """The stages' counters, asked for on the next step (the last report if that takes longer
+        than `timeout_s`, or if the pipeline has failed)."""
+        if self.dead is None:
+            loop = asyncio.get_running_loop()
+            fut: asyncio.Future = loop.create_future()
+            self._post(("report", loop, fut))
+            try:
+                return await asyncio.wait_for(fut, timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return self.core.stage_stats
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """End every request (abort) and stop the thread; the caller closes the pipeline."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        self._thread.join(timeout_s)
+
+    def _post(self, item: tuple) -> None:
+        with self._cond:
+            self._inbox.append(item)
+            self._cond.notify()
+
+    # -- the engine thread ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._inbox or self._stopping or (self.dead is None and self.core.has_work())):
+                    self._cond.wait()
+                items, self._inbox = self._inbox, []
+                stopping = self._stopping
+            for item in items:
+                self._handle(item)
+            if stopping:
+                self._end_all("abort", "the server is shutting down")
+                self._emit()
+                return
+            if self.dead is None and self.core.has_work():
+                self._step()
+            self._emit()
+
+    def _handle(self, item: tuple) -> None:
+        kind = item[0]
+        if kind == "add":
+            _, stream, admitted = item
+            try:
+                if self.dead is not None:
+                    raise EngineDead(self.dead)
+                self.core.add_request(stream.req)
+            except (QueueFull, ConfigError, ValueError, EngineDead) as e:
+                _call_soon(stream.loop, _resolve, admitted, e)
+                return
+            self._streams[stream.req.request_id] = stream
+            if self.observer is not None:
+                self.observer.on_admit(stream.req)
+            _call_soon(stream.loop, _resolve, admitted, None)
+        elif kind == "abort":
+            self.core.abort(item[1], "abort")
+        elif kind == "report":
+            _, loop, fut = item
+            if self.dead is not None:
+                _call_soon(loop, _resolve, fut, None, self.core.stage_stats)
+            else:
+                self.core.request_stage_stats()
+                self._report_waiters.append((loop, fut))
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.core.step()
+        except Exception as e:  # noqa: BLE001  (the pipeline is gone: fail everyone, stay up to refuse)
+            self.dead = str(e) or type(e).__name__
+            self._end_all("error", self.dead)
+        else:
+            if self.observer is not None:
+                self.observer.on_step(time.perf_counter() - t0)
+        sched = self.core.scheduler
+        self.snapshot = EngineSnapshot(len(sched.running), len(sched.waiting), self.core.steps,
+                                       sched.blocks.num_blocks - sched.blocks.num_free(), sched.blocks.num_blocks)
+        # Every waiter asked before this step, so the step carried its report.
+        waiters, self._report_waiters = self._report_waiters, []
+        for loop, fut in waiters:
+            _call_soon(loop, _resolve, fut, None, self.core.stage_stats)
+
+    def _end_all(self, reason: str, error: str) -> None:
+        for rid in list(self.core.requests):
+            self.core.abort(rid, reason, error)
+
+    def _emit(self) -> None:
+        """Hand every request what it decoded since the last call; finished ones leave."""
+        now = time.perf_counter()
+        for rid, st in list(self._streams.items()):
+            req = st.req
+            n = len(req.output_ids)
+            if n == st.sent and not st.pending and not req.finished:
+                continue
+            new = req.output_ids[st.sent:n]
+            st.sent = n
+            text = "".join(st.pending)
+            st.pending.clear()
+            if new and self.observer is not None:
+                self.observer.on_tokens(req, len(new), None if st.last_emit is None else now - st.last_emit)
+            if new:
+                st.last_emit = now
+            st.put(Delta(text, new, req.finish_reason, req.error))
+            if req.finished:
+                del self._streams[rid]
+                if self.observer is not None:
+                    self.observer.on_finish(req)
+
+
+def _resolve(fut: asyncio.Future, error: Optional[BaseException], value=None) -> None:
+    if not fut.done():
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        pass  # the event loop has closed (server shutdown): nobody is waiting any more

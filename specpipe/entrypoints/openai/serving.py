@@ -1,0 +1,175 @@
+"""The completions and chat endpoints: request body -> engine Request -> response or SSE stream.
+
+    body --validate--> prompt ids + SamplingParams --AsyncEngine.add--> RequestStream
+         --Deltas--> one JSON response, or server-sent events (OpenAI's chunk format, [DONE] last)
+
+Everything a client can get wrong becomes an ApiError (status + OpenAI error body) before the
+request reaches the engine; what goes wrong inside it (a stage failed) becomes a 5xx.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Callable, Optional, Union
+
+from specpipe.config import ConfigError
+from specpipe.engine.async_engine import AsyncEngine, Delta, EngineDead, RequestStream
+from specpipe.engine.engine import Engine
+from specpipe.entrypoints.openai import protocol as p
+from specpipe.request import Request
+from specpipe.sampling import SamplingParams
+from specpipe.sched.scheduler import QueueFull
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = p.ErrorResponse(error=p.ErrorInfo(message=message, type=type, param=param, code=code))
+
+
+class OpenAIServing:
+    def __init__(self, engine: Engine, aengine: AsyncEngine, model_name: str) -> None:
+        self.engine, self.aengine, self.model_name = engine, aengine, model_name
+
+    def models(self) -> p.ModelList:
+        return p.ModelList(data=[p.ModelCard(id=self.model_name, max_model_len=self.engine.max_context)])
+
+    # -- admission ----------------------------------------------------------------------------------
+    async def completion_stream(self, body: p.CompletionRequest) -> RequestStream:
+        self._check(body)
+        try:
+            prompt = body.single_prompt()
+            ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="prompt") from None
+        return await self._add(ids, body, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
+
+    async def chat_stream(self, body: p.ChatCompletionRequest) -> RequestStream:
+        self._check(body)
+        try:
+            ids = self.engine.encode_chat(body.conversation())
+        except ConfigError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        # Without a limit a chat answer may use the rest of the context.
+        max_tokens = body.max_completion_tokens or body.max_tokens or max(1, self.engine.max_context - len(ids))
+        return await self._add(ids, body, max_tokens)
+
+    def _check(self, body: p.SamplingFields) -> None:
+        if body.model != self.model_name:
+            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+        bad = body.unsupported()
+        if bad is not None:
+            raise ApiError(400, bad[1], param=bad[0], code="unsupported_parameter")
+
+    async def _add(self, prompt_ids: list[int], body: p.SamplingFields, max_tokens: int) -> RequestStream:
+        if self.aengine.dead is not None:
+            raise ApiError(503, f"the engine cannot serve: {self.aengine.dead}", "server_error", code="engine_dead")
+        context = self.engine.max_context
+        if len(prompt_ids) + max_tokens > context:
+            raise ApiError(400, f"this model's context is {context} tokens, but {len(prompt_ids) + max_tokens} were "
+                                f"requested ({len(prompt_ids)} in the prompt, {max_tokens} in the completion); "
+                                f"shorten the prompt or lower max_tokens", param="max_tokens",
+                           code="context_length_exceeded")
+        try:
+            sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
+                                      seed=body.seed, max_tokens=max_tokens, stop=tuple(body.stop or ()))
+            req = self.engine.make_request(prompt_ids, sampling, ignore_eos=body.ignore_eos)
+        except ValueError as e:  # ConfigError included
+            raise ApiError(400, str(e)) from None
+        try:
+            return await self.aengine.add(req)
+        except QueueFull as e:
+            raise ApiError(429, f"the server is busy: {e}", "rate_limit_error", code="queue_full") from None
+        except EngineDead as e:
+            raise ApiError(503, f"the engine cannot serve: {e}", "server_error", code="engine_dead") from None
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+
+    # -- whole responses -----------------------------------------------------------------------------
+    async def completion(self, stream: RequestStream) -> p.CompletionResponse:
+        req = await _drain(stream)
+        return p.CompletionResponse(id=p.new_id("cmpl"), model=self.model_name, usage=_usage(req),
+                                    choices=[p.CompletionChoice(text=req.text, finish_reason=req.finish_reason)])
+
+    async def chat(self, stream: RequestStream) -> p.ChatCompletionResponse:
+        req = await _drain(stream)
+        return p.ChatCompletionResponse(
+            id=p.new_id("chatcmpl"), model=self.model_name, usage=_usage(req),
+            choices=[p.ChatChoice(message=p.AssistantMessage(content=req.text), finish_reason=req.finish_reason)])
+
+    # -- streams ----------------------------------------------------------------------------------------
+    def completion_events(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
+        rid = p.new_id("cmpl")
+
+        def chunk(d: Optional[Delta], usage: Optional[p.UsageInfo] = None) -> p.CompletionResponse:
+            choices = [] if d is None else [p.CompletionChoice(text=d.text, finish_reason=d.finish_reason)]
+            return p.CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage)
+
+        return _events(stream, include_usage, chunk, first=None)
+
+    def chat_events(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
+        rid = p.new_id("chatcmpl")
+
+        def chunk(d: Optional[Delta], usage: Optional[p.UsageInfo] = None) -> p.ChatCompletionChunk:
+            choices = [] if d is None else [p.ChatChunkChoice(
+                delta=p.DeltaMessage(content=d.text if d.text or d.finish_reason is None else None),
+                finish_reason=d.finish_reason)]
+            return p.ChatCompletionChunk(id=rid, model=self.model_name, choices=choices, usage=usage)
+
+        # OpenAI opens a chat stream with the assistant's role and empty content.
+        first = p.ChatCompletionChunk(id=rid, model=self.model_name, choices=[p.ChatChunkChoice(
+            delta=p.DeltaMessage(role="assistant", content=""))])
+        return _events(stream, include_usage, chunk, first)
+
+
+Chunk = Union[p.CompletionResponse, p.ChatCompletionChunk]
+
+
+async def _events(stream: RequestStream, include_usage: bool, chunk: Callable[..., Chunk],
+                  first: Optional[Chunk]) -> AsyncIterator[str]:
+    """Server-sent events of one request: a chunk per delivered piece, the finish reason in the
+    last, then usage (when asked) and [DONE]. A request that fails mid-stream gets an error event.
+    However the stream ends (the client may leave at any point), the request is cancelled."""
+    try:
+        if first is not None:
+            yield _sse(first.model_dump_json())
+        async for d in stream:
+            if d.finish_reason in ("error", "abort"):
+                yield _sse(_failure(stream.req).body.model_dump_json())
+                break
+            if d.text or d.finish_reason is not None:
+                yield _sse(chunk(d).model_dump_json())
+        else:
+            if include_usage:
+                yield _sse(chunk(None, _usage(stream.req)).model_dump_json())
+        yield _sse("[DONE]")
+    finally:
+        stream.cancel()
+
+
+async def _drain(stream: RequestStream) -> Request:
+    try:
+        async for _ in stream:
+            pass
+    finally:
+        stream.cancel()
+    req = stream.req
+    if req.finish_reason in ("error", "abort"):
+        raise _failure(req)
+    return req
+
+
+def _failure(req: Request) -> ApiError:
+    return ApiError(500, req.error or "the request was aborted", "server_error", code="engine_error")
+
+
+def _usage(req: Request) -> p.UsageInfo:
+    return p.usage(len(req.prompt_ids), len(req.output_ids))
+
+
+def _sse(data: str) -> str:
+    return f"data: {data}\n\n"
