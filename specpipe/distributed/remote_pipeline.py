@@ -34,6 +34,7 @@ class RemotePipeline:
     def submit(self, control: Control, rows: list[Rows]) -> None:
         self._check()
         try:
+            self.t.end_step()
             values = encode_control(control)
             self._report = control.report
             for rank in range(1, self.num_stages + 1):

@@ -22,6 +22,7 @@ out, the driver reads the heartbeats to name the stage that stopped.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import os
 import socket
@@ -111,7 +112,11 @@ class Transport:
         self.links = LinkClock(options)
         # Sends are asynchronous: a gloo send completes only when the peer posts the matching
         # receive, and a blocking one would let a busy or departed peer stall this rank.
-        self._inflight: list[tuple[object, torch.Tensor]] = []
+        # Sends of the last few steps, oldest first: (work, buffer) per send, one list per step.
+        # gloo's Work.is_completed() stays False until wait() is called, so finished sends are
+        # only recognised by the pipeline's lock-step (see end_step).
+        self._inflight: collections.deque[list[tuple[object, torch.Tensor]]] = collections.deque([[]])
+        self.num_stages = world_size - 1
 
     def init_groups(self, abort: Optional[Callable[[], Optional[str]]] = None) -> None:
         """Join the process groups. `abort` (driver): polled while waiting for the other ranks;
@@ -188,15 +193,25 @@ class Transport:
             work = dist.isend(t, dst, group=group, tag=tag)
         except RuntimeError as e:
             raise LinkError(f"send to rank {dst} failed: {e}") from None
-        self._inflight.append((work, t))  # keep the buffer alive until the peer has it
-        if len(self._inflight) > 64:
-            self._inflight = [(w, b) for w, b in self._inflight if not w.is_completed()]
+        self._inflight[-1].append((work, t))  # keep the buffer alive until the peer has it
+
+    def end_step(self) -> None:
+        """Every rank calls this once per pipeline step. A send made S + 1 steps ago has been
+        received: at step t the driver has collected step t - 1 from the last stage, which
+        computed what stage S - 1 sent at step t - 2, and so on up the pipeline, so every rank
+        has taken in everything sent up to step t - S - 1. Waiting for those sends returns at
+        once and frees them; without it they would pile up for the life of the pipeline."""
+        self._inflight.append([])
+        while len(self._inflight) > self.num_stages + 2:
+            for work, _ in self._inflight.popleft():
+                work.wait()
 
     def flush(self, timeout_s: float = 5.0) -> bool:
         """Wait (bounded) until the peers have taken every message sent so far; True if they have.
         Closing the groups with sends still in flight can cut them off (the shutdown message)."""
         deadline = time.monotonic() + timeout_s
-        pending, self._inflight = self._inflight, []
+        pending = [w for step in self._inflight for w in step]
+        self._inflight = collections.deque([[]])
         for work, _ in pending:
             left = deadline - time.monotonic()
             if left <= 0:

@@ -74,6 +74,7 @@ def run_stage(t: Transport, model_path: str, spec: StageSpec, num_blocks: int, b
         control = decode_control(t.recv_ints(0, TAG_CONTROL))
         if control.shutdown:
             return
+        t.end_step()
         batch = []
         for rows, shape, dt in decode_rows_header(t.recv_ints(prev, TAG_ROWS)):
             if shape is not None:  # a failure marker carries no tensor
