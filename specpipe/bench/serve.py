@@ -321,7 +321,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         results = asyncio.run(benchmark(args))
     except (BenchError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"specpipe: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
@@ -168,15 +169,20 @@ class AsyncEngine:
                     self._cond.wait()
                 items, self._inbox = self._inbox, []
                 stopping = self._stopping
-            for item in items:
-                self._handle(item)
-            if stopping:
-                self._end_all("abort", "the server is shutting down")
+            try:
+                for item in items:
+                    self._handle(item)
+                if stopping:
+                    self._end_all("abort", "the server is shutting down")
+                    self._emit()
+                    return
+                if self.dead is None and self.core.has_work():
+                    self._step()
                 self._emit()
-                return
-            if self.dead is None and self.core.has_work():
-                self._step()
-            self._emit()
+            except Exception as e:  # noqa: BLE001  (a bug here must not leave requests hanging)
+                traceback.print_exc()
+                self._die(f"internal error in the engine loop: {e!r}")
+                self._emit()
 
     def _handle(self, item: tuple) -> None:
         kind = item[0]
@@ -208,18 +214,24 @@ class AsyncEngine:
         try:
             self.core.step()
         except Exception as e:  # noqa: BLE001  (the pipeline is gone: fail everyone, stay up to refuse)
-            self.dead = str(e) or type(e).__name__
-            self._end_all("error", self.dead)
+            self._die(str(e) or type(e).__name__)
         else:
             if self.observer is not None:
                 self.observer.on_step(time.perf_counter() - t0)
         sched = self.core.scheduler
         self.snapshot = EngineSnapshot(len(sched.running), len(sched.waiting), self.core.steps,
                                        sched.blocks.num_blocks - sched.blocks.num_free(), sched.blocks.num_blocks)
-        # Every waiter asked before this step, so the step carried its report.
+        self._answer_reports()  # every waiter asked before this step, so the step carried the report
+
+    def _answer_reports(self) -> None:
         waiters, self._report_waiters = self._report_waiters, []
         for loop, fut in waiters:
             _call_soon(loop, _resolve, fut, None, self.core.stage_stats)
+
+    def _die(self, why: str) -> None:
+        self.dead = why
+        self._end_all("error", why)
+        self._answer_reports()
 
     def _end_all(self, reason: str, error: str) -> None:
         for rid in list(self.core.requests):

@@ -49,9 +49,9 @@ class Server:
     def get(self, path: str, **kw) -> httpx.Response:
         return httpx.get(self.url + path, timeout=120, **kw)
 
-    def post(self, path: str, **kw) -> httpx.Response:
+    def post(self, path: str, timeout: float = 120, **kw) -> httpx.Response:
         headers = {"Authorization": f"Bearer {KEY}", **kw.pop("headers", {})}
-        return httpx.post(self.url + path, headers=headers, timeout=120, **kw)
+        return httpx.post(self.url + path, headers=headers, timeout=timeout, **kw)
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
         text = self.get("/metrics").text
@@ -237,12 +237,25 @@ def test_metrics_parse_and_move(server):
     assert 0 < after[("specpipe:tokens_per_step", ())] and 0 <= after[("specpipe:spec_decode_hit_rate", ())] <= 1
 
 
+def wait_kv_back(server, before, kv) -> dict:
+    """Poll /metrics until every stage's KV use is back at `before` and nothing runs."""
+    deadline = time.monotonic() + 30
+    while True:
+        now = server.metrics()
+        if all(now[k] == before[k] for k in kv) and now[("specpipe:num_requests_running", ())] == 0:
+            return now
+        assert time.monotonic() < deadline, {k: now[k] for k in kv}
+        time.sleep(0.2)
+
+
+KV = [("specpipe:kv_cache_usage_perc", (("stage", s),)) for s in ("1", "2")]
+ABORTED = ("specpipe:request_success_total", (("finished_reason", "abort"),))
+LONG = {"model": NAME, "prompt": PROMPTS[5], "max_tokens": 1000, "temperature": 0, "ignore_eos": True}
+
+
 def test_disconnect_mid_stream_frees_the_kv(server):
-    kv = [("specpipe:kv_cache_usage_perc", (("stage", s),)) for s in ("1", "2")]
     before = server.metrics()
-    body = {"model": NAME, "prompt": PROMPTS[5], "max_tokens": 600, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60,
+    with httpx.stream("POST", server.url + "/v1/completions", json={**LONG, "stream": True}, timeout=60,
                       headers={"Authorization": f"Bearer {KEY}"}) as r:
         assert r.status_code == 200
         lines = r.iter_lines()
@@ -250,17 +263,18 @@ def test_disconnect_mid_stream_frees_the_kv(server):
         assert any(line.startswith("data: {") for line in got)
         during = server.metrics()
         assert during[("specpipe:num_requests_running", ())] == 1
-        assert all(during[k] > before[k] for k in kv)
+        assert all(during[k] > before[k] for k in KV)
     # The connection is closed: the request is cancelled and every stage frees its KV.
-    deadline = time.monotonic() + 30
-    while True:
-        now = server.metrics()
-        if all(now[k] == before[k] for k in kv) and now[("specpipe:num_requests_running", ())] == 0:
-            break
-        assert time.monotonic() < deadline, {k: now[k] for k in kv}
-        time.sleep(0.2)
-    aborted = ("specpipe:request_success_total", (("finished_reason", "abort"),))
-    assert now[aborted] - before.get(aborted, 0.0) == 1
+    now = wait_kv_back(server, before, KV)
+    assert now[ABORTED] - before.get(ABORTED, 0.0) == 1
+
+
+def test_disconnect_while_waiting_for_a_whole_response_frees_the_kv(server):
+    before = server.metrics()
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        server.post("/v1/completions", json=LONG, timeout=1)
+    now = wait_kv_back(server, before, KV)
+    assert now[ABORTED] - before.get(ABORTED, 0.0) == 1
 
 
 # -- limits and failures (a server of their own) ------------------------------------------------------

@@ -1,0 +1,127 @@
+"""AsyncEngine: the step loop on its own thread, requests from asyncio code (what the server uses)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from specpipe.config import EngineConfig
+from specpipe.distributed.remote_pipeline import PipelineError
+from specpipe.engine.async_engine import AsyncEngine, EngineDead
+from specpipe.engine.core import EngineCore
+from specpipe.engine.engine import Engine
+from specpipe.sampling import SamplingParams
+from specpipe.sched.scheduler import QueueFull
+
+PROMPTS = ["hello there", "the cat sat on the mat, the cat sat", "a b c a b c a b", "one two three"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    e = Engine(EngineConfig(model=str(tiny_model_dir("llama", num_hidden_layers=2)), mode="specpipe-db",
+                            stages=2, transport="inproc", kv_memory="8MiB", max_context=256, max_waiting=4))
+    yield e
+    e.close()
+
+
+class FailingPipe:
+    """The engine's pipeline, failing (as a dead stage does) from its `fail_at`-th collect on."""
+
+    def __init__(self, pipe, fail_at: int) -> None:
+        self.pipe, self.fail_at, self.calls = pipe, fail_at, 0
+        self.num_stages = pipe.num_stages
+
+    def submit(self, control, rows):
+        self.pipe.submit(control, rows)
+
+    def collect(self):
+        results = self.pipe.collect()  # keep the real pipeline in step
+        self.calls += 1
+        if self.calls >= self.fail_at:
+            raise PipelineError("pipeline failed: stage 2 exited with signal 9; in-flight requests were aborted")
+        return results
+
+
+def alone(engine, prompt, n):
+    return engine.generate(prompt, SamplingParams(max_tokens=n), chat=False, mode="pp")
+
+
+async def collect(stream):
+    text, ids, last = "", [], None
+    async for d in stream:
+        text, ids, last = text + d.text, ids + d.token_ids, d
+    return text, ids, last.finish_reason
+
+
+def test_streams_equal_alone_and_abort_frees_kv(engine):
+    want = [alone(engine, p, 5 + 3 * i) for i, p in enumerate(PROMPTS)]
+    aengine = AsyncEngine(engine.core())
+
+    async def main():
+        streams = [await aengine.add(engine.make_request(p, SamplingParams(max_tokens=5 + 3 * i), chat=False))
+                   for i, p in enumerate(PROMPTS)]
+        victim = await aengine.add(engine.make_request(PROMPTS[0], SamplingParams(max_tokens=200), chat=False))
+        outs = await asyncio.gather(*[collect(s) for s in streams])
+        first = await victim.__anext__()
+        victim.cancel()  # the client went away
+        stats = await aengine.stage_stats()
+        return outs, first, stats
+
+    try:
+        outs, first, stats = asyncio.run(main())
+    finally:
+        aengine.shutdown()
+    for (text, ids, reason), w in zip(outs, want):
+        assert (text, ids, reason) == (w.text, w.token_ids, w.finish_reason)
+    assert first.token_ids and first.finish_reason is None
+    assert [s["blocks_in_use"] for s in stats] == [0, 0]  # the cancelled request's KV is gone everywhere
+    assert not engine.core().has_work()
+
+
+def test_queue_full_and_too_big(engine):
+    core = EngineCore(engine.pipeline, "pp", kv_blocks=8, block_size=16, max_num_seqs=1, max_waiting=1,
+                      pids=engine._pids)
+    aengine = AsyncEngine(core)
+
+    async def main():
+        params = SamplingParams(max_tokens=100)
+        first = await aengine.add(engine.make_request(PROMPTS[0], params, chat=False, ignore_eos=True))
+        second = await aengine.add(engine.make_request(PROMPTS[1], params, chat=False, ignore_eos=True))
+        with pytest.raises(QueueFull):
+            await aengine.add(engine.make_request(PROMPTS[2], params, chat=False))
+        with pytest.raises(ValueError, match="KV pool"):
+            await aengine.add(engine.make_request(PROMPTS[2], SamplingParams(max_tokens=200), chat=False))
+        first.cancel()
+        second.cancel()
+        await aengine.stage_stats()  # the releases have reached the stages
+
+    try:
+        asyncio.run(main())
+    finally:
+        aengine.shutdown()
+    assert not core.has_work()
+
+
+def test_a_failed_pipeline_ends_every_request_and_refuses_new_ones(tiny_model_dir):
+    engine = Engine(EngineConfig(model=str(tiny_model_dir("llama", num_hidden_layers=2)), stages=2,
+                                 transport="inproc", kv_memory="8MiB", max_context=256))
+    core = EngineCore(FailingPipe(engine.pipeline, fail_at=4), "pp", kv_blocks=256, block_size=16)
+    aengine = AsyncEngine(core)
+
+    async def main():
+        streams = [await aengine.add(engine.make_request(p, SamplingParams(max_tokens=50), chat=False, ignore_eos=True))
+                   for p in PROMPTS[:3]]
+        outs = await asyncio.wait_for(asyncio.gather(*[collect(s) for s in streams]), 30)
+        with pytest.raises(EngineDead, match="stage 2"):
+            await aengine.add(engine.make_request(PROMPTS[0], SamplingParams(max_tokens=5), chat=False))
+        return outs, [s.req.error for s in streams]
+
+    try:
+        outs, errors = asyncio.run(main())
+    finally:
+        aengine.shutdown()
+        engine.close()
+    assert [reason for _, _, reason in outs] == ["error"] * 3
+    assert all("stage 2" in e for e in errors)
+    assert aengine.dead is not None and "stage 2" in aengine.dead
