@@ -74,8 +74,12 @@ def reference_outputs(target_path, ckpt, prompts_ids, max_tokens, stop_ids, cach
 
 
 def run_mode(pipe, mode, ids, max_tokens, stop_ids, source, width, depth) -> Request:
+    """`depth`: D of a tree round in mode tree; layers per step d in specpipe (0 = 1)."""
     req = Request(0, ids, SamplingParams(max_tokens=max_tokens), stop_ids)
-    decode(pipe, req, mode, source, width, depth)
+    if mode == "specpipe":
+        decode(pipe, req, mode, source, width, layers=depth if depth == "auto" else max(1, depth))
+    else:
+        decode(pipe, req, mode, source, width, depth)
     return req
 
 
@@ -91,7 +95,8 @@ def main() -> None:
     ap.add_argument("--default-width", type=int, default=8)
     ap.add_argument("--trees", default="3x4,5x8,7x8,7x10", help="tree-mode DxW configurations (depth x width)")
     ap.add_argument("--configs", default=None,
-                    help="explicit run list instead of the sweep, e.g. specpipe:8:8,tree:8:8:7,pp:2 (mode:S[:W[:D]])")
+                    help="explicit run list instead of the sweep, e.g. specpipe:8:8:4,tree:8:8:7,pp:2 (mode:S[:W[:D]]; "
+                         "D = tree depth in tree, layers per step in specpipe)")
     ap.add_argument("--validate", action="store_true", help="check the oracle against a real in-process pipeline run")
     ap.add_argument("--cache-dir", default=str(Path.home() / ".cache/specpipe/bench"))
     ap.add_argument("--out", default=None, help="write all results as JSON here")
@@ -121,7 +126,7 @@ def main() -> None:
         configs = []
         for item in args.configs.split(","):
             parts = item.split(":")
-            configs.append((parts[0], *(int(x) for x in parts[1:]), *([0] * (4 - len(parts)))))
+            configs.append((parts[0], *(x if x == "auto" else int(x) for x in parts[1:]), *([0] * (4 - len(parts)))))
     results = []
     tree_cache: dict = {}  # tree rounds do not depend on S: draft once, scale steps by S
     for mode, S, W, D in configs:

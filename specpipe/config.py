@@ -19,6 +19,7 @@ MODES = ("pp", "pp-cb", "tree", "specpipe", "specpipe-db")
 BUDGETED_MODES = ("pp-cb", "specpipe-db")
 SPECULATIVE_MODES = ("tree", "specpipe", "specpipe-db")
 DEFAULT_DRAFT = "ngram"
+MAX_LAYERS_PER_STEP = 16
 
 
 class ConfigError(ValueError):
@@ -146,6 +147,7 @@ class EngineConfig:
     draft: Optional[str] = None  # source spec (see engine/sources.py); tree/specpipe default: ngram
     tree_width: int = 8  # W: nodes per tree layer
     tree_depth: int = 4  # D: layers per round in mode `tree`
+    layers_per_step: int | str = 1  # d: tree layers per step in specpipe / specpipe-db, or "auto"
     max_context: int = 4096  # tokens of prompt + output a request may hold
     device: str = "cpu"
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
@@ -177,6 +179,10 @@ class EngineConfig:
             raise ConfigError(f"--tree-width must be at least 1, got {self.tree_width}")
         if self.tree_depth < 1:
             raise ConfigError(f"--tree-depth must be at least 1, got {self.tree_depth}")
+        if self.layers_per_step != "auto" and not (isinstance(self.layers_per_step, int)
+                                                    and 1 <= self.layers_per_step <= MAX_LAYERS_PER_STEP):
+            raise ConfigError(f"--layers-per-step must be auto or an integer in [1, {MAX_LAYERS_PER_STEP}], "
+                              f"got {self.layers_per_step!r}")
         if self.max_context < 2:
             raise ConfigError(f"--max-context must be at least 2, got {self.max_context}")
         if self.transport not in ("auto", "inproc", "processes"):

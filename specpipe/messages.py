@@ -165,6 +165,9 @@ class Pipeline(Protocol):
 
     num_stages: int
     reported: Optional[list[dict]]
+    # True when the stages compute between submit and collect while the driver drafts (stage
+    # processes); False when they compute inside collect (in-process, simulated).
+    concurrent: bool
 
     def submit(self, control: Control, rows: list[Rows]) -> None:
         """Start a step: control to every stage, rows into stage 1."""

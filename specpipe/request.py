@@ -26,10 +26,13 @@ class DecodeStats:
     verifications: int = 0  # target tokens checked against the tree
     hits: int = 0  # ... that the tree held (accepted draft tokens)
     hits_by_depth: dict[int, int] = field(default_factory=dict)  # hits by the depth the token was drafted at
+    verifications_by_depth: dict[int, int] = field(default_factory=dict)  # ... and verifications (specpipe)
+    commits_per_step: dict[int, int] = field(default_factory=dict)  # tokens committed in a step -> steps
     rounds: int = 0  # tree mode: verification rounds
     live_nodes_sum: int = 0  # sum over steps of the live tree size (for the mean)
     draft_s: float = 0.0  # driver time spent in the speculative source (shared by a step's requests)
     preemptions: int = 0  # times its KV was taken back and it was recomputed
+    draft_bound_steps: int = 0  # steps whose drafting outlasted the stages (the draft set the pace)
 
 
 @dataclass
@@ -115,11 +118,15 @@ class Request:
             "drafted": s.drafted,
             "hit_rate": s.hits / s.verifications if s.verifications else None,
             "hits_by_depth": {str(k): v for k, v in sorted(s.hits_by_depth.items())} or None,
+            "hit_rate_by_depth": {str(k): s.hits_by_depth.get(k, 0) / v
+                                  for k, v in sorted(s.verifications_by_depth.items())} or None,
+            "commits_per_step": {str(k): v for k, v in sorted(s.commits_per_step.items())} or None,
             "acceptance_length": n / s.rounds if s.rounds else None,
             "mean_live_tree": s.live_nodes_sum / s.pipeline_steps if s.live_nodes_sum else None,
             "ttft_ms": (self.token_times[0] - self.arrival) * 1e3 if n else None,
             "tbt_ms": sum(gaps) / len(gaps) * 1e3 if gaps else None,
             "draft_ms": s.draft_s * 1e3 if s.draft_s else None,
             "preemptions": s.preemptions,
+            "draft_bound_steps": s.draft_bound_steps,
             "num_stages": num_stages,
         }

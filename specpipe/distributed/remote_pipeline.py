@@ -16,6 +16,8 @@ class PipelineError(RuntimeError):
 
 
 class RemotePipeline:
+    concurrent = True  # the stage processes compute while the driver drafts
+
     def __init__(self, transport: Transport, num_stages: int,
                  describe_exits: Optional[Callable[[], dict[int, str]]] = None,
                  on_close: Optional[Callable[[bool], None]] = None) -> None:

@@ -26,7 +26,7 @@ from typing import Callable, Iterable, Iterator, Optional
 from specpipe.config import BUDGETED_MODES, SPECULATIVE_MODES, ConfigError
 from specpipe.engine.modes.base import AFTER, BEFORE, DURING, ModeState
 from specpipe.engine.modes.rounds import RoundsState
-from specpipe.engine.modes.specpipe import SpecPipeState
+from specpipe.engine.modes.specpipe import SpecPipeState, block_rows
 from specpipe.messages import Control, Pipeline
 from specpipe.request import Request
 from specpipe.sched.block_manager import BlockManager
@@ -34,26 +34,27 @@ from specpipe.sched.scheduler import QueueFull, Scheduler
 from specpipe.spec_decode.sources import TokenSource
 
 MAX_STAGE_KV_FAILURES = 3  # a request a stage could not hold this often ends with an error
+DRAFT_BOUND_WAIT_S = 0.001  # results waiting less than this after drafting: the draft was the bottleneck
 
 
-def spec_reserve(mode: str, width: int, depth: int, num_stages: int) -> int:
+def spec_reserve(mode: str, width: int, depth: int, num_stages: int, layers: int | str = 1) -> int:
     """The most speculative nodes (plus a new root) one request can hold at a stage at once."""
     if mode not in SPECULATIVE_MODES:
         return 0
     if mode == "tree":
         return width * depth + 1
-    return width * (num_stages + 1) + 1
+    return block_rows(layers, width) * (num_stages + 1) + 1  # a block per step, for S + 1 steps
 
 
 class EngineCore:
     def __init__(self, pipeline: Pipeline, mode: str, source: Optional[TokenSource] = None, *,
-                 width: int = 8, depth: int = 4, kv_blocks: int = 1 << 16, block_size: int = 16,
+                 width: int = 8, depth: int = 4, layers: int | str = 1, kv_blocks: int = 1 << 16, block_size: int = 16,
                  max_num_seqs: int = 32, step_rows: Optional[int] = 64, max_waiting: int = 1024,
                  pids: Optional[Iterator[int]] = None) -> None:
         if mode in SPECULATIVE_MODES and source is None:
             raise ConfigError(f"mode {mode} needs a speculative source")
         self.pipe, self.mode, self.source = pipeline, mode, source
-        self.width, self.depth = width, depth
+        self.width, self.depth, self.layers = width, depth, layers
         self.scheduler = Scheduler(BlockManager(kv_blocks, block_size), max_num_seqs,
                                    step_rows if mode in BUDGETED_MODES else None, max_waiting)
         self.requests: dict[int, Request] = {}
@@ -64,6 +65,7 @@ class EngineCore:
         self._report = False
         self.stage_stats: Optional[list[dict]] = None  # the stages' last report (cumulative)
         self.steps = 0
+        self.draft_bound_steps = 0
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -81,7 +83,7 @@ class EngineCore:
         self.states[req.request_id] = self._new_state(req)
 
     def spec_reserve(self) -> int:
-        return spec_reserve(self.mode, self.width, self.depth, self.pipe.num_stages)
+        return spec_reserve(self.mode, self.width, self.depth, self.pipe.num_stages, self.layers)
 
     def abort(self, request_id: int, reason: str = "abort", error: Optional[str] = None) -> None:
         """End a request now (what it decoded stays); its KV is freed on the next step."""
@@ -141,14 +143,25 @@ class EngineCore:
 
         self.pipe.submit(control, rows)
         error: Optional[BaseException] = None
+        drafters: list[ModeState] = []
         try:
-            self._draft(running, DURING)  # overlaps the stages' compute
+            drafters = self._draft(running, DURING)  # overlaps the stages' compute
         except BaseException as e:  # noqa: BLE001  (re-raised once the step is complete)
             # Finish the step first: collect and route its results, or the pipeline would stay a
             # step behind and these rows' results would be lost. A request whose drafting was cut
             # short only has fewer proposals (its tree grows less), never a wrong token.
             error = e
+        t0 = time.perf_counter()
         results = self.pipe.collect()
+        # The results were already waiting when drafting ended: the draft, not the stages, set
+        # this step's pace (only where the stages compute while the driver drafts).
+        draft_bound = (bool(drafters) and self.pipe.concurrent
+                       and time.perf_counter() - t0 < DRAFT_BOUND_WAIT_S)
+        if draft_bound:
+            self.draft_bound_steps += 1
+        for st in drafters:
+            st.draft_bound = draft_bound
+            st.req.stats.draft_bound_steps += draft_bound
         self.steps += 1
         if control.report:
             self.stage_stats = getattr(self.pipe, "reported", None)
@@ -186,21 +199,25 @@ class EngineCore:
             return RoundsState(pid, req, None, 1, 0)
         if self.mode == "tree":
             return RoundsState(pid, req, self.source, self.width, self.depth)
-        return SpecPipeState(pid, req, self.source, self.width)
+        return SpecPipeState(pid, req, self.source, self.width, self.layers)
 
-    def _draft(self, states: list[ModeState], phase: str) -> None:
+    def _draft(self, states: list[ModeState], phase: str) -> list[ModeState]:
         """Every request's source calls of one phase in one `propose_many` (one draft forward);
-        repeated while some request has more (tree mode drafts its layers one after another)."""
+        repeated while some request has more (tree mode drafts its layers one after another).
+        Returns the states that drafted."""
+        drafted: dict[int, ModeState] = {}
         while self.source is not None:
             calls = [(st, c) for st in states if (c := st.drafting(phase)) is not None]
             if not calls:
-                return
+                break
             t0 = time.perf_counter()
             outs = self.source.propose_many([c for _, c in calls])
             dt = time.perf_counter() - t0
             for (st, _), props in zip(calls, outs):
                 st.proposals(phase, props)
                 st.req.stats.draft_s += dt / len(calls)
+                drafted[st.pid] = st
+        return list(drafted.values())
 
     def _retire(self, request_id: int) -> None:
         self.scheduler.remove(request_id)

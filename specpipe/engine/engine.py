@@ -56,7 +56,8 @@ class Engine:
         cfg = self.checkpoint.config
         self.max_context = min(config.max_context, cfg.max_position)
         self.stage_specs = partition_layers(cfg.num_layers, config.stages, config.stage_layers)
-        reserve = spec_reserve(config.mode, config.tree_width, config.tree_depth, config.stages)
+        reserve = spec_reserve(config.mode, config.tree_width, config.tree_depth, config.stages,
+                               config.layers_per_step)
         self.num_blocks = pool_blocks(config, cfg, self.stage_specs, reserve)
         self.block_size = config.block_size
         self.source: Optional[TokenSource] = None
@@ -92,11 +93,12 @@ class Engine:
         return self.source
 
     def core(self, mode: Optional[str] = None, tree_width: Optional[int] = None,
-             tree_depth: Optional[int] = None) -> EngineCore:
+             tree_depth: Optional[int] = None, layers_per_step: Optional[int] = None) -> EngineCore:
         """The engine core for a mode (the config's by default). Cores share the stages, so only
         one may have requests at a time."""
         c = self.config
-        key = (mode or c.mode, tree_width or c.tree_width, tree_depth or c.tree_depth)
+        key = (mode or c.mode, tree_width or c.tree_width, tree_depth or c.tree_depth,
+               layers_per_step or c.layers_per_step)
         if key[0] not in MODES:
             raise ConfigError(f"unknown mode {key[0]!r}; choose one of {', '.join(MODES)}")
         busy = [k for k, core in self._cores.items() if k != key and core.has_work()]
@@ -105,7 +107,7 @@ class Engine:
         if key not in self._cores:
             source = self._source() if key[0] in SPECULATIVE_MODES else None
             self._cores[key] = EngineCore(
-                self.pipeline, key[0], source, width=key[1], depth=key[2], kv_blocks=self.num_blocks,
+                self.pipeline, key[0], source, width=key[1], depth=key[2], layers=key[3], kv_blocks=self.num_blocks,
                 block_size=self.block_size, max_num_seqs=c.max_num_seqs, step_rows=c.max_step_rows,
                 max_waiting=c.max_waiting, pids=self._pids)
         return self._cores[key]
@@ -153,11 +155,12 @@ class Engine:
     def generate(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
                  chat: Optional[bool] = None, on_text: Optional[Callable[[str], None]] = None,
                  mode: Optional[str] = None, tree_width: Optional[int] = None,
-                 tree_depth: Optional[int] = None) -> GenerationResult:
-        """Decode one request. `mode`, `tree_width` and `tree_depth` override the config for this
-        request (so one set of stage processes can serve every mode, e.g. in benchmarks)."""
+                 tree_depth: Optional[int] = None, layers_per_step: Optional[int] = None) -> GenerationResult:
+        """Decode one request. `mode`, `tree_width`, `tree_depth` and `layers_per_step` override the
+        config for this request (so one set of stage processes can serve every mode, e.g. in
+        benchmarks)."""
         req = self.make_request(prompt, sampling, chat, on_text)
-        core = self.core(mode, tree_width, tree_depth)
+        core = self.core(mode, tree_width, tree_depth, layers_per_step)
         # The stages' counters ride on the step that delivers the release: no extra step.
         self.run([req], core, on_finish=lambda _req: core.request_stage_stats())
         stages = _stage_deltas(self._stage_before, core.stage_stats or [])

@@ -25,6 +25,10 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _layers(text: str):
+    return "auto" if text == "auto" else _positive_int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specpipe", description="Pipeline-parallel LLM inference with SpecPipe speculative decoding.")
     p.add_argument("--version", action="version", version=f"specpipe {__version__}")
@@ -75,6 +79,9 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
                    help="speculative source: ngram, self:K, a draft model PATH, or A+B combinations (default ngram)")
     g.add_argument("--tree-width", type=int, default=8, help="W: nodes per tree layer (default 8)")
     g.add_argument("--tree-depth", type=int, default=4, help="D: tree layers per round in mode tree (default 4)")
+    g.add_argument("--layers-per-step", type=_layers, default=1,
+                   help="d: tree layers entering stage 1 per step in specpipe / specpipe-db (default 1, the paper's "
+                        "method), or auto: depth and shape of each block chosen per request and step")
     g.add_argument("--max-context", type=int, default=4096, help="prompt + output tokens per request (default 4096)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)")
@@ -102,6 +109,7 @@ def _engine_config(args: argparse.Namespace, **extra):
     config = EngineConfig(model=args.model, mode=args.mode, stages=args.stages,
                           stage_layers=parse_stage_layers(args.stage_layers), draft=args.draft,
                           tree_width=args.tree_width, tree_depth=args.tree_depth,
+                          layers_per_step=args.layers_per_step,
                           max_context=args.max_context, device=args.device, dtype=args.dtype,
                           transport=args.transport, link_delay_ms=args.link_delay_ms,
                           link_bandwidth_mbps=args.link_bandwidth_mbps, stage_timeout_s=args.stage_timeout,
@@ -175,7 +183,7 @@ def _serve_stage(config, env) -> int:
     specs = partition_layers(cfg.num_layers, config.stages, config.stage_layers)
     # The pool this machine's memory allows (shared with the other ranks on it); the driver admits
     # requests against the smallest pool that any stage reports.
-    reserve = spec_reserve(config.mode, config.tree_width, config.tree_depth, config.stages)
+    reserve = spec_reserve(config.mode, config.tree_width, config.tree_depth, config.stages, config.layers_per_step)
     blocks = pool_blocks(config, cfg, specs, reserve, sharing=int(os.environ.get("LOCAL_WORLD_SIZE", len(specs))))
     return torchrun_stage(env, path, specs, blocks, config.block_size, config.device, config.torch_dtype(),
                           config.link())

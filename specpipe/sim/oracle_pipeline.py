@@ -22,6 +22,8 @@ OFF_PATH = -1  # target token reported for rows that are not on the committed pa
 
 
 class OraclePipeline:
+    concurrent = False
+
     def __init__(self, num_stages: int, sequence: Sequence[int] | Callable[[int], Sequence[int]]) -> None:
         """`sequence`: prompt + greedy output of the target, the tokens every mode must commit;
         for many requests, a function from the request id the stages see (the pid) to its own."""

@@ -10,7 +10,8 @@ Glossary:
                 precedes it is the committed prefix, visible to every node).
   node       -- a speculative token hanging under the root. A node at depth d (d >= 1) is a
                 candidate for absolute position p + d.
-  layer d    -- the live nodes at depth d. Layers are added one at a time below the deepest.
+  layer d    -- the live nodes at depth d. Layers are added below the deepest (expand), or nodes
+                into a given layer (add_child, when a block of layers is topped up).
   frontier   -- the deepest layer, the one the next expansion grows from; the root alone when
                 there are no speculative nodes (right after a miss, or at the start).
   score      -- cumulative draft log-probability along the path from the current root.
@@ -151,8 +152,7 @@ class TokenTree:
         """Depth of the deepest live layer (0 when only the root is left)."""
         if not self._nodes:
             return 0
-        # The newest node is in the deepest layer: layers are only ever added below the deepest.
-        return next(reversed(self._nodes.values())).position - self._root.position
+        return max(n.position for n in self._nodes.values()) - self._root.position
 
     def layer(self, depth: int) -> list[Node]:
         """Live nodes at `depth`, in id order; layer(0) is [root]."""
@@ -229,6 +229,28 @@ class TokenTree:
             self._nodes[node.node_id] = node
             added.append(node)
         return added
+
+    def add_child(self, parent_id: int, token: int, logprob: float) -> Node:
+        """One node under `parent_id` (in any layer: blocks of several layers fill layers that
+        pruning thinned). The caller keeps (parent, token) pairs unique."""
+        parent = self.node(parent_id)
+        node = Node(self._take_id(), int(token), parent_id, parent.position + 1, float(logprob),
+                    parent.score + float(logprob))
+        self._nodes[node.node_id] = node
+        return node
+
+    def discard(self, node_ids) -> list[int]:
+        """Remove speculative nodes that were never sent, with everything below them; returns
+        the removed ids, ascending."""
+        gone = set(node_ids)
+        removed = []
+        for nid, n in self._nodes.items():  # id order: a parent is decided before its children
+            if nid in gone or n.parent in gone:
+                gone.add(nid)
+                removed.append(nid)
+        for nid in removed:
+            del self._nodes[nid]
+        return removed
 
     def verify(self, target_token: int) -> VerifyResult:
         """Commit the target's token for the position after the root, and prune.

@@ -13,6 +13,8 @@ from specpipe.worker.stage_worker import StageWorker
 
 
 class LocalPipeline:
+    concurrent = False  # the stages compute inside collect()
+
     def __init__(self, workers: list[StageWorker]) -> None:
         self.workers = workers
         self.num_stages = len(workers)

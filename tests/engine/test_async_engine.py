@@ -28,6 +28,8 @@ def engine(tiny_model_dir):
 class FailingPipe:
     """The engine's pipeline, failing (as a dead stage does) from its `fail_at`-th collect on."""
 
+    concurrent = False
+
     def __init__(self, pipe, fail_at: int) -> None:
         self.pipe, self.fail_at, self.calls = pipe, fail_at, 0
         self.num_stages = pipe.num_stages

@@ -59,9 +59,9 @@ def make_pipeline(ckpt, num_stages: int, width: int, max_committed: int) -> Chec
 
 
 def run(pipe, mode: str, prompt: list[int], sampling: SamplingParams, source=None, width=4, depth=3,
-        stop_ids=frozenset()) -> Request:
+        stop_ids=frozenset(), layers=1) -> Request:
     req = Request(0, prompt, sampling, frozenset(stop_ids))
-    decode(pipe, req, mode, source, width, depth)
+    decode(pipe, req, mode, source, width, depth, layers=layers)
     for w in pipe.workers:  # the request was released: every slot is free again
         assert w.slots.total_in_use() == 0
         assert not w.slots.requests
@@ -117,6 +117,43 @@ def test_all_modes_and_sources_equal_pp_tiny(tiny8, num_stages, sampling):
             n = len(reference)
             assert steps <= num_stages * n
             assert steps >= (n + num_stages - 1 if num_stages > 1 else (n + 1) // 2)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("num_stages", [1, 2, 4, 8])
+def test_several_layers_per_step_equal_pp(tiny8, num_stages, sampling):
+    """Blocks of d = 2, 3, 4 layers per step, every source: the same tokens as pp, and at every
+    stage no more KV than committed tokens plus the live tree (d layers of W per step in flight)."""
+    target, draft_ckpt = tiny8
+    max_committed = len(TINY_PROMPT) + sampling.max_tokens
+    reference = run(make_pipeline(target, 1, 1, max_committed), "pp", TINY_PROMPT, sampling).output_ids
+    sources = {
+        "ngram": lambda: NgramSource(),
+        "self:2": lambda: self_draft(target, 2),
+        "draft": lambda: DraftModelSource(build_stage(draft_ckpt, StageSpec.whole(draft_ckpt.config)),
+                                          BLOCKS, BLOCK_SIZE, "draft"),
+        "self:6+ngram": lambda: MergedSource([self_draft(target, 6), NgramSource()]),
+    }
+    for layers in (2, 3, 4):
+        pipe = make_pipeline(target, num_stages, 4 * layers, max_committed)
+        for name, make in sources.items():
+            req = run(pipe, "specpipe", TINY_PROMPT, sampling, make(), layers=layers)
+            assert req.output_ids == reference, f"d={layers} with {name} differs from pp"
+            assert req.stats.pipeline_steps <= num_stages * len(reference)
+            assert max(req.stats.commits_per_step) <= layers + 1  # a block, plus a new root at S = 1
+
+
+def test_several_layers_pass_one_token_per_step(tiny8):
+    """With a good draft, d = 4 commits more than one token in a step and beats d = 1 in steps."""
+    target, _ = tiny8
+    prompt, sampling = TINY_PROMPT, GREEDY
+    pipe = make_pipeline(target, 4, 16, len(prompt) + sampling.max_tokens)
+    one = run(pipe, "specpipe", prompt, sampling, self_draft(target, 7))
+    four = run(pipe, "specpipe", prompt, sampling, self_draft(target, 7), layers=4)
+    assert four.output_ids == one.output_ids
+    # d = 1 commits two tokens in a step at most (a new root and its first layer after a miss).
+    assert max(four.stats.commits_per_step) > 2 and max(one.stats.commits_per_step) <= 2
+    assert four.stats.pipeline_steps < one.stats.pipeline_steps
 
 
 def test_a_good_draft_gives_hits_and_fewer_steps(tiny8):

@@ -88,6 +88,20 @@ def test_concurrent_requests_equal_each_alone_in_pp(model, reference, mode, stag
         engine.close()
 
 
+@pytest.mark.parametrize("mode", ["specpipe", "specpipe-db"])
+def test_several_layers_per_step_with_many_requests(model, reference, mode):
+    """Blocks of 3 layers per step (narrowed by the row budget in specpipe-db) for 32 requests
+    together: each request's tokens equal it alone in pp."""
+    engine = make_engine(model, mode, 2, layers_per_step=3)
+    try:
+        reqs = run_together(engine, reference)
+        for req, (_, _, alone) in zip(reqs, reference):
+            assert req.output_ids == alone.token_ids, f"request {req.request_id} in {mode}"
+        assert all(w.slots.total_in_use() == 0 for w in engine.pipeline.workers)
+    finally:
+        engine.close()
+
+
 def stage_usage(engine) -> list[int]:
     return [w.slots.total_in_use() for w in engine.pipeline.workers]
 

@@ -44,6 +44,7 @@ class ModeState(ABC):
         self.grant = Grant()
         self.held = 0  # rows sent and not pruned: what this request may hold at any stage
         self.started = False  # sent its first rows (steps count from there)
+        self.draft_bound = False  # its drafting outlasted the stages' compute in the last step
         self._admit: Optional[Admit] = Admit(pid, req.sampling)
         self._commit: list[int] = list(self.prefill.node_ids)  # the prompt is committed up front
         self._drop: list[int] = []
@@ -97,10 +98,12 @@ class ModeState(ABC):
             return rows
         return None
 
-    def _pruned(self, commit: list[int], drop: list[int]) -> None:
-        """Queue a pruning message for every stage (and the source) and forget dropped rows."""
+    def _pruned(self, commit: list[int], drop: list[int], source_drop: Optional[list[int]] = None) -> None:
+        """Queue a pruning message for every stage (and the source) and forget dropped rows.
+        `drop`: rows the stages hold; `source_drop`: what the source holds, if that differs."""
         self._commit += commit
         self._drop += drop
         self.held -= len(drop)
-        if self.source is not None and (commit or drop):
-            self.source.observe(self.pid, commit, drop)
+        source_drop = drop if source_drop is None else source_drop
+        if self.source is not None and (commit or source_drop):
+            self.source.observe(self.pid, commit, source_drop)
