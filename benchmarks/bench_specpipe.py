@@ -143,7 +143,8 @@ def main() -> None:
                 if req.output_ids != ref:
                     raise SystemExit(f"{mode} S={S} W={W} D={D}: output differs from the reference on prompt {i}")
                 n, steps = len(req.output_ids), req.stats.pipeline_steps
-                req_stats = {"hits": req.stats.hits, "verifications": req.stats.verifications, "rounds": req.stats.rounds}
+                req_stats = {"hits": req.stats.hits, "verifications": req.stats.verifications, "rounds": req.stats.rounds,
+                             "draft_calls": req.stats.draft_calls, "commits_per_step": req.stats.commits_per_step}
                 # Rows each stage computed per step (the release step after the last token excluded):
                 # the input of the time simulator.
                 req_stats["rows_per_step"] = pipe.rows_per_step[:steps]

@@ -25,9 +25,14 @@ from specpipe.sim.timing import CostProfile, simulate, stage_ms  # noqa: E402
 
 def tbt_steps(prompt: dict, layers: list[int], prof: CostProfile, link_ms: float, overlap: bool) -> float:
     S, rows = len(layers), prompt["rows_per_step"]
-    # specpipe drafts a new root at once after each miss, before the step can start (not overlapped)
+    # specpipe drafts a new root (and, with d layers per step, d - 1 layers below it) at once after
+    # each miss, before the step can start (not overlapped); while the stages compute it makes
+    # draft_calls / steps source calls per step on average (d for a block of d layers).
     misses = prompt["verifications"] - prompt["hits"] if overlap else 0
-    after_first = simulate(rows[S:], layers, prof, link_ms, overlap_draft=overlap, extra_ms=misses * prof.draft(1))
+    calls = prompt.get("draft_calls", prompt["steps"]) / max(prompt["steps"], 1) if overlap else 1.0
+    after_miss = prof.draft(1) + max(0.0, calls - 1) * prof.draft(8)
+    after_first = simulate(rows[S:], layers, prof, link_ms, overlap_draft=overlap, extra_ms=misses * after_miss,
+                           draft_calls=calls)
     return after_first / max(prompt["tokens"] - 1, 1)
 
 
@@ -79,7 +84,8 @@ def main() -> None:
                 rounds = sum(p["rounds"] for p in r["prompts"])
                 results.append({**r, "stages": S, "steps": rounds * S, "tokens_per_step": r["tokens"] / (rounds * S)})
     order = {"pp": 0, "tree": 1, "specpipe": 2}
-    results.sort(key=lambda r: (r["stages"], order[r["mode"]], r["width"], r["depth"]))
+    results.sort(key=lambda r: (r["stages"], order[r["mode"]], r["width"],
+                                r["depth"] if isinstance(r["depth"], int) else 99))  # auto last
     pj = json.loads(Path(args.profile).read_text())
     prof = CostProfile(**pj["profile"])
     L = pj["num_layers"]
@@ -96,7 +102,7 @@ def main() -> None:
           f"Draft/target cost per row: measured {measured_ratio:.3f}"
           + (f", scaled to {args.draft_ratio} (what-if)" if args.draft_ratio is not None else "")
           + ("; costs flat in rows (what-if)" if args.flat_rows else "") + ".")
-    print(f"{'mode':9s} {'S':>2s} {'W':>3s} {'D':>2s} {'tok/step':>9s} {'TBT ms':>8s} {'vs pp':>6s}")
+    print(f"{'mode':9s} {'S':>2s} {'W':>3s} {'D/d':>4s} {'tok/step':>9s} {'TBT ms':>8s} {'vs pp':>6s}")
     pp_tbt: dict[int, float] = {}
     for r in results:
         S, mode, W, D = r["stages"], r["mode"], r["width"], r["depth"]
@@ -109,7 +115,7 @@ def main() -> None:
         if mode == "pp":
             pp_tbt[S] = tbt
         ratio = pp_tbt[S] / tbt if S in pp_tbt else float("nan")
-        print(f"{mode:9s} {S:2d} {W:3d} {D:2d} {r['tokens_per_step']:9.3f} {tbt:8.1f} {ratio:6.2f}x")
+        print(f"{mode:9s} {S:2d} {W:3d} {D!s:>4s} {r['tokens_per_step']:9.3f} {tbt:8.1f} {ratio:6.2f}x")
 
 
 if __name__ == "__main__":

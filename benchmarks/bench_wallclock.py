@@ -6,6 +6,8 @@ On a 2-core machine the S stage processes and the driver (which runs the draft m
 two cores, so drafting cannot really overlap the stages here: see docs/benchmarks.md.
 
   python benchmarks/bench_wallclock.py --pair qwen --stages 2,4 --prompts-per-group 1 --tokens 16
+  python benchmarks/bench_wallclock.py --pair smollm2 --stages 2 --prompts-per-group 3 --tokens 64 \
+      --groups summarization,rag,math_reasoning,mt_bench --layers 1,2,3,4,auto
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--specpipe-width", type=int, default=8)
     ap.add_argument("--tree", default="7x8", help="tree mode DxW")
+    ap.add_argument("--layers", default="1", help="specpipe layers per step to run, e.g. 1,2,3,auto (default 1)")
+    ap.add_argument("--groups", default=None, help="Spec-Bench groups to use (default: all six)")
     ap.add_argument("--link-delay-ms", type=float, default=0.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -46,8 +50,11 @@ def main() -> None:
         target, draft = default_model_path(), args.draft or "ngram"
     depth, width = (int(x) for x in args.tree.split("x"))
     prompts = load_prompts(args.prompts_per_group)
-    modes = [("pp", {}), ("tree", dict(tree_depth=depth, tree_width=width)),
-             ("specpipe", dict(tree_width=args.specpipe_width))]
+    if args.groups:
+        prompts = [p for p in prompts if p["group"] in args.groups.split(",")]
+    layers = [x if x == "auto" else int(x) for x in args.layers.split(",")]
+    modes = [("pp", {}), ("tree", dict(tree_depth=depth, tree_width=width))]
+    modes += [("specpipe", dict(tree_width=args.specpipe_width, layers_per_step=d)) for d in layers]
     rows = []
     for S in (int(s) for s in args.stages.split(",")):
         cfg = EngineConfig(model=str(target), mode="specpipe", stages=S, draft=draft, transport="processes",
@@ -66,7 +73,7 @@ def main() -> None:
                     ttfts.append(s["ttft_ms"])
                     steps += s["pipeline_steps"]
                     tokens += len(r.token_ids)
-                    print(f"  S={S} {mode:8s} {p['group']:14s} {len(r.token_ids):3d} tokens, "
+                    print(f"  S={S} {mode:8s} {kw.get('layers_per_step', '')!s:4s} {p['group']:14s} {len(r.token_ids):3d} tokens, "
                           f"TBT {s['tbt_ms'] or 0:7.0f} ms, TTFT {s['ttft_ms']:6.0f} ms", file=sys.stderr, flush=True)
                 rows.append({"stages": S, "mode": mode, "tokens_per_step": tokens / steps,
                              "tbt_ms": statistics.median(tbts), "ttft_ms": statistics.median(ttfts), **kw})
@@ -74,11 +81,11 @@ def main() -> None:
             engine.close()
     print(f"\nReal runs on this machine (2 CPU cores shared by {args.stages} stage processes and the driver), "
           f"{len(prompts)} Spec-Bench prompts x {args.tokens} tokens, greedy; target {Path(target).name}, source {draft}")
-    print(f"{'S':>2s} {'mode':9s} {'tok/step':>9s} {'TBT ms':>8s} {'TTFT ms':>8s} {'TBT vs pp':>10s}")
+    print(f"{'S':>2s} {'mode':9s} {'d':>4s} {'tok/step':>9s} {'TBT ms':>8s} {'TTFT ms':>8s} {'TBT vs pp':>10s}")
     for r in rows:
         pp = next(x for x in rows if x["stages"] == r["stages"] and x["mode"] == "pp")
-        print(f"{r['stages']:2d} {r['mode']:9s} {r['tokens_per_step']:9.3f} {r['tbt_ms']:8.0f} "
-              f"{r['ttft_ms']:8.0f} {pp['tbt_ms'] / r['tbt_ms']:9.2f}x")
+        print(f"{r['stages']:2d} {r['mode']:9s} {r.get('layers_per_step', '')!s:>4s} {r['tokens_per_step']:9.3f} "
+              f"{r['tbt_ms']:8.0f} {r['ttft_ms']:8.0f} {pp['tbt_ms'] / r['tbt_ms']:9.2f}x")
     if args.out:
         Path(args.out).write_text(json.dumps(rows))
 

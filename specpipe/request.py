@@ -31,6 +31,7 @@ class DecodeStats:
     rounds: int = 0  # tree mode: verification rounds
     live_nodes_sum: int = 0  # sum over steps of the live tree size (for the mean)
     draft_s: float = 0.0  # driver time spent in the speculative source (shared by a step's requests)
+    draft_calls: int = 0  # source calls made for it (one draft forward each, shared with other requests)
     preemptions: int = 0  # times its KV was taken back and it was recomputed
     draft_bound_steps: int = 0  # steps whose drafting outlasted the stages (the draft set the pace)
 

@@ -216,6 +216,7 @@ class EngineCore:
             for (st, _), props in zip(calls, outs):
                 st.proposals(phase, props)
                 st.req.stats.draft_s += dt / len(calls)
+                st.req.stats.draft_calls += 1
                 drafted[st.pid] = st
         return list(drafted.values())
 

@@ -197,6 +197,16 @@ def _summary(s: dict, n: int) -> str:
              f"TTFT {fmt(s['ttft_ms'], '.0f')} ms, TBT {fmt(s['tbt_ms'], '.1f')} ms"]
     if s.get("hits_by_depth"):
         lines.append("  hits by drafted depth: " + ", ".join(f"{d}: {k}" for d, k in s["hits_by_depth"].items()))
+    if s.get("hit_rate_by_depth"):
+        lines.append("  hit rate by drafted depth: " + ", ".join(f"{d}: {r:.0%}" for d, r in s["hit_rate_by_depth"].items()))
+    if s.get("commits_per_step"):
+        lines.append("  steps by tokens committed: " + ", ".join(f"{k}: {v}" for k, v in s["commits_per_step"].items()))
+    if s.get("draft_bound_steps"):
+        lines.append(f"  the draft set the pace in {s['draft_bound_steps']} of {s['pipeline_steps']} steps "
+                     f"(its drafting outlasted the stages' compute)")
+    if s.get("stages"):
+        rows = ", ".join(f"{st['rows_computed'] / max(st['steps'], 1):.1f}" for st in s["stages"])
+        lines.append(f"  rows per step by stage: {rows}")
     if s.get("mean_live_tree") is not None:
         lines.append(f"  mean live tree: {s['mean_live_tree']:.1f} nodes")
     for i, st in enumerate(s.get("stages") or [], 1):

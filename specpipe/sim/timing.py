@@ -62,18 +62,21 @@ def stage_ms(profile: CostProfile, layers: int, last: bool, n: int) -> float:
 
 
 def simulate(rows_per_step: Sequence[Sequence[int]], stage_layers: Sequence[int], profile: CostProfile,
-             link_ms: float = 0.0, overlap_draft: bool = False, extra_ms: float = 0.0) -> float:
+             link_ms: float = 0.0, overlap_draft: bool = False, extra_ms: float = 0.0,
+             draft_calls: float = 1.0) -> float:
     """Total milliseconds of one request's decode.
 
     rows_per_step[t][s]: rows stage s computed at step t. With `overlap_draft` (specpipe) the
-    driver drafts the rows that entered stage 1 during the step. `extra_ms` adds serial time
-    (tree mode's measured drafting).
+    driver drafts the rows that entered stage 1 during the step, in `draft_calls` forwards one
+    after another (a block of d layers: d calls). `extra_ms` adds serial time (tree mode's
+    measured drafting, specpipe's drafting after a miss).
     """
     S = len(stage_layers)
     total = extra_ms
     for counts in rows_per_step:
         step = max(stage_ms(profile, stage_layers[s], s == S - 1, counts[s]) for s in range(S))
         if overlap_draft:
-            step = max(step, profile.draft(counts[0]))
+            calls = max(1.0, draft_calls)
+            step = max(step, calls * profile.draft(max(1, round(counts[0] / calls))))
         total += step + link_ms
     return total

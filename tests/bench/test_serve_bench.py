@@ -339,7 +339,7 @@ def test_unreachable_server_is_one_line_and_exit_2(tmp_path, capsys):
                   "--dataset-path", str(data), "--no-progress"])
     assert serve.main(args) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: cannot reach") and "\n" not in err
+    assert err.startswith("specpipe: error: cannot reach") and "\n" not in err
 
 
 # ---- benchmarks/bench_serve.py --------------------------------------------------------------

@@ -77,11 +77,23 @@ def assert_user_error(code: int, err: str, *words: str) -> None:
     (["--mode", "specpipe", "--draft", "self:9"], ["self:K"]),
     (["--max-context", "8"], ["exceeds the context"]),
     (["--temperature", "-1"], ["temperature"]),
+    (["--mode", "specpipe", "--layers-per-step", "17"], ["--layers-per-step"]),
 ])
 def test_bad_options_are_clear_errors(capsys, tiny_llama_dir, argv, words):
     code, _, err = run_cli(capsys, "generate", "--model", str(tiny_llama_dir), "--no-chat", *argv,
                            "a prompt that is long enough")
     assert_user_error(code, err, *words)
+
+
+@pytest.mark.parametrize("layers", ["3", "auto"])
+def test_layers_per_step_gives_the_pp_tokens(capsys, tiny_llama_dir, layers):
+    common = ["generate", "--model", str(tiny_llama_dir), "--no-chat", "--json", "--max-tokens", "12", "the cat sat"]
+    code, out, err = run_cli(capsys, *common)
+    assert code == 0, err
+    code, out3, err = run_cli(capsys, *common, "--mode", "specpipe", "--stages", "2", "--transport", "inproc",
+                              "--layers-per-step", layers)
+    assert code == 0, err
+    assert last_json(out3)["token_ids"] == last_json(out)["token_ids"]
 
 
 def test_missing_corrupt_and_refused_models(capsys, tmp_path, tiny_llama_dir):
