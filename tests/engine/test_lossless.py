@@ -74,6 +74,17 @@ def self_draft(ckpt, k: int) -> DraftModelSource:
     return DraftModelSource(build_stage(ckpt, StageSpec(0, k, first=True, last=True)), BLOCKS, BLOCK_SIZE, f"self:{k}")
 
 
+def all_sources(target, draft_ckpt) -> dict:
+    """Every kind of speculative source, each made fresh per run."""
+    return {
+        "ngram": lambda: NgramSource(),
+        "self:2": lambda: self_draft(target, 2),
+        "draft": lambda: DraftModelSource(build_stage(draft_ckpt, StageSpec.whole(draft_ckpt.config)),
+                                          BLOCKS, BLOCK_SIZE, "draft"),
+        "self:6+ngram": lambda: MergedSource([self_draft(target, 6), NgramSource()]),
+    }
+
+
 @pytest.fixture(scope="module")
 def tiny8(tiny_model_dir):
     """An 8-layer tiny Llama (so that S = 8 is possible) and a second tiny model as its draft."""
@@ -99,13 +110,7 @@ def test_all_modes_and_sources_equal_pp_tiny(tiny8, num_stages, sampling):
     assert pp.output_ids == reference
     assert pp.stats.pipeline_steps == num_stages * sampling.max_tokens
 
-    sources = {
-        "ngram": lambda: NgramSource(),
-        "self:2": lambda: self_draft(target, 2),
-        "draft": lambda: DraftModelSource(build_stage(draft_ckpt, StageSpec.whole(draft_ckpt.config)),
-                                          BLOCKS, BLOCK_SIZE, "draft"),
-        "self:6+ngram": lambda: MergedSource([self_draft(target, 6), NgramSource()]),
-    }
+    sources = all_sources(target, draft_ckpt)
     for (name, make), mode in itertools.product(sources.items(), ["tree", "specpipe"]):
         req = run(pipe, mode, TINY_PROMPT, sampling, make())
         assert req.output_ids == reference, f"{mode} with {name} differs from pp"
@@ -127,13 +132,7 @@ def test_several_layers_per_step_equal_pp(tiny8, num_stages, sampling):
     target, draft_ckpt = tiny8
     max_committed = len(TINY_PROMPT) + sampling.max_tokens
     reference = run(make_pipeline(target, 1, 1, max_committed), "pp", TINY_PROMPT, sampling).output_ids
-    sources = {
-        "ngram": lambda: NgramSource(),
-        "self:2": lambda: self_draft(target, 2),
-        "draft": lambda: DraftModelSource(build_stage(draft_ckpt, StageSpec.whole(draft_ckpt.config)),
-                                          BLOCKS, BLOCK_SIZE, "draft"),
-        "self:6+ngram": lambda: MergedSource([self_draft(target, 6), NgramSource()]),
-    }
+    sources = all_sources(target, draft_ckpt)
     for layers in (2, 3, 4):
         pipe = make_pipeline(target, num_stages, 4 * layers, max_committed)
         for name, make in sources.items():

@@ -85,20 +85,22 @@ def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, mode
     @app.post("/v1/completions")
     async def completions(body: p.CompletionRequest, request: Request):
         stream = await serving.completion_stream(body)
-        if body.stream:
-            return StreamingResponse(serving.completion_events(stream, body.include_usage),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
-        return await _unless_disconnected(request, serving.completion(stream), stream)
+        return await _respond(request, body, stream, serving.completion_events, serving.completion)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
         stream = await serving.chat_stream(body)
-        if body.stream:
-            return StreamingResponse(serving.chat_events(stream, body.include_usage),
-                                     media_type="text/event-stream", headers=SSE_HEADERS)
-        return await _unless_disconnected(request, serving.chat(stream), stream)
+        return await _respond(request, body, stream, serving.chat_events, serving.chat)
 
     return app
+
+
+async def _respond(request: Request, body: p.SamplingFields, stream, events, whole):
+    """Server-sent events for `stream: true`, else the whole response once it is done."""
+    if body.stream:
+        return StreamingResponse(events(stream, body.include_usage), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    return await _unless_disconnected(request, whole(stream), stream)
 
 
 async def _unless_disconnected(request: Request, work, stream):
