@@ -175,11 +175,11 @@ def main() -> None:
 
     print(f"\nStep counts (method: real draft + tree + decode loop, oracle stages; exact for greedy). "
           f"{len(prompts)} Spec-Bench prompts, up to {args.max_tokens} tokens, source {draft_spec}")
-    print(f"{'mode':9s} {'S':>2s} {'W':>3s} {'D':>2s} {'tok/step':>9s} {'cap':>6s} {'hit rate':>9s} {'accept':>7s}")
+    print(f"{'mode':9s} {'S':>2s} {'W':>3s} {'D/d':>4s} {'tok/step':>9s} {'cap':>6s} {'hit rate':>9s} {'accept':>7s}")
     for r in results:
         hr = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
         acc = "-" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
-        print(f"{r['mode']:9s} {r['stages']:2d} {r['width']:3d} {r['depth']:2d} {r['tokens_per_step']:9.3f} "
+        print(f"{r['mode']:9s} {r['stages']:2d} {r['width']:3d} {r['depth']!s:>4s} {r['tokens_per_step']:9.3f} "
               f"{r['cap']:6.3f} {hr:>9s} {acc:>7s}")
     print("\nspecpipe tokens/step by group:")
     for r in results:
