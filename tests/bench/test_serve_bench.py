@@ -17,6 +17,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -393,6 +394,7 @@ def test_bench_serve_modes_end_to_end(bench_serve, tmp_path, monkeypatch):
         return [sys.executable, "-c", code]
 
     monkeypatch.setattr(bench_serve, "server_command", fake_command)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the servers' logs stay in tmp_path
     data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "a"}, {"prompt": "b"}])
     out = tmp_path / "serve.json"
     rc = bench_serve.main(["--modes", "m1,broken", "--dataset", "jsonl", "--dataset-path", str(data),
