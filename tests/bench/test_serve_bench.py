@@ -22,7 +22,9 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+import uvicorn
 
 from specpipe.bench import datasets, serve
 from specpipe.bench.metrics import RequestRecord, aggregate, format_markdown, format_summary, percentile
@@ -115,9 +117,6 @@ def closed_port() -> int:
 
 @pytest.fixture(scope="module")
 def fake_server():
-    uvicorn = pytest.importorskip("uvicorn")
-    pytest.importorskip("starlette")
-    pytest.importorskip("openai")
     state = new_state()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -220,7 +219,6 @@ def test_aggregate_with_no_success_and_chunk_counts():
 
 
 def test_percentile_matches_linear_interpolation():
-    np = pytest.importorskip("numpy")
     values = [random.Random(3).uniform(0, 100) for _ in range(37)]
     for p in (0, 1, 25, 50, 90, 99, 99.9, 100):
         assert percentile(values, p) == pytest.approx(float(np.percentile(values, p)))
@@ -334,7 +332,6 @@ def test_stream_without_text(fake_server, tmp_path):
 
 
 def test_unreachable_server_is_one_line_and_exit_2(tmp_path, capsys):
-    pytest.importorskip("openai")
     data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x"}])
     args = parse(["--base-url", f"http://127.0.0.1:{closed_port()}", "--dataset", "jsonl",
                   "--dataset-path", str(data), "--no-progress"])
@@ -381,8 +378,6 @@ def test_bench_serve_stops_and_times_out(bench_serve, tmp_path):
 
 
 def test_bench_serve_modes_end_to_end(bench_serve, tmp_path, monkeypatch):
-    pytest.importorskip("uvicorn")
-    pytest.importorskip("openai")
     seen = []
 
     def fake_command(mode, port, engine_args):
