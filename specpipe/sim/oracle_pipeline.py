@@ -13,10 +13,10 @@ It also records, per step, how many rows each stage computed: the input of the t
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Callable, Sequence
 
 from specpipe.messages import NO_PARENT, Control, Results, Rows
+from specpipe.sim.inflight import InFlight, row_counts
 
 OFF_PATH = -1  # target token reported for rows that are not on the committed path
 
@@ -29,41 +29,20 @@ class OraclePipeline:
         for many requests, a function from the request id the stages see (the pid) to its own."""
         self.num_stages = num_stages
         self._sequence = sequence if callable(sequence) else (lambda _rid, seq=list(sequence): seq)
-        self._stages: deque[list[Rows]] = deque([[] for _ in range(num_stages)], maxlen=num_stages)
+        self._inflight = InFlight(num_stages)
         self._on_path: set[tuple[int, int]] = set()  # (request, node)
-        self._dropped: set[tuple[int, int]] = set()
-        self._released: set[int] = set()
-        self._control = Control()
+        self._control, self._incoming = Control(), []
         self.reported: list[dict] | None = None  # no real stages: reports are empty
         self.rows_per_step: list[list[int]] = []  # step -> rows computed at each stage
 
     def submit(self, control: Control, rows: list[Rows]) -> None:
-        self._control = control
-        self._incoming = list(rows)
+        self._control, self._incoming = control, list(rows)
 
     def collect(self) -> list[Results]:
-        for p in self._control.prune:
-            self._dropped.update((p.request_id, n) for n in p.drop)
-        self._released.update(self._control.release)
-        # Shift the pipeline by one stage: what stage s held last step is at stage s + 1 now.
-        self._stages.appendleft(self._incoming)
-        counts, results = [], []
-        for s, batch in enumerate(self._stages):
-            kept = []
-            for rows in batch:
-                if rows.request_id in self._released:
-                    continue  # a stage drops the rows of a released request
-                rid = rows.request_id
-                keep = [i for i, n in enumerate(rows.node_ids) if (rid, n) not in self._dropped]
-                kept.append(rows.select(keep) if len(keep) < len(rows) else rows)
-            self._stages[s] = [r for r in kept if len(r)]
-            counts.append(sum(len(r) for r in self._stages[s]))
-        self.rows_per_step.append(counts)
-        for rows in self._stages[-1]:
-            results.append(self._answer(rows))
-        self._stages[-1] = []  # they leave the pipeline
+        computed = self._inflight.step(self._control, self._incoming)
+        self.rows_per_step.append(row_counts(computed))
         self.reported = [] if self._control.report else None
-        return results
+        return [self._answer(rows) for rows in computed[-1]]
 
     def step(self, control: Control, rows: list[Rows]) -> list[Results]:
         self.submit(control, rows)

@@ -1,0 +1,145 @@
+"""Cost profiles: what one pipeline stage, the LM head and the draft source cost on one device, as
+a function of the rows computed in a step and the context they attend to (SPEC §8).
+
+A profile is measured (`specpipe profile`, sim/measure.py) or derived from a device's published
+specifications (sim/roofline.py). Both write the same JSON file:
+
+  {"format": "specpipe-profile/1", "device": ..., "method": "measured" | "roofline",
+   "model": {...}, "draft": {...} | null, "assumptions": [...],
+   "rows": [1, 2, 4, ...], "contexts": [256, 1024, ...],
+   "layer_ms": [[...] per context],   one target decoder layer, rows x context
+   "head_ms":  [...],                 final norm + LM head of the target, per rows
+   "draft_ms": [[...] per context],   one whole forward of the draft source ([] if none)
+   "row_bytes": ...}                  bytes of one row's hidden state on the link between stages
+
+Between measured points costs are linear in rows and in context; past the last measured row
+count they are extrapolated from the last two points (compute-bound growth), below the first they
+are the first point (a step never costs less than its fixed overhead).
+Files written before contexts were added ({"profile": {"rows", "layer_ms", "head_ms",
+"draft_ms", "context"}}) load as one context.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+FORMAT = "specpipe-profile/1"
+
+
+def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+    """Piecewise linear in x; flat below the first point, extrapolated past the last."""
+    if len(xs) == 1 or x <= xs[0]:
+        return float(ys[0])
+    i = min(bisect.bisect_left(xs, x), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@dataclass
+class CostProfile:
+    """Milliseconds per step on one device; see the module docstring for the file format."""
+
+    device: str
+    rows: list[int]
+    layer_ms: list[list[float]]  # [context][rows]
+    head_ms: list[float]  # [rows]
+    draft_ms: list[list[float]] = field(default_factory=list)  # [context][rows]; [] without a draft
+    contexts: list[int] = field(default_factory=lambda: [256])
+    method: str = "measured"
+    model: dict[str, Any] = field(default_factory=dict)  # name, num_layers, hidden_size, ...
+    draft: Optional[dict[str, Any]] = None
+    assumptions: list[str] = field(default_factory=list)
+    row_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if list(self.rows) != sorted(set(self.rows)) or not self.rows or self.rows[0] < 1:
+            raise ValueError(f"profile rows must be ascending positive counts, got {self.rows}")
+        if list(self.contexts) != sorted(set(self.contexts)) or not self.contexts:
+            raise ValueError(f"profile contexts must be ascending, got {self.contexts}")
+        tables = {"layer_ms": self.layer_ms, **({"draft_ms": self.draft_ms} if self.draft_ms else {})}
+        for name, table in tables.items():
+            if len(table) != len(self.contexts) or any(len(r) != len(self.rows) for r in table):
+                raise ValueError(f"profile {name} must be {len(self.contexts)} contexts x {len(self.rows)} rows")
+        if len(self.head_ms) != len(self.rows):
+            raise ValueError(f"profile head_ms must have {len(self.rows)} entries")
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.get("num_layers", 0))
+
+    def _table(self, table: list[list[float]], n: int, context: Optional[int]) -> float:
+        if n <= 0 or not table:
+            return 0.0
+        per_context = [_interp(self.rows, row, n) for row in table]
+        ctx = self.contexts[0] if context is None else context
+        return _interp(self.contexts, per_context, ctx)
+
+    def layer(self, n: int, context: Optional[int] = None) -> float:
+        return self._table(self.layer_ms, n, context)
+
+    def head(self, n: int) -> float:
+        return _interp(self.rows, self.head_ms, n) if n > 0 else 0.0
+
+    def draft_forward(self, n: int, context: Optional[int] = None) -> float:
+        return self._table(self.draft_ms, n, context)
+
+    # The time simulator's older name for one draft forward.
+    draft = draft_forward
+
+    def stage(self, layers: int, last: bool, n: int, context: Optional[int] = None) -> float:
+        """One stage of `layers` decoder layers (plus the head on the last stage) for n rows."""
+        if n <= 0:
+            return 0.0
+        return layers * self.layer(n, context) + (self.head(n) if last else 0.0)
+
+    def scaled(self, **changes) -> "CostProfile":
+        """A copy with fields replaced (what-if studies)."""
+        return CostProfile(**{**asdict(self), **changes})
+
+    # ---- files ------------------------------------------------------------------------------
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, **asdict(self)}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CostProfile":
+        if data.get("format") == FORMAT:
+            return cls(**{k: v for k, v in data.items() if k != "format"})
+        if "profile" in data:  # the single-context files of benchmarks/profile_costs.py
+            p = data["profile"]
+            return cls(device=p["device"], rows=p["rows"], layer_ms=[p["layer_ms"]], head_ms=p["head_ms"],
+                       draft_ms=[p["draft_ms"]] if p.get("draft_ms") else [], contexts=[p.get("context") or 256],
+                       model={"path": data.get("target"), "num_layers": data.get("num_layers", 0)},
+                       draft={"path": data["draft"]} if data.get("draft") else None)
+        raise ValueError(f"not a SpecPipe cost profile (format {data.get('format')!r})")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostProfile":
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read profile {path}: {e}") from None
+        return cls.from_json(data)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link between two consecutive stages (and between the driver and a stage): a message of
+    b bytes arrives latency_ms + b / bandwidth after it is sent."""
+
+    name: str
+    latency_ms: float
+    gbytes_per_s: float  # 10^9 bytes per second, one direction
+
+    def transfer_ms(self, nbytes: int) -> float:
+        return self.latency_ms + (nbytes / (self.gbytes_per_s * 1e6) if self.gbytes_per_s > 0 else 0.0)
+
+
+NO_LINK = Link("none", 0.0, 0.0)
