@@ -62,6 +62,11 @@ class Request:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def context_len(self) -> int:
+        """Tokens committed so far, prompt included: the context its next rows attend to."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
     def append(self, token: int) -> bool:
         """Record one committed output token; True when the request is now finished."""
         if self.finished:

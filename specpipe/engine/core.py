@@ -66,6 +66,7 @@ class EngineCore:
         self.stage_stats: Optional[list[dict]] = None  # the stages' last report (cumulative)
         self.steps = 0
         self.draft_bound_steps = 0
+        self.tracer = None  # a sim.trace.StepTracer records every step when set
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -81,6 +82,8 @@ class EngineCore:
         self.scheduler.add(req.request_id)  # QueueFull when the waiting queue is at its bound
         self.requests[req.request_id] = req
         self.states[req.request_id] = self._new_state(req)
+        if self.tracer is not None:
+            self.tracer.added(req.request_id, req.arrival, len(req.prompt_ids))
 
     def spec_reserve(self) -> int:
         return spec_reserve(self.mode, self.width, self.depth, self.pipe.num_stages, self.layers)
@@ -141,6 +144,9 @@ class EngineCore:
                 control.prune.append(prune)
         self._release, self._report = [], False
 
+        if self.tracer is not None:
+            self.tracer.submitted(control, rows, max((st.req.context_len for st in running), default=0),
+                                  {st.pid: st.req.request_id for st in running})
         self.pipe.submit(control, rows)
         error: Optional[BaseException] = None
         drafters: list[ModeState] = []
@@ -153,6 +159,8 @@ class EngineCore:
             error = e
         t0 = time.perf_counter()
         results = self.pipe.collect()
+        if self.tracer is not None:
+            self.tracer.collected()
         # The results were already waiting when drafting ended: the draft, not the stages, set
         # this step's pace (only where the stages compute while the driver drafts).
         draft_bound = (bool(drafters) and self.pipe.concurrent
@@ -176,6 +184,7 @@ class EngineCore:
             else:
                 st.receive(res)
         live = [st for st in running if self.states.get(st.req.request_id) is st]
+        checks = sum(st.req.stats.verifications for st in live), sum(st.req.stats.hits for st in live)
         for st in live:
             if st.started:
                 st.req.stats.pipeline_steps += 1
@@ -186,6 +195,10 @@ class EngineCore:
             for st in live:
                 st.drafting(AFTER)  # drop a new root's draft call: the source may be in any state
         done = [st.req for st in live if st.req.finished]
+        if self.tracer is not None:
+            hits = sum(st.req.stats.hits for st in live) - checks[1]
+            self.tracer.ended({st.req.request_id: len(st.req.output_ids) for st in live}, hits,
+                              sum(st.req.stats.verifications for st in live) - checks[0] - hits)
         for req in done:
             self._retire(req.request_id)
         if error is not None:
@@ -213,6 +226,8 @@ class EngineCore:
             t0 = time.perf_counter()
             outs = self.source.propose_many([c for _, c in calls])
             dt = time.perf_counter() - t0
+            if self.tracer is not None:
+                self.tracer.drafted(phase, sum(len(c.rows.node_ids) for _, c in calls))
             for (st, _), props in zip(calls, outs):
                 st.proposals(phase, props)
                 st.req.stats.draft_s += dt / len(calls)

@@ -1,0 +1,116 @@
+"""A step-by-step record of a run: the input of the event simulator (sim/events.py) and of the
+pipeline timeline pictures (`specpipe bench --trace FILE`).
+
+Per pipeline step it holds what the time of that step depends on, and nothing about the device:
+
+  rows         rows each stage computed (followed from the driver's messages, sim/inflight.py)
+  context      the longest context among the requests in the pipeline (attention reads it)
+  serial       the draft forwards the driver made before sending this step, one row count per
+               forward (after the previous step's verification: new roots, tree rounds)
+  overlapped   the draft forwards made while the stages computed this step
+  tokens       request id -> tokens it had committed when the step ended
+  hits/misses  verifications this step
+  t_submit, t_collect, t_end
+               wall-clock seconds since the trace began (real runs; the oracle's are meaningless)
+
+A trace is written as JSON: {"format": ..., "meta": {...}, "requests": {...}, "steps": [...]}.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from specpipe.engine.modes.base import DURING
+from specpipe.messages import Control, Rows
+from specpipe.sim.inflight import InFlight, row_counts
+
+FORMAT = "specpipe-trace/1"
+
+
+@dataclass
+class StepRecord:
+    rows: list[int]
+    context: int
+    serial: list[int] = field(default_factory=list)
+    overlapped: list[int] = field(default_factory=list)
+    tokens: dict[int, int] = field(default_factory=dict)
+    hits: int = 0
+    misses: int = 0
+    sent: dict[int, int] = field(default_factory=dict)  # request id -> rows it sent into stage 1
+    t_submit: float = 0.0
+    t_collect: float = 0.0
+    t_end: float = 0.0
+
+
+@dataclass
+class Trace:
+    meta: dict[str, Any]
+    requests: dict[int, dict[str, Any]] = field(default_factory=dict)  # id -> arrival (s), prompt_tokens
+    steps: list[StepRecord] = field(default_factory=list)
+
+    @property
+    def num_stages(self) -> int:
+        return int(self.meta["stages"])
+
+    def save(self, path: str | Path) -> None:
+        data = {"format": FORMAT, "meta": self.meta, "requests": self.requests,
+                "steps": [asdict(s) for s in self.steps]}
+        Path(path).write_text(json.dumps(data) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Trace":
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read trace {path}: {e}") from None
+        if data.get("format") != FORMAT:
+            raise ValueError(f"{path} is not a SpecPipe trace (format {data.get('format')!r})")
+        steps = []
+        for s in data["steps"]:
+            s["tokens"] = {int(k): v for k, v in s["tokens"].items()}
+            s["sent"] = {int(k): v for k, v in s.get("sent", {}).items()}
+            steps.append(StepRecord(**s))
+        return cls(data["meta"], {int(k): v for k, v in data["requests"].items()}, steps)
+
+
+class StepTracer:
+    """Attached to an EngineCore (`core.tracer = StepTracer(...)`), which calls it at each phase
+    of a step. Costs a few dictionary updates per step."""
+
+    def __init__(self, num_stages: int, meta: Optional[dict[str, Any]] = None) -> None:
+        self.trace = Trace({"stages": num_stages, **(meta or {})})
+        self._inflight = InFlight(num_stages)
+        self._t0 = time.perf_counter()
+        self._serial: list[int] = []  # draft forwards since the last submit
+        self._step: Optional[StepRecord] = None
+
+    def now(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def added(self, request_id: int, arrival: float, prompt_tokens: int) -> None:
+        self.trace.requests[request_id] = {"arrival": arrival - self._t0, "prompt_tokens": prompt_tokens}
+
+    def drafted(self, phase: str, rows_per_forward: int) -> None:
+        if phase == DURING and self._step is not None:
+            self._step.overlapped.append(rows_per_forward)
+        else:
+            self._serial.append(rows_per_forward)
+
+    def submitted(self, control: Control, rows: list[Rows], context: int, pid_to_request: dict[int, int]) -> None:
+        computed = self._inflight.step(control, rows)
+        self._step = StepRecord(row_counts(computed), context, serial=self._serial, t_submit=self.now(),
+                                sent={pid_to_request.get(r.request_id, r.request_id): len(r) for r in rows})
+        self._serial = []
+
+    def collected(self) -> None:
+        self._step.t_collect = self.now()
+
+    def ended(self, tokens: dict[int, int], hits: int, misses: int) -> None:
+        step = self._step
+        step.tokens, step.hits, step.misses, step.t_end = tokens, hits, misses, self.now()
+        self.trace.steps.append(step)
+        self._step = None
