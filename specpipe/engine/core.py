@@ -145,8 +145,7 @@ class EngineCore:
         self._release, self._report = [], False
 
         if self.tracer is not None:
-            self.tracer.submitted(control, rows, max((st.req.context_len for st in running), default=0),
-                                  {st.pid: st.req.request_id for st in running})
+            self.tracer.submitted(control, rows, {st.pid: (st.req.request_id, st.req.context_len - 1) for st in running})
         self.pipe.submit(control, rows)
         error: Optional[BaseException] = None
         drafters: list[ModeState] = []

@@ -3,6 +3,8 @@
     specpipe generate [options] PROMPT     one completion, streamed to the terminal
     specpipe serve [options]               the OpenAI-compatible server
     specpipe bench serve [options]         load-test an OpenAI-compatible server
+    specpipe profile --out FILE [options]  measure (or derive from a roofline) a cost profile
+    specpipe sim --trace T --profile P     replay recorded traces on a cost profile
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_serve.add_arguments(bsub.add_parser(
         "serve", help="load-test any OpenAI-compatible server (Poisson arrivals or fixed concurrency)"))
+
+    from specpipe.sim import cli as sim_cli, measure
+
+    measure.add_arguments(sub.add_parser(
+        "profile", help="measure a stage's and the draft's cost on this device (or derive it from a roofline)"))
+    sim_cli.add_arguments(sub.add_parser("sim", help="simulate recorded traces on a cost profile and a link"))
     return p
 
 
@@ -228,6 +236,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from specpipe.bench import serve as bench_serve
 
             return bench_serve.main(args)
+        if args.command == "profile":
+            from specpipe.sim import measure
+
+            return measure.main(args)
+        if args.command == "sim":
+            from specpipe.sim import cli as sim_cli
+
+            return sim_cli.main(args)
     return status.code
 
 

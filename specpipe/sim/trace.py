@@ -9,6 +9,9 @@ Per pipeline step it holds what the time of that step depends on, and nothing ab
                forward (after the previous step's verification: new roots, tree rounds)
   overlapped   the draft forwards made while the stages computed this step
   tokens       request id -> tokens it had committed when the step ended
+  work         per stage, what its rows were: [request id, tree depth, rows, rows pruned later]
+               (depth: below the request's root at this step, 0 for committed tokens, prompt
+               chunks and new roots); for the pipeline timeline pictures
   hits/misses  verifications this step
   t_submit, t_collect, t_end
                wall-clock seconds since the trace began (real runs; the oracle's are meaningless)
@@ -41,6 +44,7 @@ class StepRecord:
     hits: int = 0
     misses: int = 0
     sent: dict[int, int] = field(default_factory=dict)  # request id -> rows it sent into stage 1
+    work: list[list[list[int]]] = field(default_factory=list)  # [stage] -> [[request, depth, rows, pruned]]
     t_submit: float = 0.0
     t_collect: float = 0.0
     t_end: float = 0.0
@@ -87,6 +91,8 @@ class StepTracer:
         self._t0 = time.perf_counter()
         self._serial: list[int] = []  # draft forwards since the last submit
         self._step: Optional[StepRecord] = None
+        self._nodes: list[list[list[tuple[int, int, int]]]] = []  # [step][stage] -> (pid, node, depth)
+        self._pid_request: dict[int, int] = {}
 
     def now(self) -> float:
         return time.perf_counter() - self._t0
@@ -100,11 +106,24 @@ class StepTracer:
         else:
             self._serial.append(rows_per_forward)
 
-    def submitted(self, control: Control, rows: list[Rows], context: int, pid_to_request: dict[int, int]) -> None:
+    def submitted(self, control: Control, rows: list[Rows], roots: dict[int, tuple[int, int]]) -> None:
+        """`roots`: pid -> (request id, position of its last committed token) of every request
+        in this step."""
+        for pid, (rid, _) in roots.items():
+            self._pid_request[pid] = rid
+        self._roots = {pid: pos for pid, (_, pos) in roots.items()}
         computed = self._inflight.step(control, rows)
+        self._nodes.append([[(r.request_id, n, self._depth(r.request_id, p)) for r in batch
+                             for n, p in zip(r.node_ids, r.positions)] for batch in computed])
+        context = max((pos + 1 for pos in self._roots.values()), default=0)
         self._step = StepRecord(row_counts(computed), context, serial=self._serial, t_submit=self.now(),
-                                sent={pid_to_request.get(r.request_id, r.request_id): len(r) for r in rows})
+                                sent={self._pid_request.get(r.request_id, r.request_id): len(r) for r in rows})
         self._serial = []
+
+    def _depth(self, pid: int, position: int) -> int:
+        """Depth below the request's root at this step (0 once the root has reached it)."""
+        root = self._roots.get(pid)
+        return max(0, position - root) if root is not None else 0
 
     def collected(self) -> None:
         self._step.t_collect = self.now()
@@ -114,3 +133,18 @@ class StepTracer:
         step.tokens, step.hits, step.misses, step.t_end = tokens, hits, misses, self.now()
         self.trace.steps.append(step)
         self._step = None
+
+    def finish(self) -> Trace:
+        """The trace, with each step's work filled in: which rows were pruned later is known
+        only now."""
+        dropped = self._inflight.dropped
+        for step, stages in zip(self.trace.steps, self._nodes):
+            step.work = []
+            for nodes in stages:
+                groups: dict[tuple[int, int], list[int]] = {}
+                for pid, node, depth in nodes:
+                    g = groups.setdefault((self._pid_request.get(pid, pid), depth), [0, 0])
+                    g[0] += 1
+                    g[1] += (pid, node) in dropped
+                step.work.append([[rid, depth, n, wasted] for (rid, depth), (n, wasted) in sorted(groups.items())])
+        return self.trace

@@ -107,7 +107,7 @@ def test_tracer_follows_the_real_stages(tiny_model_dir, mode, tmp_path):
     core.tracer = StepTracer(2, {"mode": mode})
     reqs = [Request(i, p, SamplingParams(max_tokens=12), frozenset()) for i, p in enumerate(PROMPTS)]
     core.run(reqs)
-    trace = core.tracer.trace
+    trace = core.tracer.finish()
     assert len(trace.steps) == core.steps
     assert [sum(s.rows[k] for s in trace.steps) for k in range(2)] == [w.stats.rows_computed for w in workers]
     final = {}
@@ -115,6 +115,11 @@ def test_tracer_follows_the_real_stages(tiny_model_dir, mode, tmp_path):
         final.update(s.tokens)
     assert final == {r.request_id: len(r.output_ids) for r in reqs}
     assert sum(s.hits + s.misses for s in trace.steps) == sum(r.stats.verifications for r in reqs)
+    for s in trace.steps:  # every row is accounted for by request and depth; pp prunes nothing
+        assert [sum(g[2] for g in stage) for stage in s.work] == s.rows
+        assert all(0 <= g[3] <= g[2] and g[0] in final for stage in s.work for g in stage)
+    wasted = sum(g[3] for s in trace.steps for stage in s.work for g in stage)
+    assert (wasted == 0) == (mode == "pp-cb")
     trace.save(tmp_path / "t.json")
     again = Trace.load(tmp_path / "t.json")
     assert again.steps == trace.steps and again.requests == trace.requests
@@ -129,7 +134,7 @@ def test_oracle_trace_equals_the_oracles_own_row_counts():
     core = _core(pipe, "specpipe-db")
     core.tracer = StepTracer(4)
     core.run([Request(i, p, SamplingParams(max_tokens=8), frozenset()) for i, p in enumerate(PROMPTS)])
-    assert [s.rows for s in core.tracer.trace.steps] == pipe.rows_per_step
+    assert [s.rows for s in core.tracer.finish().steps] == pipe.rows_per_step
 
 
 def test_bad_files_are_refused(tmp_path):

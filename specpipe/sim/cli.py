@@ -1,0 +1,106 @@
+"""`specpipe sim`: replay recorded traces on a cost profile (sim/events.py) and print the
+predicted TBT, TTFT, throughput and what bound the run; for traces of real runs, the measured
+figures and the error beside them.
+
+    specpipe sim --trace run.json [more.json ...] --profile h100.json --link ib-100g [--driver-ms 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", nargs="+", required=True, help="traces written by `specpipe bench --trace`")
+    p.add_argument("--profile", required=True,
+                   help="a cost profile (`specpipe profile`), or the name of a shipped one (e.g. h100-80gb)")
+    p.add_argument("--link", default="none",
+                   help="link between stages: none, a preset (10gbe, ib-100g, nvlink3, nvlink4) or LATENCY_MS:GBPS")
+    p.add_argument("--stage-layers", default=None, help="layers per stage, e.g. 10,10,... (default: even split)")
+    p.add_argument("--driver-ms", type=float, default=0.0, help="the driver's own time per step (default 0)")
+    p.add_argument("--no-draft-cost", action="store_true",
+                   help="the source costs nothing (n-gram); default: a trace with a model draft pays the profile's draft")
+    p.add_argument("--json", default=None, help="also write every result as JSON here")
+
+
+def parse_link(text: str):
+    from specpipe.sim.profile import NO_LINK, Link
+    from specpipe.sim.roofline import LINKS
+
+    if text == "none":
+        return NO_LINK
+    if text in LINKS:
+        return LINKS[text]
+    try:
+        latency, gbps = (float(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--link must be none, one of {', '.join(LINKS)} or LATENCY_MS:GBPS, got {text!r}") from None
+    return Link(text, latency, gbps)
+
+
+def load_profile(name: str):
+    from specpipe.sim.profile import CostProfile
+    from specpipe.sim.roofline import PROFILES_DIR
+
+    if Path(name).is_file():
+        return CostProfile.load(name)
+    shipped = sorted(PROFILES_DIR.glob(f"{name}*.json"))
+    if len(shipped) == 1:
+        return CostProfile.load(shipped[0])
+    known = ", ".join(p.stem for p in sorted(PROFILES_DIR.glob("*.json")))
+    raise ValueError(f"no profile file {name!r} and no single shipped profile starting with it; shipped: {known}")
+
+
+def main(args: argparse.Namespace) -> int:
+    from specpipe.config import ConfigError
+    from specpipe.loader.partition import parse_stage_layers
+    from specpipe.sim.events import measured, simulate
+    from specpipe.sim.trace import Trace
+
+    try:
+        profile = load_profile(args.profile)
+        link = parse_link(args.link)
+        traces = [(path, Trace.load(path)) for path in args.trace]
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    layers = parse_stage_layers(args.stage_layers)
+    print(f"profile {profile.device} ({profile.method}), link {link.name}, driver {args.driver_ms} ms/step")
+    print(f"{'trace':28s} {'mode':11s} {'S':>2s} {'tok/step':>8s} {'TBT ms':>8s} {'TTFT ms':>8s} {'tok/s':>7s} "
+          f"{'bound by':>9s}  measured TBT / tok/s (error)")
+    out = []
+    for path, trace in traces:
+        try:
+            sim = simulate(trace, profile, layers, link, args.driver_ms,
+                           draft_cost=not args.no_draft_cost and trace.meta.get("source", "ngram") != "ngram")
+        except ValueError as e:
+            raise ConfigError(f"{path}: {e}") from None
+        s = sim.summary()
+        row = {"trace": str(path), "meta": trace.meta, "simulated": s}
+        line = (f"{Path(path).name[:28]:28s} {trace.meta.get('mode', '?'):11s} {trace.num_stages:2d} "
+                f"{s['tokens'] / max(s['steps'], 1):8.3f} {_ms(s['tbt_ms_median'])} {_ms(s['ttft_ms_median'])} "
+                f"{s['throughput_tok_s']:7.2f} {s['bottleneck']:>9s}")
+        if trace.meta.get("real"):
+            m = measured(trace).summary()
+            row["measured"] = m
+            line += (f"  {_ms(m['tbt_ms_median'])} / {m['throughput_tok_s']:.2f} "
+                     f"({_err(s['tbt_ms_median'], m['tbt_ms_median'])}, "
+                     f"{_err(s['throughput_tok_s'], m['throughput_tok_s'])})")
+        print(line)
+        out.append(row)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _ms(v) -> str:
+    return f"{v:8.1f}" if v is not None else f"{'-':>8s}"
+
+
+def _err(predicted, real) -> str:
+    if not predicted or not real:
+        return "-"
+    return f"{(predicted - real) / real:+.1%}"
