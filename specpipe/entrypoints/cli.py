@@ -2,6 +2,7 @@
 
     specpipe generate [options] PROMPT     one completion, streamed to the terminal
     specpipe serve [options]               the OpenAI-compatible server
+    specpipe bench [options]               every chosen mode on benchmark prompts, side by side
     specpipe bench serve [options]         load-test an OpenAI-compatible server
     specpipe profile --out FILE [options]  measure (or derive from a roofline) a cost profile
     specpipe sim --trace T --profile P     replay recorded traces on a cost profile
@@ -62,9 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(s)
     s.set_defaults(mode="specpipe-db")  # a server batches: SpecPipe-DB (lossless; --mode pp-cb for plain PP)
 
-    b = sub.add_parser("bench", help="benchmarks")
-    bsub = b.add_subparsers(dest="bench_command", required=True)
-    from specpipe.bench import serve as bench_serve
+    b = sub.add_parser("bench", help="run modes on benchmark prompts (or: bench serve, a server load test)",
+                       description="Every chosen mode on the same prompts at the chosen stage counts; "
+                                   "`specpipe bench serve --help` for the server load test.")
+    from specpipe.bench import offline, serve as bench_serve
+
+    offline.add_arguments(b)
+    bsub = b.add_subparsers(dest="bench_command", required=False, metavar="serve")
 
     bench_serve.add_arguments(bsub.add_parser(
         "serve", help="load-test any OpenAI-compatible server (Poisson arrivals or fixed concurrency)"))
@@ -233,9 +238,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "serve":
             return _serve(args)
         if args.command == "bench":
-            from specpipe.bench import serve as bench_serve
+            from specpipe.bench import offline, serve as bench_serve
 
-            return bench_serve.main(args)
+            return (bench_serve if args.bench_command == "serve" else offline).main(args)
         if args.command == "profile":
             from specpipe.sim import measure
 

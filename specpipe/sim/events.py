@@ -91,7 +91,11 @@ def simulate(trace: Trace, profile: CostProfile, stage_layers: Optional[Sequence
     def draft(forwards: Sequence[int], context: int) -> float:
         return sum(profile.draft_forward(n, context) for n in forwards) if draft_cost else 0.0
 
-    arrival = {rid: r["arrival"] * 1e3 for rid, r in trace.requests.items()}
+    timed = trace.meta.get("arrivals") == "timed"
+    arrival = {rid: r["arrival"] * 1e3 for rid, r in trace.requests.items()} if timed else {}
+    added_at: dict[int, list[int]] = {}  # step -> requests added just before it (closed loop)
+    for rid, r in trace.requests.items():
+        added_at.setdefault(r.get("step", 0), []).append(rid)
     seen: set[int] = set()
     finish = [0.0] * S  # when each stage finished its previous step
     collect = 0.0
@@ -99,7 +103,9 @@ def simulate(trace: Trace, profile: CostProfile, stage_layers: Optional[Sequence
     token_times: dict[int, list[float]] = {}
     last_tokens: dict[int, int] = {}
     spans, collects = [], []
-    for step in trace.steps:
+    for k, step in enumerate(trace.steps):
+        for rid in added_at.get(k, ()) if not timed else ():
+            arrival[rid] = collect  # the engine was ready for it when the last step ended
         serial = draft(step.serial, step.context)
         submit = collect + driver_ms + serial
         new = [rid for rid in step.sent if rid not in seen]

@@ -17,6 +17,8 @@ Per pipeline step it holds what the time of that step depends on, and nothing ab
                wall-clock seconds since the trace began (real runs; the oracle's are meaningless)
 
 A trace is written as JSON: {"format": ..., "meta": {...}, "requests": {...}, "steps": [...]}.
+meta["arrivals"] == "timed" marks an open-loop run (requests arrive on their own clock, e.g. a
+load test); otherwise a request is taken to arrive when the engine added it.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ class StepRecord:
 @dataclass
 class Trace:
     meta: dict[str, Any]
-    requests: dict[int, dict[str, Any]] = field(default_factory=dict)  # id -> arrival (s), prompt_tokens
+    # id -> arrival (s, wall clock), prompt_tokens, step (the first step it could be in)
+    requests: dict[int, dict[str, Any]] = field(default_factory=dict)
     steps: list[StepRecord] = field(default_factory=list)
 
     @property
@@ -98,7 +101,10 @@ class StepTracer:
         return time.perf_counter() - self._t0
 
     def added(self, request_id: int, arrival: float, prompt_tokens: int) -> None:
-        self.trace.requests[request_id] = {"arrival": arrival - self._t0, "prompt_tokens": prompt_tokens}
+        """`step`: the first step it could be in (a closed-loop run adds a request when the
+        engine is ready for it; the simulator starts it there, whatever the wall clock said)."""
+        self.trace.requests[request_id] = {"arrival": arrival - self._t0, "prompt_tokens": prompt_tokens,
+                                           "step": len(self.trace.steps)}
 
     def drafted(self, phase: str, rows_per_forward: int) -> None:
         if phase == DURING and self._step is not None:

@@ -85,10 +85,18 @@ def test_link_bandwidth_counts_the_rows_bytes():
 
 
 def test_requests_do_not_start_before_they_arrive():
-    t = Trace({"stages": 1}, {0: {"arrival": 0.0, "prompt_tokens": 1}, 1: {"arrival": 0.010, "prompt_tokens": 1}},
+    t = Trace({"stages": 1, "arrivals": "timed"},
+              {0: {"arrival": 0.0, "prompt_tokens": 1}, 1: {"arrival": 0.010, "prompt_tokens": 1}},
               [StepRecord([1], 5, sent={0: 1}, tokens={0: 1}), StepRecord([2], 5, sent={0: 1, 1: 1}, tokens={0: 2, 1: 1})])
     r = simulate(t, flat_profile(), [1])
     assert r.token_times == {0: [1.0, 11.0], 1: [11.0]}
+    assert r.ttft_ms() == [1.0, 1.0]
+    # Closed loop (the default): a request arrives when the engine added it, here after step 0,
+    # whatever the wall clock of the recorded run said.
+    t.meta.pop("arrivals")
+    t.requests[1]["step"] = 1
+    r = simulate(t, flat_profile(), [1])
+    assert r.token_times == {0: [1.0, 2.0], 1: [2.0]}
     assert r.ttft_ms() == [1.0, 1.0]
 
 
