@@ -152,6 +152,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
     transport: str = "auto"  # inproc | processes; auto = inproc for one stage, processes for more
+    stage_threads: int = 0  # CPU threads per local stage process; 0 = this machine's cores / stages
     link_delay_ms: float = 0.0  # emulated per-message link latency between ranks
     link_bandwidth_mbps: float = 0.0  # emulated link bandwidth; 0 = unlimited
     stage_timeout_s: float = 30.0  # a stage silent this long fails the in-flight requests
@@ -189,6 +190,8 @@ class EngineConfig:
             raise ConfigError(f"--transport must be auto, inproc or processes, got {self.transport!r}")
         if self.link_delay_ms < 0 or self.link_bandwidth_mbps < 0:
             raise ConfigError("--link-delay-ms and --link-bandwidth-mbps must be >= 0")
+        if self.stage_threads < 0:
+            raise ConfigError(f"--stage-threads must be >= 0, got {self.stage_threads}")
         if self.stage_timeout_s <= 0:
             raise ConfigError(f"--stage-timeout must be positive, got {self.stage_timeout_s}")
         if self.mode not in SPECULATIVE_MODES and self.draft:

@@ -88,6 +88,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--oracle", action="store_true", help="step counts against oracle stages (no wall clock)")
     p.add_argument("--max-step-rows", type=int, default=64, help="row budget per step of pp-cb/specpipe-db")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--transport", default="auto", help="inproc | processes (default: processes when S > 1)")
+    p.add_argument("--stage-threads", type=int, default=0, help="CPU threads per stage process (default: cores / S)")
     p.add_argument("--trace-dir", default=None, help="write one trace per run and stage count here")
     p.add_argument("--plots", default=None, help="write PNG pictures here (timeline needs --profile)")
     p.add_argument("--profile", default=None, help="cost profile for the timeline picture (see specpipe sim)")
@@ -171,13 +173,17 @@ def _tracer(args, run: RunSpec, S: int, real: bool, source: Optional[str]):
     from specpipe.sim.trace import StepTracer
 
     return StepTracer(S, {"mode": run.mode, "label": run.label, "real": real, "source": source or "none",
-                          "model": args.model or "SmolLM2-135M-Instruct", **dict(run.options)})
+                          "model": args.model or "SmolLM2-135M-Instruct", "concurrency": args.concurrency,
+                          **dict(run.options)})
 
 
-def _save_trace(args, tracer, run: RunSpec, S: int) -> Optional[str]:
+def _save_trace(args, tracer, run: RunSpec, S: int, groups: dict[int, str]) -> Optional[str]:
+    """`groups`: request id -> prompt group, kept in the trace so that its simulation can be
+    broken down the same way."""
     if tracer is None:
         return None
     trace = tracer.finish()
+    trace.meta["groups"] = {str(rid): g for rid, g in groups.items() if rid in trace.requests}
     out = Path(args.trace_dir or args.plots)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"trace_{run.label.replace(' ', '_').replace('=', '')}_s{S}.json"
@@ -193,7 +199,8 @@ def _config(args, S: int, runs: list[RunSpec], **extra):
     return EngineConfig(model=args.model, mode="specpipe", stages=S, draft=args.draft, tree_width=args.tree_width,
                         tree_depth=args.tree_depth, layers_per_step=deepest, device=args.device,
                         max_num_seqs=max(1, args.concurrency), max_step_rows=args.max_step_rows,
-                        stage_timeout_s=600, **extra)
+                        stage_timeout_s=600, **{"transport": args.transport, "stage_threads": args.stage_threads,
+                                                **extra})
 
 
 def _core_args(args, run: RunSpec) -> tuple:
@@ -223,15 +230,16 @@ def _real(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
                 core = engine.core(*_core_args(args, run))
                 source = core.source.name if core.source is not None else None
                 core.tracer = _tracer(args, run, S, True, source)
-                res = RunResult(run, S)
+                res, groups = RunResult(run, S), {}
                 t0 = time.perf_counter()
                 batches = ([prompts] if args.concurrency > 1 else [[p] for p in prompts])
                 for batch in batches:
                     reqs = [engine.make_request(p["text"], sampling) for p in batch]
                     engine.run(reqs, core, on_finish=lambda _r: bar.update())
                     res.outcomes += [_outcome(p["group"], r, True) for p, r in zip(batch, reqs)]
+                    groups.update({r.request_id: p["group"] for p, r in zip(batch, reqs)})
                 res.seconds = time.perf_counter() - t0
-                res.trace = _save_trace(args, core.tracer, run, S)
+                res.trace = _save_trace(args, core.tracer, run, S, groups)
                 core.tracer = None
                 results.append(res)
         finally:
@@ -275,7 +283,8 @@ def _oracle(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
                         raise RuntimeError(f"{run.label} at S={S}: request {r.request_id} differs from the "
                                            f"target's own greedy output (a lossless violation)")
                     res.outcomes.append(_outcome(p["group"], r, False))
-                res.trace = _save_trace(args, core.tracer, run, S)
+                res.trace = _save_trace(args, core.tracer, run, S,
+                                        {r.request_id: p["group"] for p, r in zip(prompts, reqs)})
                 results.append(res)
     finally:
         engine.close()
@@ -373,7 +382,8 @@ def draw(args, report: dict, results: list[RunResult]) -> None:
         profile = load_profile(args.profile)
         for S in sorted({r.stages for r in results}):
             panels = [(r.spec.label, _first_request(Trace.load(r.trace))) for r in results if r.stages == S and r.trace]
-            plots.timeline(panels, profile, out / f"timeline_s{S}.png")
+            model_draft = any(t.meta.get("source") not in ("ngram", "none") for _, t in panels)
+            plots.timeline(panels, profile, out / f"timeline_s{S}.png", draft_cost=model_draft)
     print(f"pictures in {out}", file=sys.stderr)
 
 

@@ -73,7 +73,7 @@ class Engine:
             check_main_guard()  # spawn re-imports the caller's script: say so before it fails in a child
             self.pipeline = launcher.local_processes(self.model_path, self.stage_specs, self.num_blocks,
                                                      self.block_size, config.device, dtype, config.link(),
-                                                     progress=progress)
+                                                     progress=progress, threads=config.stage_threads)
         else:
             self.pipeline = launcher.in_process(self.checkpoint, self.stage_specs, self.num_blocks,
                                                 self.block_size, config.device, dtype)

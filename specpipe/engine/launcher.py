@@ -29,12 +29,13 @@ def in_process(ckpt: Checkpoint, specs: list[StageSpec], num_blocks: int, block_
 
 def local_processes(model_path: Path, specs: list[StageSpec], num_blocks: int, block_size: int, device: str,
                     dtype: torch.dtype, link: LinkOptions, load_timeout_s: float = 600.0,
-                    progress: Progress = None) -> RemotePipeline:
-    """Spawn one process per stage on this machine; the caller's process is the driver."""
+                    progress: Progress = None, threads: int = 0) -> RemotePipeline:
+    """Spawn one process per stage on this machine; the caller's process is the driver.
+    `threads`: CPU threads per stage (0: the machine's cores shared out among the stages)."""
     S, port = len(specs), free_port()
     use_nccl = device.startswith("cuda") and torch.cuda.device_count() >= S
     t = Transport(0, S + 1, "127.0.0.1", port, link, device, use_nccl=use_nccl)
-    threads = max(1, (os.cpu_count() or 1) // S)  # the stages share this machine's cores
+    threads = threads or max(1, (os.cpu_count() or 1) // S)  # the stages share this machine's cores
     stages = LocalStages(
         stage_process_main,
         lambda r: (r, S + 1, "127.0.0.1", port, str(model_path), specs[r - 1], num_blocks, block_size, device,

@@ -100,6 +100,8 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)")
     g.add_argument("--transport", default="auto",
                    help="inproc (all stages in this process) | processes (one per stage); auto: processes when --stages > 1")
+    g.add_argument("--stage-threads", type=int, default=0,
+                   help="CPU threads per local stage process (default: this machine's cores / stages)")
     g.add_argument("--link-delay-ms", type=float, default=0.0, help="emulated per-message link latency between ranks")
     g.add_argument("--link-bandwidth-mbps", type=float, default=0.0, help="emulated link bandwidth (0 = unlimited)")
     g.add_argument("--stage-timeout", type=float, default=30.0,
@@ -124,7 +126,8 @@ def _engine_config(args: argparse.Namespace, **extra):
                           tree_width=args.tree_width, tree_depth=args.tree_depth,
                           layers_per_step=args.layers_per_step,
                           max_context=args.max_context, device=args.device, dtype=args.dtype,
-                          transport=args.transport, link_delay_ms=args.link_delay_ms,
+                          transport=args.transport, stage_threads=args.stage_threads,
+                          link_delay_ms=args.link_delay_ms,
                           link_bandwidth_mbps=args.link_bandwidth_mbps, stage_timeout_s=args.stage_timeout,
                           max_num_seqs=args.max_num_seqs, max_step_rows=args.max_step_rows, kv_memory=args.kv_memory,
                           kv_memory_fraction=args.kv_memory_fraction, block_size=args.block_size, **extra)

@@ -18,7 +18,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", required=True,
                    help="a cost profile (`specpipe profile`), or the name of a shipped one (e.g. h100-80gb)")
     p.add_argument("--link", default="none",
-                   help="link between stages: none, a preset (10gbe, ib-100g, nvlink3, nvlink4) or LATENCY_MS:GBPS")
+                   help="link between stages: none, a preset (10gbe, ib-100g, nvlink3, nvlink4), a link measured "
+                        "with the profile (loopback-s2) or LATENCY_MS:GBPS")
     p.add_argument("--stage-layers", default=None, help="layers per stage, e.g. 10,10,... (default: even split)")
     p.add_argument("--driver-ms", type=float, default=0.0, help="the driver's own time per step (default 0)")
     p.add_argument("--no-draft-cost", action="store_true",
@@ -26,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", default=None, help="also write every result as JSON here")
 
 
-def parse_link(text: str):
+def parse_link(text: str, profile=None):
+    """A preset, a link measured with the profile (e.g. loopback-s2), or LATENCY_MS:GBPS."""
     from specpipe.sim.profile import NO_LINK, Link
     from specpipe.sim.roofline import LINKS
 
@@ -34,6 +36,8 @@ def parse_link(text: str):
         return NO_LINK
     if text in LINKS:
         return LINKS[text]
+    if profile is not None and text in profile.links:
+        return Link(**profile.links[text])
     try:
         latency, gbps = (float(x) for x in text.split(":"))
     except ValueError:
@@ -62,7 +66,7 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         profile = load_profile(args.profile)
-        link = parse_link(args.link)
+        link = parse_link(args.link, profile)
         traces = [(path, Trace.load(path)) for path in args.trace]
     except ValueError as e:
         raise ConfigError(str(e)) from None

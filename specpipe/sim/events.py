@@ -121,7 +121,7 @@ def simulate(trace: Trace, profile: CostProfile, stage_layers: Optional[Sequence
             if s > 0:  # input: what stage s - 1 computed last step, sent when it finished
                 prev_out = before[s - 1] + link.transfer_ms(CONTROL_BYTES + profile.row_bytes * step.rows[s])
             start = max(control_at, prev_out, before[s])
-            cost = profile.stage(layers[s], s == S - 1, step.rows[s], step.context)
+            cost = profile.stage(layers[s], s == S - 1, step.rows[s], *_contexts(step, s))
             row_span.append((start, start + cost))
             busy[f"stage {s + 1}"] += cost
             finish[s] = start + cost
@@ -138,6 +138,17 @@ def simulate(trace: Trace, profile: CostProfile, stage_layers: Optional[Sequence
                 last_tokens[rid] = n
     tokens = sum(len(t) for t in token_times.values())
     return SimResult(len(trace.steps), collect, tokens, token_times, arrival, busy, spans, collects)
+
+
+def _contexts(step, s: int) -> tuple[int, list[int]]:
+    """The longest context among the requests stage s computes rows of, and the others'. (A
+    request's rows reach stage s a few steps after they were sent; their context then was at
+    most S tokens shorter than now.)"""
+    rids = sorted({g[0] for g in step.work[s]}) if step.work else []
+    if len(rids) <= 1:
+        return step.context, []
+    ctx = sorted((step.contexts.get(r, step.context) for r in rids), reverse=True)
+    return ctx[0], ctx[1:]
 
 
 def measured(trace: Trace) -> SimResult:

@@ -3,10 +3,11 @@
     specpipe profile --out cpu.json [--model M] [--draft D] [--rows 1,2,...] [--contexts 256,...]
     specpipe profile --roofline h100-80gb --target-shape llama-3.1-70b --draft-shape llama-3.2-1b --out h100.json
 
-Measured: one target decoder layer (the mean of two middle layers, no embedding or head), the
-final norm + LM head (the last layer with the head, minus a layer), and a whole forward of the
-draft model, each for n new rows after `context` cached tokens that all rows attend to (a tree
-layer's shape), median of `--repeats` runs after a warm-up. On CUDA every timing synchronises.
+Measured through the stages' own code (StageWorker.step), for n tree rows after `context`
+committed tokens that every row attends to (a tree layer's shape): one target decoder layer, the
+stage's fixed overhead per step (slot table, tree mask, packing), the final norm + LM head with
+the target tokens, and a whole step of the draft model; median of `--repeats` runs after a
+warm-up. On CUDA every timing synchronises.
 The driver's own time per step is not a device cost and is not in the profile (`specpipe sim
 --driver-ms`).
 """
@@ -15,12 +16,14 @@ from __future__ import annotations
 
 import argparse
 import platform
+from dataclasses import asdict
 import statistics
 import sys
 import time
 
 DEFAULT_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 DEFAULT_CONTEXTS = [256, 1024, 2048, 4096, 8192]
+REQUESTS = 8  # requests sharing a step when the per-request cost is measured
 
 
 def _ints(text: str) -> list[int]:
@@ -43,6 +46,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median; default 3)")
+    p.add_argument("--probe-links", type=_ints, default=[],
+                   help="also measure the link between local stage processes for these stage counts, "
+                        "e.g. 1,2 (saved as loopback-sS)")
     p.add_argument("--roofline", metavar="DEVICE", default=None,
                    help="derive the profile from a device's published specifications instead of measuring")
     p.add_argument("--target-shape", default="llama-3.1-70b", help="with --roofline: the target's shape preset")
@@ -64,6 +70,10 @@ def main(args: argparse.Namespace) -> int:
             raise ConfigError(str(e)) from None
     else:
         prof = measure(args)
+        for S in args.probe_links:
+            link = probe_link(args.model, S, args.device, args.threads)
+            prof.links[link.name] = asdict(link)
+            print(f"link {link.name}: {link.latency_ms:.3f} ms per message", file=sys.stderr)
     prof.save(args.out)
     print(f"wrote {args.out} ({prof.method}, {prof.device})", file=sys.stderr)
     return 0
@@ -81,21 +91,94 @@ def _timed(fn, repeats: int, sync) -> float:
     return statistics.median(out)
 
 
-def forward_ms(model, kv, n: int, context: int, hidden: bool, repeats: int, device, dtype, sync) -> float:
-    """One forward of n new rows after `context` cached tokens (all visible, like a tree layer)."""
-    import numpy as np
+def probe_link(model, num_stages: int, device: str = "cpu", threads: int = 0, steps: int = 300):
+    """The link between the driver and local stage processes, as the simulator sees it: steps
+    with no rows cost only their messages (control out to every stage, the previous step's
+    output in, results back), so half an empty step's round trip is one message's latency."""
     import torch
 
-    from specpipe.model.runner import run_rows
+    from specpipe.distributed.transport import LinkOptions
+    from specpipe.engine.default_model import default_model_path
+    from specpipe.engine.launcher import local_processes
+    from specpipe.loader import open_checkpoint
+    from specpipe.loader.partition import partition_layers
+    from specpipe.messages import Control
+    from specpipe.sim.profile import Link
 
-    cfg = model.cfg
-    data = (torch.randn(n, cfg.hidden_size, device=device, dtype=dtype) if hidden
-            else torch.randint(0, cfg.vocab_size, (n,), device=device))
-    mask = np.zeros((n, context + n), dtype=bool)
-    mask[:, :context] = True
-    mask[np.arange(n), context + np.arange(n)] = True  # each node sees the prefix and itself
-    return _timed(lambda: run_rows(model, kv, data, [context] * n, range(context, context + n),
-                                   range(context + n), mask), repeats, sync)
+    path = model or default_model_path()
+    specs = partition_layers(open_checkpoint(path).config.num_layers, num_stages)
+    pipe = local_processes(path, specs, 4, 16, device, torch.float32, LinkOptions(), threads=threads)
+    try:
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            pipe.step(Control(), [])
+            times.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        pipe.close()
+    return Link(f"loopback-s{num_stages}", statistics.median(times[steps // 5:]) / 2, 0.0)
+
+
+class StageTimer:
+    """Times one stage's real step (StageWorker.step: slots, tree mask, packed forward, results)
+    for n tree rows below a committed context, the shape of a SpecPipe layer: every row sees the
+    context and itself. The rows are pruned again after each run, untimed."""
+
+    def __init__(self, model, contexts: list[int], rows: list[int], device, dtype, sync, requests: int) -> None:
+        from specpipe.worker.stage_worker import StageWorker
+
+        block = 16
+        per_request = -(-(max(contexts) + max(rows)) // block)
+        self.worker = StageWorker(model, per_request * len(contexts) * requests + 8, block)
+        self.model, self.device, self.dtype, self.sync = model, device, dtype, sync
+        self.contexts: dict[int, list[int]] = {}
+        for ctx in contexts:  # `requests` requests per context, each prompt computed once
+            self.contexts[ctx] = []
+            for _ in range(requests):
+                rid = sum(len(v) for v in self.contexts.values())
+                self.contexts[ctx].append(rid)
+                self._step(rid, list(range(ctx)), [-1] + list(range(ctx - 1)), list(range(ctx)), admit=True)
+        self._next_id = max(contexts)
+
+    def _rows(self, rid, node_ids, parents, positions):
+        import torch
+
+        from specpipe.messages import Rows
+
+        cfg, n = self.model.cfg, len(node_ids)
+        data = (torch.randint(0, cfg.vocab_size, (n,), device=self.device) if self.model.spec.first
+                else torch.randn(n, cfg.hidden_size, device=self.device, dtype=self.dtype))
+        return Rows(rid, node_ids, parents, positions, data)
+
+    def _step(self, rid, node_ids, parents, positions, admit=False):
+        from specpipe.messages import Admit, Control
+        from specpipe.sampling import SamplingParams
+
+        control = Control(admit=[Admit(rid, SamplingParams())] if admit else [])
+        return self.worker.step(control, [self._rows(rid, node_ids, parents, positions)])
+
+    def ms(self, n: int, context: int, repeats: int, requests: int = 1) -> float:
+        """n rows in all, split over `requests` requests at this context."""
+        from specpipe.messages import Control, Prune
+
+        rids = self.contexts[context][:requests]
+        shares = [n // len(rids) + (i < n % len(rids)) for i in range(len(rids))]
+        out = []
+        for i in range(max(1, repeats) + 1):  # the first run warms up
+            batch, prune = [], []
+            for rid, k in zip(rids, shares):
+                ids = list(range(self._next_id + 1, self._next_id + 1 + k))  # a pruned id never comes back
+                self._next_id += k
+                batch.append(self._rows(rid, ids, [context - 1] * k, [context] * k))
+                prune.append(Prune(rid, drop=ids))
+            self.sync()
+            t0 = time.perf_counter()
+            self.worker.step(Control(), batch)
+            self.sync()
+            if i:
+                out.append((time.perf_counter() - t0) * 1e3)
+            self.worker.apply(Control(prune=prune))
+        return statistics.median(out)
 
 
 def measure(args: argparse.Namespace):
@@ -116,11 +199,18 @@ def measure(args: argparse.Namespace):
     ckpt = open_checkpoint(target)
     cfg = ckpt.config
     L = cfg.num_layers
-    mid = build_stage(ckpt, StageSpec(L // 2, L // 2 + 2, first=False, last=False), device, dtype)
-    last = build_stage(ckpt, StageSpec(L - 1, L, first=False, last=True), device, dtype)
-    top = max(args.contexts) + max(args.rows)
-    mid_kv, last_kv = mid.make_kv_cache(top), last.make_kv_cache(top)
-    total = len(args.contexts) * len(args.rows) * (3 if args.draft else 2)
+    # A stage's step = overhead(n) + layers x layer(n, context) [+ head(n) on the last stage]:
+    # measured on middle stages of 1 and K layers (slope: a layer; intercept: the overhead; K
+    # large so that timing noise is divided by K - 1) and on a last stage of 1 layer (minus the
+    # 1-layer middle stage: the head).
+    def timer(start: int, stop: int, last: bool = False) -> StageTimer:
+        spec = StageSpec(start, stop, first=False, last=last)
+        return StageTimer(build_stage(ckpt, spec, device, dtype), args.contexts, args.rows, device, dtype, sync,
+                          REQUESTS)
+
+    K = max(2, min(8, L - 1))
+    one, many, tail = timer(0, 1), timer(0, K), timer(L - 1, L, last=True)
+    total = len(args.contexts) * (len(args.rows) * (4 if args.draft else 3) + 4)
     done = 0
 
     def progress(what: str) -> None:
@@ -128,26 +218,38 @@ def measure(args: argparse.Namespace):
         done += 1
         print(f"\rprofile: {done}/{total} {what:40s}", end="", file=sys.stderr, flush=True)
 
-    layer_ms, head_ms = [], []
+    layer_ms, head_ms, overhead_ms, request_ms, request_overhead = [], [], [], [], []
     for ctx in args.contexts:
-        row, heads = [], []
+        # What requests beyond the first add: REQUESTS rows as one row each of REQUESTS requests
+        # against REQUESTS rows of one request, on both middle stages (slope: per layer).
+        t = {(stage, r): timer_.ms(REQUESTS, ctx, args.repeats, r) for stage, timer_ in ((1, one), (K, many))
+             for r in (1, REQUESTS) if progress(f"{REQUESTS} requests, context {ctx}") or True}
+        per_layer = max(0.0, ((t[K, REQUESTS] - t[K, 1]) - (t[1, REQUESTS] - t[1, 1])) / (K - 1) / (REQUESTS - 1))
+        request_ms.append(per_layer)
+        request_overhead.append(max(0.0, (t[1, REQUESTS] - t[1, 1]) / (REQUESTS - 1) - per_layer))
+        layers, heads, overheads = [], [], []
         for n in args.rows:
-            layer = forward_ms(mid, mid_kv, n, ctx, True, args.repeats, device, dtype, sync) / 2
-            progress(f"target layer, {n} rows, context {ctx}")
-            with_head = forward_ms(last, last_kv, n, ctx, True, args.repeats, device, dtype, sync)
-            progress(f"target head, {n} rows, context {ctx}")
-            row.append(layer)
-            heads.append(max(0.0, with_head - layer))
-        layer_ms.append(row)
+            t1 = one.ms(n, ctx, args.repeats)
+            progress(f"1-layer stage, {n} rows, context {ctx}")
+            tk = many.ms(n, ctx, args.repeats)
+            progress(f"{K}-layer stage, {n} rows, context {ctx}")
+            t_last = tail.ms(n, ctx, args.repeats)
+            progress(f"last stage, {n} rows, context {ctx}")
+            layer = max(0.0, (tk - t1) / (K - 1))
+            layers.append(layer)
+            overheads.append(max(0.0, t1 - layer))
+            heads.append(max(0.0, t_last - t1))
+        layer_ms.append(layers)
         head_ms.append(heads)
+        overhead_ms.append(overheads)
     draft_ms, draft_meta = [], None
     if args.draft:
         dckpt = open_checkpoint(args.draft)
-        dmodel = build_stage(dckpt, StageSpec.whole(dckpt.config), device, dtype)
-        dkv = dmodel.make_kv_cache(top)
+        draft = StageTimer(build_stage(dckpt, StageSpec.whole(dckpt.config), device, dtype), args.contexts,
+                           args.rows, device, dtype, sync, 1)
         for ctx in args.contexts:
-            draft_ms.append([forward_ms(dmodel, dkv, n, ctx, False, args.repeats, device, dtype, sync)
-                             for n in args.rows if progress(f"draft, {n} rows, context {ctx}") or True])
+            draft_ms.append([draft.ms(n, ctx, args.repeats) for n in args.rows
+                             if progress(f"draft, {n} rows, context {ctx}") or True])
         draft_meta = {"path": str(args.draft), "num_layers": dckpt.config.num_layers,
                       "hidden_size": dckpt.config.hidden_size}
     print(file=sys.stderr)
@@ -158,12 +260,17 @@ def measure(args: argparse.Namespace):
     dtype_name = str(dtype).removeprefix("torch.")
     return CostProfile(
         device=f"{name}, torch {torch.__version__}, {dtype_name}", rows=list(args.rows), layer_ms=layer_ms,
-        # The head reads no context: the median over contexts is its cost per row count.
+        # The head and the overhead read no context: their medians over contexts.
         head_ms=[statistics.median(col) for col in zip(*head_ms)], draft_ms=draft_ms, contexts=list(args.contexts),
+        overhead_ms=[statistics.median(col) for col in zip(*overhead_ms)],
+        request_ms=request_ms, request_overhead_ms=statistics.median(request_overhead),
         method="measured",
         model={"path": str(target), "num_layers": L, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size},
         draft=draft_meta,
-        assumptions=[f"measured with `specpipe profile`, median of {args.repeats} runs after a warm-up",
-                     "layer: mean of two middle decoder layers; head: last layer with norm + LM head minus a layer",
-                     "every row attends to the whole context and itself (one tree layer of one request)"],
+        assumptions=[f"measured with `specpipe profile`: a stage's real step (StageWorker.step), median of "
+                     f"{args.repeats} runs after a warm-up",
+                     "layer: the difference between middle stages of K and 1 layers over K - 1; overhead: the "
+                     "1-layer stage minus a layer; head: the last stage of 1 layer minus the 1-layer stage",
+                     "every row attends to the whole context and itself (one tree layer of one request)",
+                     "messages between processes are not included: see the link (`specpipe sim --link`)"],
         row_bytes=cfg.hidden_size * torch.empty((), dtype=dtype).element_size())

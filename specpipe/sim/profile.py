@@ -10,7 +10,14 @@ specifications (sim/roofline.py). Both write the same JSON file:
    "layer_ms": [[...] per context],   one target decoder layer, rows x context
    "head_ms":  [...],                 final norm + LM head of the target, per rows
    "draft_ms": [[...] per context],   one whole forward of the draft source ([] if none)
-   "row_bytes": ...}                  bytes of one row's hidden state on the link between stages
+   "overhead_ms": [...],              a stage's step beyond its layers (masks, slots, packing,
+                                      messages to and from the model), per rows; [] = none
+   "request_ms": [...],               per context: what each request beyond the first adds to a
+                                      layer (its own context read, its attention segment)
+   "request_overhead_ms": ...,        ... and to a stage's step outside the layers
+   "row_bytes": ...,                  bytes of one row's hidden state on the link between stages
+   "links": {name: {...}}}            links measured with the profile (e.g. loopback-s2: stage
+                                      processes on this machine), usable by name in `specpipe sim`
 
 Between measured points costs are linear in rows and in context; past the last measured row
 count they are extrapolated from the last two points (compute-bound growth), below the first they
@@ -54,6 +61,10 @@ class CostProfile:
     draft: Optional[dict[str, Any]] = None
     assumptions: list[str] = field(default_factory=list)
     row_bytes: int = 0
+    overhead_ms: list[float] = field(default_factory=list)  # [rows]
+    links: dict[str, dict] = field(default_factory=dict)  # name -> Link fields
+    request_ms: list[float] = field(default_factory=list)  # [context]
+    request_overhead_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if list(self.rows) != sorted(set(self.rows)) or not self.rows or self.rows[0] < 1:
@@ -64,8 +75,11 @@ class CostProfile:
         for name, table in tables.items():
             if len(table) != len(self.contexts) or any(len(r) != len(self.rows) for r in table):
                 raise ValueError(f"profile {name} must be {len(self.contexts)} contexts x {len(self.rows)} rows")
-        if len(self.head_ms) != len(self.rows):
-            raise ValueError(f"profile head_ms must have {len(self.rows)} entries")
+        for name in ("head_ms", *(["overhead_ms"] if self.overhead_ms else [])):
+            if len(getattr(self, name)) != len(self.rows):
+                raise ValueError(f"profile {name} must have {len(self.rows)} entries")
+        if self.request_ms and len(self.request_ms) != len(self.contexts):
+            raise ValueError(f"profile request_ms must have {len(self.contexts)} entries")
 
     @property
     def num_layers(self) -> int:
@@ -90,11 +104,17 @@ class CostProfile:
     # The time simulator's older name for one draft forward.
     draft = draft_forward
 
-    def stage(self, layers: int, last: bool, n: int, context: Optional[int] = None) -> float:
-        """One stage of `layers` decoder layers (plus the head on the last stage) for n rows."""
+    def stage(self, layers: int, last: bool, n: int, context: Optional[int] = None,
+              others: Sequence[int] = ()) -> float:
+        """One stage of `layers` decoder layers (plus the head on the last stage) for n rows: of
+        one request at `context`, plus one more request for each context in `others`."""
         if n <= 0:
             return 0.0
-        return layers * self.layer(n, context) + (self.head(n) if last else 0.0)
+        overhead = _interp(self.rows, self.overhead_ms, n) if self.overhead_ms else 0.0
+        if self.request_ms:
+            overhead += sum(layers * _interp(self.contexts, self.request_ms, c) + self.request_overhead_ms
+                            for c in others)
+        return layers * self.layer(n, context) + (self.head(n) if last else 0.0) + overhead
 
     def scaled(self, **changes) -> "CostProfile":
         """A copy with fields replaced (what-if studies)."""

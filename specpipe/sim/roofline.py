@@ -332,6 +332,8 @@ def roofline_profile(d: DeviceSpec, m: ModelShape, draft: ModelShape | None = No
         draft=draft.to_dict() if draft else None,
         assumptions=assumptions(d, m, draft, stages, contexts),
         row_bytes=m.hidden_size * m.bytes_per_param,
+        # Each request beyond the first reads its own KV (no extra kernel: varlen attention).
+        request_ms=[ms(d.memory_ms(c * m.kv_bytes_per_token)) for c in contexts],
     )
 
 

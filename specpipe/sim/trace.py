@@ -5,6 +5,8 @@ Per pipeline step it holds what the time of that step depends on, and nothing ab
 
   rows         rows each stage computed (followed from the driver's messages, sim/inflight.py)
   context      the longest context among the requests in the pipeline (attention reads it)
+  contexts     request id -> the context its rows attend to (a prompt chunk: the tokens before
+               it; tree nodes: the committed tokens), for requests that sent rows this step
   serial       the draft forwards the driver made before sending this step, one row count per
                forward (after the previous step's verification: new roots, tree rounds)
   overlapped   the draft forwards made while the stages computed this step
@@ -47,6 +49,7 @@ class StepRecord:
     misses: int = 0
     sent: dict[int, int] = field(default_factory=dict)  # request id -> rows it sent into stage 1
     work: list[list[list[int]]] = field(default_factory=list)  # [stage] -> [[request, depth, rows, pruned]]
+    contexts: dict[int, int] = field(default_factory=dict)
     t_submit: float = 0.0
     t_collect: float = 0.0
     t_end: float = 0.0
@@ -80,6 +83,7 @@ class Trace:
         for s in data["steps"]:
             s["tokens"] = {int(k): v for k, v in s["tokens"].items()}
             s["sent"] = {int(k): v for k, v in s.get("sent", {}).items()}
+            s["contexts"] = {int(k): v for k, v in s.get("contexts", {}).items()}
             steps.append(StepRecord(**s))
         return cls(data["meta"], {int(k): v for k, v in data["requests"].items()}, steps)
 
@@ -121,9 +125,11 @@ class StepTracer:
         computed = self._inflight.step(control, rows)
         self._nodes.append([[(r.request_id, n, self._depth(r.request_id, p)) for r in batch
                              for n, p in zip(r.node_ids, r.positions)] for batch in computed])
-        context = max((pos + 1 for pos in self._roots.values()), default=0)
+        contexts = {self._pid_request.get(r.request_id, r.request_id): min(r.positions) for r in rows if len(r)}
+        context = max(contexts.values(), default=max((pos + 1 for pos in self._roots.values()), default=0))
         self._step = StepRecord(row_counts(computed), context, serial=self._serial, t_submit=self.now(),
-                                sent={self._pid_request.get(r.request_id, r.request_id): len(r) for r in rows})
+                                sent={self._pid_request.get(r.request_id, r.request_id): len(r) for r in rows},
+                                contexts=contexts)
         self._serial = []
 
     def _depth(self, pid: int, position: int) -> int:

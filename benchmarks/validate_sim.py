@@ -1,0 +1,102 @@
+"""Validate the event simulator (specpipe/sim/events.py) against real runs on this machine.
+
+Where each stage has a core to itself (S = 1 and 2 on 2 cores) and the n-gram source costs the
+driver little, the simulator's prediction from (a) the recorded trace, (b) a cost profile measured
+on this CPU with the stages' thread count and (c) the driver's own time per step, measured on
+oracle stages (no stage compute, the same prompts and modes) must come within 15% of the measured
+TBT and throughput of the same run, for every mode, single request and 8 at once. Nothing is
+fitted to the real runs: the profile (stage steps through the stages' own code), the link (half
+the round trip of an empty step through local stage processes) and the driver time are measured
+separately.
+
+  python benchmarks/validate_sim.py --out benchmarks/results/validate_sim.json
+
+Run it on an idle machine: the real runs and the profiles are wall-clock measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from specpipe.sim.events import measured, simulate
+from specpipe.sim.profile import CostProfile, Link
+from specpipe.sim.trace import Trace
+
+SINGLE = "pp,tree:depth=4,specpipe,specpipe:layers=2"
+BATCHED = "pp-cb,specpipe-db"
+
+
+def sh(*argv: str) -> None:
+    print("$ specpipe " + " ".join(argv), file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-m", "specpipe.entrypoints.cli", *argv], check=True, stdout=subprocess.DEVNULL)
+
+
+def driver_ms(trace: Trace) -> float:
+    """The driver's own time per step on oracle stages: wall time per step (the oracle's answer
+    costs next to nothing)."""
+    ends = [s.t_end for s in trace.steps]
+    return statistics.median(b - a for a, b in zip(ends, ends[1:])) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--groups", default="summarization,rag,math_reasoning,mt_bench")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--work", default=None, help="keep traces and profiles here (default: a temporary folder)")
+    args = ap.parse_args()
+    work = Path(args.work or tempfile.mkdtemp(prefix="specpipe-validate-"))
+    work.mkdir(parents=True, exist_ok=True)
+    common = ["--transport", "processes", "--stage-threads", "1", "--prompts-per-group", "2", "--groups", args.groups, "--max-tokens", str(args.max_tokens), "--no-progress"]
+    # Every stage is a process with one thread: at S = 1 the stage and the driver each have a core;
+    # at S = 2 the two stages do, and the driver shares (there are only two).
+    path = work / "profile.json"
+    if not path.exists():
+        sh("profile", "--threads", "1", "--rows", "1,2,4,8,16,32,64,128,256", "--contexts", "64,256,512",
+           "--repeats", "9", "--probe-links", "1,2", "--out", str(path))
+    profile = CostProfile.load(path)
+    cases = [("single", SINGLE, "1"), ("batched", BATCHED, "8")]
+    for kind, runs, conc in cases:
+        for method in ("oracle", "real"):
+            out = work / f"{kind}_{method}"
+            if not out.exists():
+                sh("bench", "--runs", runs, "--stages", "1,2", "--concurrency", conc, "--trace-dir", str(out),
+                   *(["--oracle"] if method == "oracle" else []), *common)
+    rows = []
+    for kind, _, _ in cases:
+        for path in sorted((work / f"{kind}_real").glob("trace_*.json")):
+            real = Trace.load(path)
+            oracle = Trace.load(work / f"{kind}_oracle" / path.name)
+            S = real.num_stages
+            drv = driver_ms(oracle)
+            link = Link(**profile.links[f"loopback-s{S}"])
+            sim = simulate(real, profile, link=link, driver_ms=drv, draft_cost=False).summary()
+            got = measured(real).summary()
+            row = {"case": kind, "run": real.meta["label"], "stages": S, "driver_ms": drv, "link_ms": link.latency_ms,
+                   "tbt_sim": sim["tbt_ms_median"], "tbt_real": got["tbt_ms_median"],
+                   "tput_sim": sim["throughput_tok_s"], "tput_real": got["throughput_tok_s"],
+                   "bottleneck": sim["bottleneck"], "utilization": sim["utilization"]}
+            row["tbt_err"] = row["tbt_sim"] / row["tbt_real"] - 1
+            row["tput_err"] = row["tput_sim"] / row["tput_real"] - 1
+            rows.append(row)
+    print("\nSimulated vs measured (real runs on this machine; profile and driver time measured separately)")
+    print(f"{'case':8s} {'run':22s} {'S':>2s} {'driver':>7s} {'TBT sim':>8s} {'real':>7s} {'err':>7s} "
+          f"{'tok/s sim':>10s} {'real':>7s} {'err':>7s}  bound by")
+    for r in rows:
+        print(f"{r['case']:8s} {r['run']:22s} {r['stages']:2d} {r['driver_ms']:7.2f} {r['tbt_sim']:8.1f} "
+              f"{r['tbt_real']:7.1f} {r['tbt_err']:+7.1%} {r['tput_sim']:10.1f} {r['tput_real']:7.1f} "
+              f"{r['tput_err']:+7.1%}  {r['bottleneck']}")
+    worst = max(max(abs(r["tbt_err"]), abs(r["tput_err"])) for r in rows)
+    print(f"\nlargest error {worst:.1%} ({'within' if worst <= 0.15 else 'OUTSIDE'} 15%)")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"work": str(work), "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

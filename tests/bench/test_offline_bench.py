@@ -1,0 +1,103 @@
+"""`specpipe bench`, `specpipe profile` and `specpipe sim` end to end on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specpipe.bench.offline import parse_runs
+from specpipe.entrypoints.cli import main
+from specpipe.sim.profile import CostProfile
+from specpipe.sim.trace import Trace
+
+PROMPTS = ["the cat sat on the mat the cat sat on the", "one two three one two three one two", "abc abc abc abc"]
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    return path
+
+
+def bench(capsys, model, prompts, tmp_path, *extra) -> dict:
+    code = main(["bench", "--model", str(model), "--dataset", str(prompts), "--max-tokens", "10",
+                 "--result-json", str(tmp_path / "r.json"), "--result-md", str(tmp_path / "r.md"),
+                 "--no-progress", *extra])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    return json.loads((tmp_path / "r.json").read_text())
+
+
+def test_oracle_step_counts_traces_and_pictures(capsys, tiny_llama_dir, prompts, tmp_path):
+    """Every mode against oracle stages (outputs checked against the target's own), a trace per
+    run that the simulator and the pictures read, and a profile measured on this CPU."""
+    code = main(["profile", "--model", str(tiny_llama_dir), "--rows", "1,8", "--contexts", "16,64", "--repeats", "1",
+                 "--out", str(tmp_path / "p.json")])
+    assert code == 0
+    profile = CostProfile.load(tmp_path / "p.json")
+    assert profile.method == "measured" and profile.num_layers == 4 and profile.layer(8, 16) > 0
+    report = bench(capsys, tiny_llama_dir, prompts, tmp_path, "--oracle", "--stages", "1,4",
+                   "--runs", "pp,tree:depth=3,specpipe,specpipe:layers=2,specpipe-db", "--concurrency", "1",
+                   "--trace-dir", str(tmp_path / "traces"), "--plots", str(tmp_path / "img"),
+                   "--profile", str(tmp_path / "p.json"))
+    assert report["method"].startswith("step count")
+    runs = {(r["label"], r["stages"]): r for r in report["runs"]}
+    assert len(runs) == 10
+    pp = runs[("pp", 4)]["all"]
+    assert pp["tokens"] == 3 * 10 and pp["tokens_per_step"] < 0.25  # prefill steps + 4 steps a token
+    for (label, S), r in runs.items():
+        assert r["all"]["tokens"] == 30 and r["all"]["ttft_ms_median"] is None  # no wall clock here
+        trace = Trace.load(r["trace"])
+        assert trace.num_stages == S and trace.meta["label"] == label and not trace.meta["real"]
+        assert sum(s.rows[0] for s in trace.steps) >= 30
+    spec = runs[("specpipe", 4)]["all"]
+    assert spec["speedup_vs_pp"] == pytest.approx(spec["tokens_per_step"] / pp["tokens_per_step"])
+    assert runs[("tree depth=3", 4)]["all"]["acceptance_length"] >= 1.0
+    assert "**all**" in (tmp_path / "r.md").read_text()
+    assert {p.name for p in (tmp_path / "img").iterdir()} >= {"timeline_s1.png", "timeline_s4.png",
+                                                              "tokens_per_step.png"}
+    code = main(["sim", "--trace", *(str(tmp_path / "traces" / f) for f in ("trace_pp_s4.json", "trace_specpipe_s4.json")),
+                 "--profile", str(tmp_path / "p.json"), "--link", "ib-100g", "--json", str(tmp_path / "s.json")])
+    assert code == 0
+    sims = json.loads((tmp_path / "s.json").read_text())
+    assert [s["meta"]["mode"] for s in sims] == ["pp", "specpipe"]
+    assert all(s["simulated"]["tbt_ms_median"] > 0 for s in sims)
+
+
+def test_real_run_reports_wall_clock(capsys, tiny_llama_dir, prompts, tmp_path):
+    report = bench(capsys, tiny_llama_dir, prompts, tmp_path, "--stages", "1", "--runs", "pp,specpipe",
+                   "--concurrency", "3", "--trace-dir", str(tmp_path / "traces"))
+    assert report["method"] == "real run"
+    for r in report["runs"]:
+        m = r["all"]
+        assert m["tokens"] == 30 and m["tbt_ms_median"] > 0 and m["throughput_tok_s"] > 0 and len(r["tbt_ms"]) == 3
+        trace = Trace.load(r["trace"])
+        assert trace.meta["real"] and all(s.t_collect >= s.t_submit for s in trace.steps)
+        assert max(len(s.tokens) for s in trace.steps) == 3  # three requests in the pipeline at once
+    code = main(["sim", "--trace", report["runs"][0]["trace"], "--profile", "h100-80gb"])
+    assert code == 0
+    assert "measured" in capsys.readouterr().out
+
+
+def test_bad_arguments_are_one_line(capsys, tiny_llama_dir, prompts, tmp_path):
+    for argv, words in ((["--runs", "pp,fast"], "unknown mode 'fast'"),
+                        (["--runs", "specpipe:layers=x"], "not a valid value"),
+                        (["--runs", "tree:size=3"], "NAME=VALUE"),
+                        (["--groups", "poetry"], "unknown poetry")):
+        dataset = [] if "--groups" in argv else ["--dataset", str(prompts)]
+        assert main(["bench", "--model", str(tiny_llama_dir), *dataset, *argv]) == 2
+        assert words in capsys.readouterr().err
+    assert main(["sim", "--trace", str(prompts), "--profile", "h100-80gb"]) == 2
+    assert "not a SpecPipe trace" in capsys.readouterr().err
+    assert main(["sim", "--trace", str(prompts), "--profile", "tpu"]) == 2
+    assert "shipped: a100-80gb" in capsys.readouterr().err
+    assert main(["profile", "--roofline", "h200", "--out", str(tmp_path / "x.json")]) == 2
+    assert "known: a100-80gb, h100-80gb" in capsys.readouterr().err
+
+
+def test_run_specs():
+    runs = parse_runs("pp, tree:depth=7:width=8,specpipe:layers=auto")
+    assert [r.label for r in runs] == ["pp", "tree depth=7 width=8", "specpipe layers=auto"]
+    assert runs[1].get("width") == 8 and runs[2].get("layers") == "auto"
