@@ -209,6 +209,8 @@ def measure(args: argparse.Namespace):
                           REQUESTS)
 
     K = max(2, min(8, L - 1))
+    print(f"profile: computing the contexts ({REQUESTS} requests at {', '.join(map(str, args.contexts))} tokens) "
+          f"on stages of 1, {K} and 1 + head layers", file=sys.stderr, flush=True)
     one, many, tail = timer(0, 1), timer(0, K), timer(L - 1, L, last=True)
     total = len(args.contexts) * (len(args.rows) * (4 if args.draft else 3) + 4)
     done = 0

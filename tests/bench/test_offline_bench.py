@@ -46,12 +46,13 @@ def test_oracle_step_counts_traces_and_pictures(capsys, tiny_llama_dir, prompts,
     runs = {(r["label"], r["stages"]): r for r in report["runs"]}
     assert len(runs) == 10
     pp = runs[("pp", 4)]["all"]
-    assert pp["tokens"] == 3 * 10 and pp["tokens_per_step"] < 0.25  # prefill steps + 4 steps a token
+    tokens = pp["tokens"]  # up to 10 a prompt (the random model may end one early)
+    assert 3 <= tokens <= 30 and pp["tokens_per_step"] == pytest.approx(0.25)  # S steps a token
     for (label, S), r in runs.items():
-        assert r["all"]["tokens"] == 30 and r["all"]["ttft_ms_median"] is None  # no wall clock here
+        assert r["all"]["tokens"] == tokens and r["all"]["ttft_ms_median"] is None  # no wall clock here
         trace = Trace.load(r["trace"])
         assert trace.num_stages == S and trace.meta["label"] == label and not trace.meta["real"]
-        assert sum(s.rows[0] for s in trace.steps) >= 30
+        assert sum(s.rows[0] for s in trace.steps) >= tokens
     spec = runs[("specpipe", 4)]["all"]
     assert spec["speedup_vs_pp"] == pytest.approx(spec["tokens_per_step"] / pp["tokens_per_step"])
     assert runs[("tree depth=3", 4)]["all"]["acceptance_length"] >= 1.0
@@ -72,7 +73,7 @@ def test_real_run_reports_wall_clock(capsys, tiny_llama_dir, prompts, tmp_path):
     assert report["method"] == "real run"
     for r in report["runs"]:
         m = r["all"]
-        assert m["tokens"] == 30 and m["tbt_ms_median"] > 0 and m["throughput_tok_s"] > 0 and len(r["tbt_ms"]) == 3
+        assert m["tokens"] == report["runs"][0]["all"]["tokens"] and m["tbt_ms_median"] > 0 and m["throughput_tok_s"] > 0 and len(r["tbt_ms"]) == 3
         trace = Trace.load(r["trace"])
         assert trace.meta["real"] and all(s.t_collect >= s.t_submit for s in trace.steps)
         assert max(len(s.tokens) for s in trace.steps) == 3  # three requests in the pipeline at once
@@ -90,6 +91,9 @@ def test_bad_arguments_are_one_line(capsys, tiny_llama_dir, prompts, tmp_path):
         assert main(["bench", "--model", str(tiny_llama_dir), *dataset, *argv]) == 2
         assert words in capsys.readouterr().err
     assert main(["sim", "--trace", str(prompts), "--profile", "h100-80gb"]) == 2
+    assert "cannot read trace" in capsys.readouterr().err
+    (tmp_path / "other.json").write_text('{"format": "x"}')
+    assert main(["sim", "--trace", str(tmp_path / "other.json"), "--profile", "h100-80gb"]) == 2
     assert "not a SpecPipe trace" in capsys.readouterr().err
     assert main(["sim", "--trace", str(prompts), "--profile", "tpu"]) == 2
     assert "shipped: a100-80gb" in capsys.readouterr().err
