@@ -78,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="speculative source (default ngram)")
     p.add_argument("--tree-width", type=int, default=8, help="W unless a run says width= (default 8)")
     p.add_argument("--tree-depth", type=int, default=4, help="tree mode's D unless a run says depth= (default 4)")
-    p.add_argument("--dataset", default="spec-bench", help="spec-bench, or a JSONL file of prompts")
+    p.add_argument("--dataset", default="specbench", help="specbench (Spec-Bench's six groups), or a JSONL file of prompts")
     p.add_argument("--dataset-path", default=None, help="Spec-Bench question.jsonl (default: found, see docs)")
     p.add_argument("--prompts-per-group", type=int, default=2, help="Spec-Bench prompts per group (default 2)")
     p.add_argument("--groups", default=None, help="Spec-Bench groups to use (default: all six)")
@@ -124,7 +124,7 @@ class RunResult:
 def load_prompts(args) -> list[dict]:
     from specpipe.bench import datasets
 
-    if args.dataset == "spec-bench":
+    if args.dataset == "specbench":
         prompts = [{"group": p["group"], "text": p["text"]}
                    for p in datasets.load_prompts(args.prompts_per_group, path=args.dataset_path)]
         if args.groups:

@@ -12,9 +12,10 @@ runtime's own rules (worker/stage_main.py, engine/core.py), event by event:
   collect(k)     = max(last stage's results arriving at the driver,
                       submit(k) + the draft forwards made while the stages compute)
 
-So, unlike the lock-step model (sim/timing.py), a stage that finished early does not wait for the
-slowest stage of the last step, only for its own input; and the driver's and the draft's own time
-are on the critical path where they really are. Tokens committed at step k are stamped collect(k).
+So, unlike a lock-step model (every stage starting each step together, the step as long as its
+slowest stage: what SpecPipe's first time estimates used), a stage that finished early does not
+wait for the slowest stage of the last step, only for its own input; and the driver's and the
+draft's own time are on the critical path where they really are. Tokens committed at step k are stamped collect(k).
 
 Per-component busy time says what the bottleneck was: the busiest stage, the draft (forwards while
 the stages compute plus those before sending), or the driver.

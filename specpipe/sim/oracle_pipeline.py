@@ -7,8 +7,8 @@ row with the next committed token (any token for off-path rows, which are pruned
 could become the root) reproduces the real pipeline's step counts and hit rates exactly, for any
 S, without computing the target. The driver, the tree and the draft source run unchanged.
 
-It also records, per step, how many rows each stage computed: the input of the time simulator
-(sim/timing.py).
+It also records, per step, how many rows each stage computed (the step tracer, sim/trace.py,
+records the same and more for the time simulator, sim/events.py).
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ class CostProfile:
     def from_json(cls, data: dict) -> "CostProfile":
         if data.get("format") == FORMAT:
             return cls(**{k: v for k, v in data.items() if k != "format"})
-        if "profile" in data:  # the single-context files of benchmarks/profile_costs.py
+        if "profile" in data:  # single-context files written before `specpipe profile` existed
             p = data["profile"]
             return cls(device=p["device"], rows=p["rows"], layer_ms=[p["layer_ms"]], head_ms=p["head_ms"],
                        draft_ms=[p["draft_ms"]] if p.get("draft_ms") else [], contexts=[p.get("context") or 256],
