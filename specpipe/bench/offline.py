@@ -257,7 +257,11 @@ def _oracle(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
     engine = Engine(_config(args, 1, runs, transport="inproc"))
     try:
         sampling = SamplingParams(max_tokens=args.max_tokens)
-        refs = [engine.generate(p["text"], sampling, mode="pp").token_ids for p in prompts]  # the target, for real
+        refs = []  # the target's own greedy outputs, computed for real
+        for i, p in enumerate(prompts):
+            bar.set_description(f"reference {i + 1}/{len(prompts)}")
+            refs.append(engine.generate(p["text"], sampling, mode="pp").token_ids)
+        bar.set_description("")
         results = []
         for S in stage_counts:
             for run in runs:

@@ -182,22 +182,41 @@ class StageTimer:
 
 
 def measure(args: argparse.Namespace):
+    """`specpipe profile` on a checkpoint (the target, and the draft if given)."""
     import torch
 
     from specpipe.config import EngineConfig, StageSpec
     from specpipe.engine.default_model import default_model_path
     from specpipe.loader import open_checkpoint
     from specpipe.model.stage import build_stage
-    from specpipe.sim.profile import CostProfile
 
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = EngineConfig(device=args.device, dtype=args.dtype).torch_dtype()
     device = torch.device(args.device)
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     target = args.model or default_model_path()
     ckpt = open_checkpoint(target)
-    cfg = ckpt.config
+    draft, draft_meta = None, None
+    if args.draft:
+        dckpt = open_checkpoint(args.draft)
+        draft = build_stage(dckpt, StageSpec.whole(dckpt.config), device, dtype)
+        draft_meta = {"path": str(args.draft), "num_layers": dckpt.config.num_layers,
+                      "hidden_size": dckpt.config.hidden_size}
+    prof = profile_stages(lambda spec: build_stage(ckpt, spec, device, dtype), ckpt.config, args.rows, args.contexts,
+                          args.repeats, device, dtype, draft)
+    prof.model["path"], prof.draft = str(target), draft_meta
+    return prof
+
+
+def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: int, device, dtype, draft=None):
+    """The cost profile of a model whose stages `build(StageSpec)` makes (from a checkpoint, or
+    random weights of a given shape), and of a whole draft model if given."""
+    import torch
+
+    from specpipe.config import StageSpec
+    from specpipe.sim.profile import CostProfile
+
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     L = cfg.num_layers
     # A stage's step = overhead(n) + layers x layer(n, context) [+ head(n) on the last stage]:
     # measured on middle stages of 1 and K layers (slope: a layer; intercept: the overhead; K
@@ -205,14 +224,13 @@ def measure(args: argparse.Namespace):
     # 1-layer middle stage: the head).
     def timer(start: int, stop: int, last: bool = False) -> StageTimer:
         spec = StageSpec(start, stop, first=False, last=last)
-        return StageTimer(build_stage(ckpt, spec, device, dtype), args.contexts, args.rows, device, dtype, sync,
-                          REQUESTS)
+        return StageTimer(build(spec), contexts, rows, device, dtype, sync, REQUESTS)
 
     K = max(2, min(8, L - 1))
-    print(f"profile: computing the contexts ({REQUESTS} requests at {', '.join(map(str, args.contexts))} tokens) "
+    print(f"profile: computing the contexts ({REQUESTS} requests at {', '.join(map(str, contexts))} tokens) "
           f"on stages of 1, {K} and 1 + head layers", file=sys.stderr, flush=True)
     one, many, tail = timer(0, 1), timer(0, K), timer(L - 1, L, last=True)
-    total = len(args.contexts) * (len(args.rows) * (4 if args.draft else 3) + 4)
+    total = len(contexts) * (len(rows) * (4 if draft is not None else 3) + 4)
     done = 0
 
     def progress(what: str) -> None:
@@ -221,21 +239,21 @@ def measure(args: argparse.Namespace):
         print(f"\rprofile: {done}/{total} {what:40s}", end="", file=sys.stderr, flush=True)
 
     layer_ms, head_ms, overhead_ms, request_ms, request_overhead = [], [], [], [], []
-    for ctx in args.contexts:
+    for ctx in contexts:
         # What requests beyond the first add: REQUESTS rows as one row each of REQUESTS requests
         # against REQUESTS rows of one request, on both middle stages (slope: per layer).
-        t = {(stage, r): timer_.ms(REQUESTS, ctx, args.repeats, r) for stage, timer_ in ((1, one), (K, many))
+        t = {(stage, r): timer_.ms(REQUESTS, ctx, repeats, r) for stage, timer_ in ((1, one), (K, many))
              for r in (1, REQUESTS) if progress(f"{REQUESTS} requests, context {ctx}") or True}
         per_layer = max(0.0, ((t[K, REQUESTS] - t[K, 1]) - (t[1, REQUESTS] - t[1, 1])) / (K - 1) / (REQUESTS - 1))
         request_ms.append(per_layer)
         request_overhead.append(max(0.0, (t[1, REQUESTS] - t[1, 1]) / (REQUESTS - 1) - per_layer))
         layers, heads, overheads = [], [], []
-        for n in args.rows:
-            t1 = one.ms(n, ctx, args.repeats)
+        for n in rows:
+            t1 = one.ms(n, ctx, repeats)
             progress(f"1-layer stage, {n} rows, context {ctx}")
-            tk = many.ms(n, ctx, args.repeats)
+            tk = many.ms(n, ctx, repeats)
             progress(f"{K}-layer stage, {n} rows, context {ctx}")
-            t_last = tail.ms(n, ctx, args.repeats)
+            t_last = tail.ms(n, ctx, repeats)
             progress(f"last stage, {n} rows, context {ctx}")
             layer = max(0.0, (tk - t1) / (K - 1))
             layers.append(layer)
@@ -244,16 +262,12 @@ def measure(args: argparse.Namespace):
         layer_ms.append(layers)
         head_ms.append(heads)
         overhead_ms.append(overheads)
-    draft_ms, draft_meta = [], None
-    if args.draft:
-        dckpt = open_checkpoint(args.draft)
-        draft = StageTimer(build_stage(dckpt, StageSpec.whole(dckpt.config), device, dtype), args.contexts,
-                           args.rows, device, dtype, sync, 1)
-        for ctx in args.contexts:
-            draft_ms.append([draft.ms(n, ctx, args.repeats) for n in args.rows
+    draft_ms = []
+    if draft is not None:
+        timer_ = StageTimer(draft, contexts, rows, device, dtype, sync, 1)
+        for ctx in contexts:
+            draft_ms.append([timer_.ms(n, ctx, repeats) for n in rows
                              if progress(f"draft, {n} rows, context {ctx}") or True])
-        draft_meta = {"path": str(args.draft), "num_layers": dckpt.config.num_layers,
-                      "hidden_size": dckpt.config.hidden_size}
     print(file=sys.stderr)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
@@ -261,18 +275,18 @@ def measure(args: argparse.Namespace):
         name = f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
     dtype_name = str(dtype).removeprefix("torch.")
     return CostProfile(
-        device=f"{name}, torch {torch.__version__}, {dtype_name}", rows=list(args.rows), layer_ms=layer_ms,
+        device=f"{name}, torch {torch.__version__}, {dtype_name}", rows=list(rows), layer_ms=layer_ms,
         # The head and the overhead read no context: their medians over contexts.
-        head_ms=[statistics.median(col) for col in zip(*head_ms)], draft_ms=draft_ms, contexts=list(args.contexts),
+        head_ms=[statistics.median(col) for col in zip(*head_ms)], draft_ms=draft_ms, contexts=list(contexts),
         overhead_ms=[statistics.median(col) for col in zip(*overhead_ms)],
         request_ms=request_ms, request_overhead_ms=statistics.median(request_overhead),
         method="measured",
-        model={"path": str(target), "num_layers": L, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size},
-        draft=draft_meta,
+        model={"num_layers": L, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size},
         assumptions=[f"measured with `specpipe profile`: a stage's real step (StageWorker.step), median of "
-                     f"{args.repeats} runs after a warm-up",
-                     "layer: the difference between middle stages of K and 1 layers over K - 1; overhead: the "
+                     f"{repeats} runs after a warm-up",
+                     f"layer: the difference between middle stages of {K} and 1 layers over {K - 1}; overhead: the "
                      "1-layer stage minus a layer; head: the last stage of 1 layer minus the 1-layer stage",
                      "every row attends to the whole context and itself (one tree layer of one request)",
+                     f"per extra request: {REQUESTS} rows of {REQUESTS} requests against {REQUESTS} rows of one",
                      "messages between processes are not included: see the link (`specpipe sim --link`)"],
         row_bytes=cfg.hidden_size * torch.empty((), dtype=dtype).element_size())

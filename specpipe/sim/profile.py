@@ -101,9 +101,6 @@ class CostProfile:
     def draft_forward(self, n: int, context: Optional[int] = None) -> float:
         return self._table(self.draft_ms, n, context)
 
-    # The time simulator's older name for one draft forward.
-    draft = draft_forward
-
     def stage(self, layers: int, last: bool, n: int, context: Optional[int] = None,
               others: Sequence[int] = ()) -> float:
         """One stage of `layers` decoder layers (plus the head on the last stage) for n rows: of

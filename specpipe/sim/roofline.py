@@ -73,7 +73,11 @@ H100_80GB = DeviceSpec(
     "h100-80gb", "NVIDIA H100 80GB HBM3", bandwidth_gbs=3350, bf16_tflops=989, memory_gib=80,
     source="NVIDIA H100 Tensor Core GPU datasheet, H100 SXM: 3.35 TB/s HBM3, "
            "BF16 Tensor Core 1,979 TFLOPS with sparsity (989 dense), 80GB")
-DEVICES = {d.key: d for d in (A100_80GB, H100_80GB)}
+H200 = DeviceSpec(
+    "h200", "NVIDIA H200", bandwidth_gbs=4800, bf16_tflops=989, memory_gib=141,
+    source="NVIDIA H200 Tensor Core GPU datasheet, H200 SXM: 4.8 TB/s HBM3e, "
+           "BF16 Tensor Core 1,979 TFLOPS with sparsity (989 dense), 141GB")
+DEVICES = {d.key: d for d in (A100_80GB, H100_80GB, H200)}
 
 
 # ---- models -----------------------------------------------------------------------------------

@@ -105,3 +105,19 @@ def test_run_specs():
     runs = parse_runs("pp, tree:depth=7:width=8,specpipe:layers=auto")
     assert [r.label for r in runs] == ["pp", "tree depth=7 width=8", "specpipe layers=auto"]
     assert runs[1].get("width") == 8 and runs[2].get("layers") == "auto"
+
+
+def test_gpu_check_script_runs_on_cpu(tmp_path):
+    """The GPU machine's prepared script, on its tiny CPU path: fp32 tokens equal across devices
+    and modes (it exits non-zero otherwise), and its profile loads."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_check.py"
+    done = subprocess.run([sys.executable, str(script), "--device", "cpu", "--small", "--repeats", "1",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["tokens"]["cpu_vs_device_fp32_same"] and all(summary["tokens"]["lossless_fp32_on_device"].values())
+    assert CostProfile.load(tmp_path / "profile_cpu_tiny.json").layer(4, 64) > 0
