@@ -139,11 +139,15 @@ class CostProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> "CostProfile":
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read profile {path}: {e}") from None
-        return cls.from_json(data)
+        return cls.from_json(read_json(path, "profile"))
+
+
+def read_json(path: str | Path, what: str) -> dict:
+    """A JSON file, or a ValueError that says which file and why."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read {what} {path}: {e}") from None
 
 
 @dataclass(frozen=True)

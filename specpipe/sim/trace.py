@@ -34,6 +34,7 @@ from typing import Any, Optional
 from specpipe.engine.modes.base import DURING
 from specpipe.messages import Control, Rows
 from specpipe.sim.inflight import InFlight, row_counts
+from specpipe.sim.profile import read_json
 
 FORMAT = "specpipe-trace/1"
 
@@ -73,10 +74,7 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":
-        try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"cannot read trace {path}: {e}") from None
+        data = read_json(path, "trace")
         if data.get("format") != FORMAT:
             raise ValueError(f"{path} is not a SpecPipe trace (format {data.get('format')!r})")
         steps = []
