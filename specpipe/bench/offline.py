@@ -269,8 +269,9 @@ def _oracle(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
                 seqs = {r.request_id: r.prompt_ids + ref for r, ref in zip(reqs, refs)}
                 by_pid: dict[int, list[int]] = {}
                 mode, width, depth, layers = _core_args(args, run)
-                core = EngineCore(OraclePipeline(S, lambda pid: by_pid.get(pid, [])), mode,
-                                  engine.source if mode in SPECULATIVE_MODES else None, width=width, depth=depth, layers=layers, max_num_seqs=max(1, args.concurrency),
+                source = engine.source if mode in SPECULATIVE_MODES else None
+                core = EngineCore(OraclePipeline(S, lambda pid: by_pid.get(pid, [])), mode, source, width=width,
+                                  depth=depth, layers=layers, max_num_seqs=max(1, args.concurrency),
                                   step_rows=args.max_step_rows, max_waiting=len(reqs))
                 source = core.source.name if core.source is not None else None
                 core.tracer = _tracer(args, run, S, False, source)
