@@ -12,8 +12,8 @@ Two methods, said in every output:
                against that reference (the lossless property); no wall clock. Traces from it are
                what `specpipe sim` turns into time at any S and on any device profile.
 Per run and per prompt group: tokens per step, hit rate, acceptance length (tree: tokens per
-round), and speed-ups against `pp` and against the best `tree` run (TBT for real runs; tokens per
-step for the oracle).
+round), and speed-ups against `pp` (or `pp-cb` when no `pp` ran) and against the best `tree` run
+(TBT for real runs; tokens per step for the oracle).
 """
 
 from __future__ import annotations
@@ -257,11 +257,7 @@ def _oracle(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
     engine = Engine(_config(args, 1, runs, transport="inproc"))
     try:
         sampling = SamplingParams(max_tokens=args.max_tokens)
-        refs = []  # the target's own greedy outputs, computed for real
-        for i, p in enumerate(prompts):
-            bar.set_description(f"reference {i + 1}/{len(prompts)}")
-            refs.append(engine.generate(p["text"], sampling, mode="pp").token_ids)
-        bar.set_description("")
+        refs = _references(engine, prompts, sampling, bar)
         results = []
         for S in stage_counts:
             for run in runs:
@@ -296,6 +292,27 @@ def _oracle(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
     return results
 
 
+def _references(engine, prompts, sampling, bar) -> list[list[int]]:
+    """The target's own greedy outputs, computed for real once and cached (keyed by the model
+    file, its size and time, the prompts and max tokens) under ~/.cache/specpipe/bench."""
+    import hashlib
+
+    stat = engine.model_path.stat()
+    key = json.dumps([str(engine.model_path.resolve()), stat.st_size, stat.st_mtime_ns,
+                      [p["text"] for p in prompts], sampling.max_tokens])
+    cache = Path.home() / ".cache" / "specpipe" / "bench" / f"refs-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    if cache.is_file():
+        return json.loads(cache.read_text())
+    refs = []
+    for i, p in enumerate(prompts):
+        bar.set_description(f"reference {i + 1}/{len(prompts)}")
+        refs.append(engine.generate(p["text"], sampling, mode="pp").token_ids)
+    bar.set_description("")
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(refs))
+    return refs
+
+
 # ---- report ------------------------------------------------------------------------------------
 
 def metrics(outcomes: list[Outcome], seconds: float) -> dict:
@@ -328,8 +345,8 @@ def build_report(args, results: list[RunResult]) -> dict:
         same = [r for r in runs if r["stages"] == run["stages"]]
         for part in ["all", *run["by_group"]]:
             mine = run["all"] if part == "all" else run["by_group"][part]
-            for base, pick in (("pp", [r for r in same if r["mode"] == "pp"]),
-                               ("tree", [r for r in same if r["mode"] == "tree"])):
+            plain = [r for r in same if r["mode"] == "pp"] or [r for r in same if r["mode"] == "pp-cb"]
+            for base, pick in (("pp", plain), ("tree", [r for r in same if r["mode"] == "tree"])):
                 vals = [(r["all"] if part == "all" else r["by_group"].get(part, {})).get(key) for r in pick]
                 vals = [v for v in vals if v]
                 # TBT: lower is better, the best tree is the lowest; tokens per step: higher is better.
@@ -386,14 +403,9 @@ def draw(args, report: dict, results: list[RunResult]) -> None:
 
         profile = load_profile(args.profile)
         for S in sorted({r.stages for r in results}):
-            panels = [(r.spec.label, _first_request(Trace.load(r.trace))) for r in results if r.stages == S and r.trace]
+            traces = [(r.spec.label, Trace.load(r.trace)) for r in results if r.stages == S and r.trace]
+            panels = [(label, t.only(min(t.requests))) for label, t in traces]  # the first prompt
             model_draft = any(t.meta.get("source") not in ("ngram", "none") for _, t in panels)
             plots.timeline(panels, profile, out / f"timeline_s{S}.png", draft_cost=model_draft)
     print(f"pictures in {out}", file=sys.stderr)
 
-
-def _first_request(trace):
-    """The steps of the trace's first request only (the timeline shows one prompt)."""
-    first = min(trace.requests)
-    steps = [s for s in trace.steps if set(s.tokens) == {first}]
-    return type(trace)(trace.meta, {first: trace.requests[first]}, steps)

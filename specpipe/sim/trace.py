@@ -67,6 +67,12 @@ class Trace:
     def num_stages(self) -> int:
         return int(self.meta["stages"])
 
+    def only(self, request_id: int) -> "Trace":
+        """The steps in which this request alone was in the pipeline (one prompt of a run that
+        served its requests one after another)."""
+        steps = [s for s in self.steps if set(s.tokens) == {request_id}]
+        return Trace(self.meta, {request_id: self.requests[request_id]}, steps)
+
     def save(self, path: str | Path) -> None:
         data = {"format": FORMAT, "meta": self.meta, "requests": self.requests,
                 "steps": [asdict(s) for s in self.steps]}
