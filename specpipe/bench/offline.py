@@ -125,15 +125,12 @@ def load_prompts(args) -> list[dict]:
     from specpipe.bench import datasets
 
     if args.dataset == "specbench":
-        prompts = [{"group": p["group"], "text": p["text"]}
-                   for p in datasets.load_prompts(args.prompts_per_group, path=args.dataset_path)]
-        if args.groups:
-            wanted = set(args.groups.split(","))
-            unknown = wanted - set(datasets.GROUPS)
-            if unknown:
-                raise ValueError(f"--groups: unknown {', '.join(sorted(unknown))}; groups: {', '.join(datasets.GROUPS)}")
-            prompts = [p for p in prompts if p["group"] in wanted]
-        return prompts
+        wanted = set(args.groups.split(",")) if args.groups else set(datasets.GROUPS)
+        unknown = wanted - set(datasets.GROUPS)
+        if unknown:
+            raise ValueError(f"--groups: unknown {', '.join(sorted(unknown))}; groups: {', '.join(datasets.GROUPS)}")
+        return [{"group": p["group"], "text": p["text"]}
+                for p in datasets.load_prompts(args.prompts_per_group, path=args.dataset_path) if p["group"] in wanted]
     return [{"group": "all", "text": p["prompt"]} for p in datasets.load_jsonl(args.dataset)]
 
 

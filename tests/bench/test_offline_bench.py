@@ -97,8 +97,8 @@ def test_bad_arguments_are_one_line(capsys, tiny_llama_dir, prompts, tmp_path):
     assert "not a SpecPipe trace" in capsys.readouterr().err
     assert main(["sim", "--trace", str(prompts), "--profile", "tpu"]) == 2
     assert "shipped: a100-80gb" in capsys.readouterr().err
-    assert main(["profile", "--roofline", "h200", "--out", str(tmp_path / "x.json")]) == 2
-    assert "known: a100-80gb, h100-80gb" in capsys.readouterr().err
+    assert main(["profile", "--roofline", "tpu-v9", "--out", str(tmp_path / "x.json")]) == 2
+    assert "known: a100-80gb, h100-80gb, h200" in capsys.readouterr().err
 
 
 def test_run_specs():
