@@ -183,7 +183,8 @@ class EngineCore:
             else:
                 st.receive(res)
         live = [st for st in running if self.states.get(st.req.request_id) is st]
-        checks = sum(st.req.stats.verifications for st in live), sum(st.req.stats.hits for st in live)
+        if self.tracer is not None:
+            self.tracer.verifying([st.req for st in live])
         for st in live:
             if st.started:
                 st.req.stats.pipeline_steps += 1
@@ -195,9 +196,7 @@ class EngineCore:
                 st.drafting(AFTER)  # drop a new root's draft call: the source may be in any state
         done = [st.req for st in live if st.req.finished]
         if self.tracer is not None:
-            hits = sum(st.req.stats.hits for st in live) - checks[1]
-            self.tracer.ended({st.req.request_id: len(st.req.output_ids) for st in live}, hits,
-                              sum(st.req.stats.verifications for st in live) - checks[0] - hits)
+            self.tracer.ended([st.req for st in live])
         for req in done:
             self._retire(req.request_id)
         if error is not None:

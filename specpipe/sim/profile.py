@@ -113,10 +113,6 @@ class CostProfile:
                             for c in others)
         return layers * self.layer(n, context) + (self.head(n) if last else 0.0) + overhead
 
-    def scaled(self, **changes) -> "CostProfile":
-        """A copy with fields replaced (what-if studies)."""
-        return CostProfile(**{**asdict(self), **changes})
-
     # ---- files ------------------------------------------------------------------------------
 
     def to_json(self) -> dict:

@@ -341,10 +341,6 @@ def roofline_profile(d: DeviceSpec, m: ModelShape, draft: ModelShape | None = No
     )
 
 
-def presets() -> dict[str, list[str]]:
-    return {"devices": list(DEVICES), "models": list(MODELS), "links": list(LINKS)}
-
-
 def _lookup(table: dict, kind: str, name: str):
     if name not in table:
         raise ValueError(f"unknown {kind} {name!r}; known: {', '.join(table)}")

@@ -102,6 +102,7 @@ class StepTracer:
         self._t0 = time.perf_counter()
         self._serial: list[int] = []  # draft forwards since the last submit
         self._step: Optional[StepRecord] = None
+        self._checked = (0, 0)  # verifications and hits of the step's requests before it verified
         self._nodes: list[list[list[tuple[int, int, int]]]] = []  # [step][stage] -> (pid, node, depth)
         self._pid_request: dict[int, int] = {}
 
@@ -144,9 +145,17 @@ class StepTracer:
     def collected(self) -> None:
         self._step.t_collect = self.now()
 
-    def ended(self, tokens: dict[int, int], hits: int, misses: int) -> None:
+    def verifying(self, requests: list) -> None:
+        """Before this step's verifications: their counters so far."""
+        self._checked = sum(r.stats.verifications for r in requests), sum(r.stats.hits for r in requests)
+
+    def ended(self, requests: list) -> None:
+        """The step's requests after verification: tokens they hold, hits and misses of the step."""
         step = self._step
-        step.tokens, step.hits, step.misses, step.t_end = tokens, hits, misses, self.now()
+        step.tokens = {r.request_id: len(r.output_ids) for r in requests}
+        step.hits = sum(r.stats.hits for r in requests) - self._checked[1]
+        step.misses = sum(r.stats.verifications for r in requests) - self._checked[0] - step.hits
+        step.t_end = self.now()
         self.trace.steps.append(step)
         self._step = None
 
