@@ -160,11 +160,14 @@ class Pipeline(Protocol):
 
     Statistics ride on ordinary steps: after `collect` of a step whose Control had report=True,
     `reported` holds each stage's `StageStats.as_dict()` (stage 1 first; [] when the pipeline has
-    no real stages); after any other step it is None.
+    no real stages) plus "spans": [(step, start_ns, end_ns)], when the stage computed in each step
+    since its last report (perf_counter_ns; `step` counts like `steps`); after any other step it
+    is None.
     """
 
     num_stages: int
     reported: Optional[list[dict]]
+    steps: int  # steps submitted so far: the stages number their steps 1, 2, ... the same way
     # True when the stages compute between submit and collect while the driver drafts (stage
     # processes); False when they compute inside collect (in-process, simulated).
     concurrent: bool

@@ -91,8 +91,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", default="auto", help="inproc | processes (default: processes when S > 1)")
     p.add_argument("--stage-threads", type=int, default=0, help="CPU threads per stage process (default: cores / S)")
     p.add_argument("--trace-dir", default=None, help="write one trace per run and stage count here")
-    p.add_argument("--plots", default=None, help="write PNG pictures here (timeline needs --profile)")
-    p.add_argument("--profile", default=None, help="cost profile for the timeline picture (see specpipe sim)")
+    p.add_argument("--plots", default=None, help="write PNG pictures here (an --oracle timeline needs --profile)")
+    p.add_argument("--profile", default=None, help="cost profile to simulate the timeline picture of --oracle runs with (real runs draw "
+                        "the stages' measured times)")
     p.add_argument("--result-json", default=None)
     p.add_argument("--result-md", default=None)
     p.add_argument("--no-progress", action="store_true")
@@ -232,7 +233,9 @@ def _real(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
                 batches = ([prompts] if args.concurrency > 1 else [[p] for p in prompts])
                 for batch in batches:
                     reqs = [engine.make_request(p["text"], sampling) for p in batch]
-                    engine.run(reqs, core, on_finish=lambda _r: bar.update())
+                    # Each finished request asks for the stages' reports: they carry the stages'
+                    # compute spans into the trace.
+                    engine.run(reqs, core, on_finish=lambda _r: (bar.update(), core.request_stage_stats()))
                     res.outcomes += [_outcome(p["group"], r, True) for p, r in zip(batch, reqs)]
                     groups.update({r.request_id: p["group"] for p, r in zip(batch, reqs)})
                 res.seconds = time.perf_counter() - t0
@@ -394,11 +397,11 @@ def draw(args, report: dict, results: list[RunResult]) -> None:
     plots.tokens_per_step_vs_stages([{"label": r["label"], "stages": r["stages"],
                                       "tokens_per_step": r["all"]["tokens_per_step"]} for r in report["runs"]],
                                     out / "tokens_per_step.png")
-    if args.profile:
+    if report["runs"][0]["real"] or args.profile:  # real runs: the stages' own times; oracle: simulated
         from specpipe.sim.cli import load_profile
         from specpipe.sim.trace import Trace
 
-        profile = load_profile(args.profile)
+        profile = load_profile(args.profile) if args.profile else None
         for S in sorted({r.stages for r in results}):
             traces = [(r.spec.label, Trace.load(r.trace)) for r in results if r.stages == S and r.trace]
             panels = [(label, t.only(min(t.requests))) for label, t in traces]  # the first prompt

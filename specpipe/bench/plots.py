@@ -15,9 +15,9 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
-from specpipe.sim.events import SimResult, simulate
+from specpipe.sim.events import SimResult, has_stage_spans, measured, simulate
 from specpipe.sim.profile import NO_LINK, CostProfile, Link
 from specpipe.sim.trace import Trace
 
@@ -66,13 +66,15 @@ def _save(fig, out: Path) -> Path:
     return out
 
 
-def timeline(panels: list[tuple[str, Trace]], profile: CostProfile, out: Path, *, link: Link = NO_LINK,
+def timeline(panels: list[tuple[str, Trace]], profile: Optional[CostProfile], out: Path, *, link: Link = NO_LINK,
              driver_ms: float = 0.0, max_ms: float | None = None, stage_layers: Sequence[int] | None = None,
              draft_cost: bool = True) -> Path:
     """One panel per (label, trace), sharing the time axis: a box per stage and step, coloured by
     request, lighter deeper in the tree, hatched for rows pruned later; ▲ where tokens were
-    committed. `max_ms` crops the time axis (default: the shortest panel's run, so that every
-    panel shows the same time). Arguments after `out` are those of events.simulate."""
+    committed. A real run's trace with the stages' own compute spans is drawn as measured (from
+    its first step); any other is simulated on `profile`. `max_ms` crops the time axis (default:
+    the shortest panel's run, so that every panel shows the same time). Arguments after `out` are
+    those of events.simulate."""
     from matplotlib import colormaps
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -84,23 +86,30 @@ def timeline(panels: list[tuple[str, Trace]], profile: CostProfile, out: Path, *
     for label, trace in panels:
         if not trace.steps:
             raise ValueError(f"panel {label!r}: the trace has no steps")
-        sim = simulate(trace, profile, stage_layers, link, driver_ms, draft_cost, keep_spans=True)
+        if has_stage_spans(trace):
+            sim, kind = measured(trace, origin_s=trace.steps[0].t_submit), "measured"
+        elif profile is None:
+            raise ValueError(f"panel {label!r}: the trace has no measured stage spans; a profile is needed "
+                             "to simulate them")
+        else:
+            sim, kind = simulate(trace, profile, stage_layers, link, driver_ms, draft_cost, keep_spans=True), "simulated"
         boxes = _boxes(trace, sim)
         if not boxes:
             raise ValueError(f"panel {label!r}: no stage computed any rows")
-        sims.append((sim, boxes))
-    max_ms = min(sim.total_ms for sim, _ in sims) if max_ms is None else max_ms
+        sims.append((sim, boxes, kind))
+    kinds = {kind for _, _, kind in sims}
+    max_ms = min(sim.total_ms for sim, _, _ in sims) if max_ms is None else max_ms
     if not max_ms > 0:
         raise ValueError(f"nothing to draw in the first {max_ms} ms")
 
     # The same request keeps its colour in every panel (the panels usually run the same prompts).
-    rids = sorted({p[0] for _, boxes in sims for b in boxes for p in b.parts} - {UNKNOWN})
+    rids = sorted({p[0] for _, boxes, _ in sims for b in boxes for p in b.parts} - {UNKNOWN})
     colour = {rid: colormaps["tab10"](i % 10) for i, rid in enumerate(rids)} | {UNKNOWN: (0.5, 0.5, 0.5)}
 
     heights = [0.45 * t.num_stages + 1.1 for _, t in panels]
     fig = Figure(figsize=(13, sum(heights) + 1.0), layout="constrained")
     axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False, height_ratios=heights)[:, 0]
-    for ax, (label, trace), (sim, boxes) in zip(axes, panels, sims):
+    for ax, (label, trace), (sim, boxes, kind) in zip(axes, panels, sims):
         S = trace.num_stages
         # Rectangles as (x, width, bottom, height[, colour]), drawn with one bar() call per kind.
         fills, hatches, outlines = [], [], []
@@ -139,19 +148,25 @@ def timeline(panels: list[tuple[str, Trace]], profile: CostProfile, out: Path, *
         tbt = sim.tbt_ms()
         tbt_text = f"median TBT {statistics.median(tbt):.1f} ms" if tbt else "TBT n/a"
         ax.set_title(f"{label}: {sim.tokens} tokens in {sim.steps} steps ({sim.tokens / sim.steps:.2f} tokens/step), "
-                     f"simulated {tbt_text}", fontsize=9, loc="left")
+                     f"{kind} {tbt_text}", fontsize=9, loc="left")
         ax.set_yticks(range(S), [f"stage {S - i}" for i in range(S)], fontsize=8)
         ax.set_ylim(-1.1, S - 0.5)
         ax.grid(axis="x", alpha=0.3)
     axes[-1].set_xlim(0, max_ms)
-    axes[-1].set_xlabel("time (ms, simulated)")
+    axes[-1].set_xlabel(f"time (ms, {' / '.join(sorted(kinds))})")
 
-    extras = f", link {link.name}" if link != NO_LINK else ""
-    extras += f", driver {driver_ms:g} ms/step" if driver_ms else ""
-    fig.suptitle(f"Stage times simulated from the recorded traces with profile {profile.device!r} "
-                 f"({profile.method}{extras})\n(real runs do not record when each stage computed)", fontsize=10)
+    if "simulated" in kinds:
+        extras = f", link {link.name}" if link != NO_LINK else ""
+        extras += f", driver {driver_ms:g} ms/step" if driver_ms else ""
+        title = (f"Stage times simulated from the recorded traces with profile {profile.device!r} "
+                 f"({profile.method}{extras})")
+        if "measured" in kinds:
+            title += "; panels marked measured: as the stages timed themselves"
+    else:
+        title = "Stage times as the stages timed themselves (a real run)"
+    fig.suptitle(title, fontsize=10)
     handles = [Patch(color=colour[rid], label=f"request {rid}") for rid in rids[:10]]
-    if any(p[0] == UNKNOWN for _, boxes in sims for b in boxes for p in b.parts):
+    if any(p[0] == UNKNOWN for _, boxes, _ in sims for b in boxes for p in b.parts):
         handles.append(Patch(color=colour[UNKNOWN], label="request not recorded"))
     depths = ["depth 0 (committed, prompt, root)", "depth 1", "depth 2", "depth 3", "depth 4+"]
     handles += [Patch(color=_shade((0.3, 0.3, 0.3), d), label=text) for d, text in enumerate(depths)]

@@ -32,6 +32,7 @@ class RemotePipeline:
         self._interrupted = False
         self._report = False  # the step in flight asked every stage for its report
         self.reported: Optional[list[dict]] = None
+        self.steps = 0
 
     def submit(self, control: Control, rows: list[Rows]) -> None:
         self._check()
@@ -45,6 +46,7 @@ class RemotePipeline:
             self.t.send_ints(1, TAG_ROWS, header)
             for data in tensors:
                 self.t.send_tensor(1, TAG_ROWS, data)
+            self.steps += 1
         except (LinkError, RuntimeError) as e:
             raise self._fail(e) from None
         except KeyboardInterrupt:

@@ -183,13 +183,21 @@ def decode_floats(values: list[int]) -> list[float]:
     return [_i2f(v) for v in values]
 
 
-def encode_report(stats: StageStats) -> list[int]:
-    return encode_floats(stats.values())
+def encode_report(stats: StageStats, spans: list[tuple[int, int, int]] = ()) -> list[int]:
+    """The stage's counters (floats) and its compute spans since the last report:
+    [counters..., n, step_1, start_1, end_1, ..., step_n, start_n, end_n] (times in ns)."""
+    return encode_floats(stats.values()) + [len(spans)] + [v for span in spans for v in span]
 
 
 def decode_report(values: list[int]) -> dict:
-    """A stage's report as `StageStats.as_dict()`."""
+    """A stage's report as `StageStats.as_dict()` plus "spans": [(step, start_ns, end_ns)]."""
+    n = len(StageStats().values())
+    r = _Reader(values[n:])
     try:
-        return StageStats.from_values(decode_floats(values))
-    except ValueError as e:  # a stage of another version
+        report = StageStats.from_values(decode_floats(values[:n]))
+        flat = r.take(3 * r.count())
+        r.done()
+    except (ValueError, WireError) as e:  # a stage of another version
         raise WireError(str(e)) from None
+    report["spans"] = [tuple(flat[i:i + 3]) for i in range(0, len(flat), 3)]
+    return report

@@ -145,7 +145,8 @@ class EngineCore:
         self._release, self._report = [], False
 
         if self.tracer is not None:
-            self.tracer.submitted(control, rows, {st.pid: (st.req.request_id, st.req.context_len - 1) for st in running})
+            self.tracer.submitted(control, rows, {st.pid: (st.req.request_id, st.req.context_len - 1) for st in running},
+                                  self.pipe.steps + 1)
         self.pipe.submit(control, rows)
         error: Optional[BaseException] = None
         drafters: list[ModeState] = []
@@ -171,7 +172,11 @@ class EngineCore:
             st.req.stats.draft_bound_steps += draft_bound
         self.steps += 1
         if control.report:
-            self.stage_stats = getattr(self.pipe, "reported", None)
+            reported = getattr(self.pipe, "reported", None)
+            spans = [r.pop("spans", []) for r in reported or []]
+            if self.tracer is not None and spans:
+                self.tracer.stage_spans(spans)
+            self.stage_stats = reported
 
         by_pid = {st.pid: st for st in running}
         for res in results:

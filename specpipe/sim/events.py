@@ -152,18 +152,32 @@ def _contexts(step, s: int) -> tuple[int, list[int]]:
     return ctx[0], ctx[1:]
 
 
-def measured(trace: Trace) -> SimResult:
+def has_stage_spans(trace: Trace) -> bool:
+    """Whether every step in which a stage computed has that stage's measured span."""
+    return bool(trace.steps) and all(
+        s.stage_spans and all(s.stage_spans[k] for k, rows in enumerate(s.rows) if rows > 0)
+        for s in trace.steps if any(s.rows))
+
+
+def measured(trace: Trace, origin_s: float = 0.0) -> SimResult:
     """The same figures from the trace's own wall clock (a real run): tokens stamped when their
-    step's results were collected."""
+    step's results were collected; stage spans as the stages measured them (when the trace has
+    them). Times in ms after `origin_s` (seconds on the trace's clock)."""
+    def ms(t: float) -> float:
+        return (t - origin_s) * 1e3
+
     token_times: dict[int, list[float]] = {}
     last_tokens: dict[int, int] = {}
+    spans = []
     for step in trace.steps:
         for rid, n in step.tokens.items():
             k = n - last_tokens.get(rid, 0)
             if k > 0:
-                token_times.setdefault(rid, []).extend([step.t_collect * 1e3] * k)
+                token_times.setdefault(rid, []).extend([ms(step.t_collect)] * k)
                 last_tokens[rid] = n
-    arrival = {rid: r["arrival"] * 1e3 for rid, r in trace.requests.items()}
-    total = trace.steps[-1].t_end * 1e3 if trace.steps else 0.0
+        spans.append([(ms(sp[0]), ms(sp[1])) if sp else (ms(step.t_submit),) * 2
+                      for sp in step.stage_spans or [[]] * trace.num_stages])
+    arrival = {rid: ms(r["arrival"]) for rid, r in trace.requests.items()}
+    total = ms(trace.steps[-1].t_end) if trace.steps else 0.0
     return SimResult(len(trace.steps), total, sum(len(t) for t in token_times.values()), token_times, arrival, {},
-                     collect_ms=[s.t_collect * 1e3 for s in trace.steps])
+                     spans, collect_ms=[ms(s.t_collect) for s in trace.steps])

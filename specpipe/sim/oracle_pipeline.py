@@ -33,10 +33,12 @@ class OraclePipeline:
         self._on_path: set[tuple[int, int]] = set()  # (request, node)
         self._control, self._incoming = Control(), []
         self.reported: list[dict] | None = None  # no real stages: reports are empty
+        self.steps = 0
         self.rows_per_step: list[list[int]] = []  # step -> rows computed at each stage
 
     def submit(self, control: Control, rows: list[Rows]) -> None:
         self._control, self._incoming = control, list(rows)
+        self.steps += 1
 
     def collect(self) -> list[Results]:
         computed = self._inflight.step(self._control, self._incoming)

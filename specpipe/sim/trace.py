@@ -17,6 +17,11 @@ Per pipeline step it holds what the time of that step depends on, and nothing ab
   hits/misses  verifications this step
   t_submit, t_collect, t_end
                wall-clock seconds since the trace began (real runs; the oracle's are meaningless)
+  stage_spans  per stage, [start, end] of its compute in this step (seconds since the trace
+               began, as the stage measured them; [] when it computed nothing). Real runs only,
+               from the stages' reports (the bench asks for one after every request). Stage and
+               driver clocks agree on one machine; across machines the spans are shifted by the
+               hosts' clock offsets.
 
 A trace is written as JSON: {"format": ..., "meta": {...}, "requests": {...}, "steps": [...]}.
 meta["arrivals"] == "timed" marks an open-loop run (requests arrive on their own clock, e.g. a
@@ -54,6 +59,7 @@ class StepRecord:
     t_submit: float = 0.0
     t_collect: float = 0.0
     t_end: float = 0.0
+    stage_spans: list[list[float]] = field(default_factory=list)
 
 
 @dataclass
@@ -105,6 +111,7 @@ class StepTracer:
         self._checked = (0, 0)  # verifications and hits of the step's requests before it verified
         self._nodes: list[list[list[tuple[int, int, int]]]] = []  # [step][stage] -> (pid, node, depth)
         self._pid_request: dict[int, int] = {}
+        self._by_pipe_step: dict[int, StepRecord] = {}  # the pipeline's step number -> its record
 
     def now(self) -> float:
         return time.perf_counter() - self._t0
@@ -121,9 +128,10 @@ class StepTracer:
         else:
             self._serial.append(rows_per_forward)
 
-    def submitted(self, control: Control, rows: list[Rows], roots: dict[int, tuple[int, int]]) -> None:
+    def submitted(self, control: Control, rows: list[Rows], roots: dict[int, tuple[int, int]],
+                  pipe_step: Optional[int] = None) -> None:
         """`roots`: pid -> (request id, position of its last committed token) of every request
-        in this step."""
+        in this step; `pipe_step`: the number the stages give this step (for `stage_spans`)."""
         for pid, (rid, _) in roots.items():
             self._pid_request[pid] = rid
         self._roots = {pid: pos for pid, (_, pos) in roots.items()}
@@ -136,6 +144,19 @@ class StepTracer:
                                 sent={self._pid_request.get(r.request_id, r.request_id): len(r) for r in rows},
                                 contexts=contexts)
         self._serial = []
+        if pipe_step is not None:
+            self._by_pipe_step[pipe_step] = self._step
+
+    def stage_spans(self, spans: list[list[tuple[int, int, int]]]) -> None:
+        """The stages' compute spans from a report: per stage, (pipeline step, start, end ns)."""
+        S = self.trace.num_stages
+        for s, stage in enumerate(spans):
+            for step, start, end in stage:
+                record = self._by_pipe_step.get(step)
+                if record is not None:
+                    if not record.stage_spans:
+                        record.stage_spans = [[] for _ in range(S)]
+                    record.stage_spans[s] = [start / 1e9 - self._t0, end / 1e9 - self._t0]
 
     def _depth(self, pid: int, position: int) -> int:
         """Depth below the request's root at this step (0 once the root has reached it)."""

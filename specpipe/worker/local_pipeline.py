@@ -19,11 +19,13 @@ class LocalPipeline:
         self.workers = workers
         self.num_stages = len(workers)
         self.reported: Optional[list[dict]] = None
+        self.steps = 0
         self._inbox: list[list[Rows]] = [[] for _ in workers]  # what each stage computes next
 
     def submit(self, control: Control, rows: list[Rows]) -> None:
         self._inbox[0] = list(rows)
         self._control = control
+        self.steps += 1
 
     def step(self, control: Control, rows: list[Rows]) -> list[Results]:
         self.submit(control, rows)

@@ -89,7 +89,7 @@ def run_stage(t: Transport, model_path: str, spec: StageSpec, num_blocks: int, b
         stats.bytes_sent = t.bytes_sent
         if control.report:
             stats.rss_bytes, stats.peak_rss_bytes = memory_bytes()
-            t.send_ints(0, TAG_REPORT, encode_report(stats))
+            t.send_ints(0, TAG_REPORT, encode_report(stats, worker.take_spans()))
 
 
 def cuda_index(rank: int, device_count: int, local_rank: str | None) -> int:

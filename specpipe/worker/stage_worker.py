@@ -14,6 +14,7 @@ the marker into `Results(failed=True)` for the driver.
 
 from __future__ import annotations
 
+import collections
 import time
 
 import torch
@@ -25,6 +26,9 @@ from specpipe.worker.batch import run_packed
 from specpipe.worker.slot_table import SlotTable
 
 
+SPAN_LOG = 1 << 16  # steps of compute spans kept between two reports
+
+
 class StageWorker:
     def __init__(self, model: LlamaStage, num_blocks: int, block_size: int) -> None:
         self.model = model
@@ -33,6 +37,9 @@ class StageWorker:
         self.kv = model.make_kv_cache(self.slots.num_slots)
         self.sampling: dict[int, SamplingParams] = {}
         self.stats = StageStats(num_blocks=num_blocks)
+        # (step, start, end) of each step that computed rows, perf_counter_ns (CLOCK_MONOTONIC on
+        # Linux: one clock for every process of a machine); drained by each report.
+        self.spans: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=SPAN_LOG)
 
     def apply(self, control: Control) -> None:
         for a in control.admit:
@@ -49,6 +56,7 @@ class StageWorker:
 
     def step(self, control: Control, incoming: list[Rows]) -> list[Rows | Results]:
         """One pipeline step of this stage."""
+        start = time.perf_counter_ns()
         self.apply(control)
         self.stats.steps += 1
         out: list[Rows | Results] = []
@@ -78,6 +86,7 @@ class StageWorker:
             self.stats.rows_computed += sum(len(rows) for rows, _ in done)
             self.stats.peak_slots = max(self.stats.peak_slots, self.slots.total_in_use())
             self.stats.compute_s += time.perf_counter() - t0
+            self.spans.append((self.stats.steps, start, time.perf_counter_ns()))
         self.stats.blocks_in_use = self.slots.blocks_in_use()
         return out
 
@@ -99,6 +108,12 @@ class StageWorker:
     def _failure(self, request_id: int) -> Rows | Results:
         return Results(request_id, [], [], failed=True) if self.last else Rows.failure(request_id)
 
+    def take_spans(self) -> list[tuple[int, int, int]]:
+        spans = list(self.spans)
+        self.spans.clear()
+        return spans
+
     def report(self) -> dict:
-        """This stage's StageStats as a dict (the in-process twin of the stage process's report)."""
-        return self.stats.as_dict()
+        """This stage's StageStats as a dict with the spans since the last report (the in-process
+        twin of the stage process's report)."""
+        return {**self.stats.as_dict(), "spans": self.take_spans()}

@@ -8,6 +8,7 @@ import pytest
 
 from specpipe.bench.offline import parse_runs
 from specpipe.entrypoints.cli import main
+from specpipe.sim.events import has_stage_spans
 from specpipe.sim.profile import CostProfile
 from specpipe.sim.trace import Trace
 
@@ -84,6 +85,23 @@ def test_real_run_reports_wall_clock(capsys, tiny_llama_dir, prompts, tmp_path):
     code = main(["sim", "--trace", report["runs"][0]["trace"], "--profile", "h100-80gb"])
     assert code == 0
     assert "measured" in capsys.readouterr().out
+
+
+def test_stage_processes_time_themselves(capsys, tiny_llama_dir, prompts, tmp_path):
+    """At S = 2 with stage processes the trace holds each stage's own compute spans (the stages'
+    reports carry them), consistent with the driver's clock, and the timeline draws them without
+    a profile."""
+    report = bench(capsys, tiny_llama_dir, prompts, tmp_path, "--stages", "2", "--runs", "specpipe",
+                   "--transport", "processes", "--stage-threads", "1", "--trace-dir", str(tmp_path / "traces"),
+                   "--plots", str(tmp_path / "img"))
+    trace = Trace.load(report["runs"][0]["trace"])
+    assert has_stage_spans(trace)
+    for s in trace.steps:
+        spans = [sp for sp in s.stage_spans if sp]
+        assert all(s.t_submit <= start <= end for start, end in spans)
+        if s.rows[-1]:  # the last stage's results are what the driver collects
+            assert s.stage_spans[-1][1] <= s.t_collect
+    assert (tmp_path / "img" / "timeline_s2.png").stat().st_size > 0
 
 
 def test_bad_arguments_are_one_line(capsys, tiny_llama_dir, prompts, tmp_path):

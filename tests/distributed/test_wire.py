@@ -176,12 +176,16 @@ def test_report_roundtrip():
                        rows_committed=20, requests_failed=1, peak_slots=64, blocks_in_use=3, num_blocks=8,
                        rss_bytes=2**31, peak_rss_bytes=2**32)
     back = decode_report(encode_report(stats))
-    assert back == stats.as_dict() and back["occupancy"] == 20 / 30
+    assert back.pop("spans") == [] and back == stats.as_dict() and back["occupancy"] == 20 / 30
     assert all(isinstance(back[k], int) for k in ("steps", "bytes_sent", "num_blocks", "blocks_in_use"))
     assert isinstance(back["compute_s"], float)
     assert set(StageStats.CUMULATIVE) <= set(back)
-    with pytest.raises(WireError, match="values"):
+    with pytest.raises(WireError, match="ended early"):
         decode_report(encode_report(stats)[:-1])
+    spans = [(3, 10**18, 10**18 + 5), (4, 2**62, 2**62 + 1)]
+    assert decode_report(encode_report(stats, spans))["spans"] == spans
+    with pytest.raises(WireError, match="ended early"):  # a span cut short
+        decode_report(encode_report(stats, spans)[:-1])
 
 
 def test_floats_roundtrip():

@@ -10,7 +10,7 @@ from specpipe.loader.partition import partition_layers
 from specpipe.model.stage import build_stage
 from specpipe.request import Request
 from specpipe.sampling import SamplingParams
-from specpipe.sim.events import measured, simulate
+from specpipe.sim.events import has_stage_spans, measured, simulate
 from specpipe.sim.oracle_pipeline import OraclePipeline
 from specpipe.sim.profile import CostProfile, Link
 from specpipe.sim.trace import StepRecord, StepTracer, Trace
@@ -134,6 +134,29 @@ def test_tracer_follows_the_real_stages(tiny_model_dir, mode, tmp_path):
     real = measured(again)
     assert real.tokens == sum(len(r.output_ids) for r in reqs)
     assert all(a <= b for a, b in zip(real.collect_ms, real.collect_ms[1:]))
+
+
+def test_stage_spans_reach_the_trace(tiny_model_dir):
+    """The stages time their own compute; reports carry the spans to the tracer, which files them
+    under the step they belong to: one span per stage that computed, inside its step."""
+    ckpt = open_checkpoint(tiny_model_dir("llama"))
+    workers = [StageWorker(build_stage(ckpt, s), 64, 16) for s in partition_layers(4, 2)]
+    core = _core(LocalPipeline(workers), "specpipe-db")
+    core.tracer = StepTracer(2, {"mode": "specpipe-db"})
+    reqs = [Request(i, p, SamplingParams(max_tokens=12), frozenset()) for i, p in enumerate(PROMPTS)]
+    core.run(reqs, on_finish=lambda _r: core.request_stage_stats())
+    trace = core.tracer.finish()
+    assert has_stage_spans(trace) and "spans" not in core.stage_stats[0]  # the stats stay counters only
+    for s in trace.steps:
+        for k, rows in enumerate(s.rows):
+            assert bool(s.stage_spans and s.stage_spans[k]) == (rows > 0)
+            if rows:  # in-process, the stages compute inside collect()
+                start, end = s.stage_spans[k]
+                assert s.t_submit <= start <= end <= s.t_collect
+    real = measured(trace)
+    assert len(real.spans) == len(trace.steps)
+    trace.steps[1].stage_spans = []
+    assert not has_stage_spans(trace)
 
 
 def test_oracle_trace_equals_the_oracles_own_row_counts():
