@@ -8,7 +8,8 @@ runtime's own rules (worker/stage_main.py, engine/core.py), event by event:
   stage s, step k starts when three things are there: the step's control message from the driver,
                  its input (stage 1: the driver's rows; stage s > 1: what stage s - 1 computed at
                  step k - 1, sent when that finished) and its own step k - 1 being done;
-                 it computes its rows (layers x layer cost, + LM head on the last stage)
+                 it computes its rows (layers x layer cost, + LM head on the last stage for the
+                 rows whose token is wanted)
   collect(k)     = max(last stage's results arriving at the driver,
                       submit(k) + the draft forwards made while the stages compute)
 
@@ -122,7 +123,7 @@ def simulate(trace: Trace, profile: CostProfile, stage_layers: Optional[Sequence
             if s > 0:  # input: what stage s - 1 computed last step, sent when it finished
                 prev_out = before[s - 1] + link.transfer_ms(CONTROL_BYTES + profile.row_bytes * step.rows[s])
             start = max(control_at, prev_out, before[s])
-            cost = profile.stage(layers[s], s == S - 1, step.rows[s], *_contexts(step, s))
+            cost = profile.stage(layers[s], s == S - 1, step.rows[s], *_contexts(step, s), head=step.head_rows)
             row_span.append((start, start + cost))
             busy[f"stage {s + 1}"] += cost
             finish[s] = start + cost

@@ -102,16 +102,17 @@ class CostProfile:
         return self._table(self.draft_ms, n, context)
 
     def stage(self, layers: int, last: bool, n: int, context: Optional[int] = None,
-              others: Sequence[int] = ()) -> float:
-        """One stage of `layers` decoder layers (plus the head on the last stage) for n rows: of
-        one request at `context`, plus one more request for each context in `others`."""
+              others: Sequence[int] = (), head: Optional[int] = None) -> float:
+        """One stage of `layers` decoder layers (plus the head on the last stage, for `head` of
+        the rows, default all) for n rows: of one request at `context`, plus one more request for
+        each context in `others`."""
         if n <= 0:
             return 0.0
         overhead = _interp(self.rows, self.overhead_ms, n) if self.overhead_ms else 0.0
         if self.request_ms:
             overhead += sum(layers * _interp(self.contexts, self.request_ms, c) + self.request_overhead_ms
                             for c in others)
-        return layers * self.layer(n, context) + (self.head(n) if last else 0.0) + overhead
+        return layers * self.layer(n, context) + (self.head(n if head is None else head) if last else 0.0) + overhead
 
     # ---- files ------------------------------------------------------------------------------
 

@@ -4,6 +4,9 @@ pipeline timeline pictures (`specpipe bench --trace FILE`).
 Per pipeline step it holds what the time of that step depends on, and nothing about the device:
 
   rows         rows each stage computed (followed from the driver's messages, sim/inflight.py)
+  head_rows    the last stage's rows whose target token was wanted: the LM head computes only
+               those (a prompt chunk wants at most its last row); None (traces written before
+               this field) = every row
   context      the longest context among the requests in the pipeline (attention reads it)
   contexts     request id -> the context its rows attend to (a prompt chunk: the tokens before
                it; tree nodes: the committed tokens), for requests that sent rows this step
@@ -59,6 +62,7 @@ class StepRecord:
     t_submit: float = 0.0
     t_collect: float = 0.0
     t_end: float = 0.0
+    head_rows: Optional[int] = None
     stage_spans: list[list[float]] = field(default_factory=list)
 
 
@@ -141,6 +145,7 @@ class StepTracer:
         contexts = {self._pid_request.get(r.request_id, r.request_id): min(r.positions) for r in rows if len(r)}
         context = max(contexts.values(), default=max((pos + 1 for pos in self._roots.values()), default=0))
         self._step = StepRecord(row_counts(computed), context, serial=self._serial, t_submit=self.now(),
+                                head_rows=sum(len(r) if r.head_rows is None else len(r.head_rows) for r in computed[-1]),
                                 sent={self._pid_request.get(r.request_id, r.request_id): len(r) for r in rows},
                                 contexts=contexts)
         self._serial = []

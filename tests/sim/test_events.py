@@ -53,6 +53,14 @@ def test_pp_round_trip_by_hand():
     assert r.busy_ms["driver"] == 1.0
 
 
+def test_the_head_costs_only_the_rows_whose_token_is_wanted():
+    # A 64-row prompt chunk wanting its last row's token pays the head for one row, not 64.
+    profile = CostProfile("test", [1, 64], [[1.0, 1.0]], [1.0, 64.0], contexts=[256], model={"num_layers": 1})
+    every = simulate(trace_of(1, [{"rows": [64], "sent": {0: 64}, "tokens": {0: 1}}]), profile)
+    one = simulate(trace_of(1, [{"rows": [64], "sent": {0: 64}, "tokens": {0: 1}, "head_rows": 1}]), profile)
+    assert (every.total_ms, one.total_ms) == (65.0, 2.0)
+
+
 def test_a_stage_waits_for_its_input_not_for_the_slowest_stage():
     # Stage 1 computes 64 rows at step 0 (64 ms); stage 2 computes 1 row at steps 0 and 1.
     # Lock-step would start step 1 everywhere after 64 ms; here step 1 starts when the driver has
@@ -126,6 +134,9 @@ def test_tracer_follows_the_real_stages(tiny_model_dir, mode, tmp_path):
     for s in trace.steps:  # every row is accounted for by request and depth; pp prunes nothing
         assert [sum(g[2] for g in stage) for stage in s.work] == s.rows
         assert all(0 <= g[3] <= g[2] and g[0] in final for stage in s.work for g in stage)
+    # The LM head runs only for rows whose token is wanted: a prompt chunk wants its last row.
+    assert all(0 <= s.head_rows <= s.rows[-1] for s in trace.steps)
+    assert any(s.head_rows < s.rows[-1] for s in trace.steps)
     wasted = sum(g[3] for s in trace.steps for stage in s.work for g in stage)
     assert (wasted == 0) == (mode == "pp-cb")
     trace.save(tmp_path / "t.json")
