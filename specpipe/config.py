@@ -148,6 +148,7 @@ class EngineConfig:
     tree_width: int = 8  # W: nodes per tree layer
     tree_depth: int = 4  # D: layers per round in mode `tree`
     layers_per_step: int | str = 1  # d: tree layers per step in specpipe / specpipe-db, or "auto"
+    cost_profile: Optional[str] = None  # auto: a profile file or shipped name pricing rows and drafts
     max_context: int = 4096  # tokens of prompt + output a request may hold
     device: str = "cpu"
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
@@ -184,6 +185,8 @@ class EngineConfig:
                                                     and 1 <= self.layers_per_step <= MAX_LAYERS_PER_STEP):
             raise ConfigError(f"--layers-per-step must be auto or an integer in [1, {MAX_LAYERS_PER_STEP}], "
                               f"got {self.layers_per_step!r}")
+        if self.cost_profile is not None and self.layers_per_step != "auto":
+            raise ConfigError("--cost-profile only steers --layers-per-step auto")
         if self.max_context < 2:
             raise ConfigError(f"--max-context must be at least 2, got {self.max_context}")
         if self.transport not in ("auto", "inproc", "processes"):

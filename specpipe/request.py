@@ -28,6 +28,7 @@ class DecodeStats:
     hits_by_depth: dict[int, int] = field(default_factory=dict)  # hits by the depth the token was drafted at
     verifications_by_depth: dict[int, int] = field(default_factory=dict)  # ... and verifications (specpipe)
     commits_per_step: dict[int, int] = field(default_factory=dict)  # tokens committed in a step -> steps
+    block_shapes: dict[str, int] = field(default_factory=dict)  # specpipe: "d x w" of the blocks sent -> steps
     rounds: int = 0  # tree mode: verification rounds
     live_nodes_sum: int = 0  # sum over steps of the live tree size (for the mean)
     draft_s: float = 0.0  # driver time spent in the speculative source (shared by a step's requests)
@@ -127,6 +128,7 @@ class Request:
             "hit_rate_by_depth": {str(k): s.hits_by_depth.get(k, 0) / v
                                   for k, v in sorted(s.verifications_by_depth.items())} or None,
             "commits_per_step": {str(k): v for k, v in sorted(s.commits_per_step.items())} or None,
+            "block_shapes": dict(sorted(s.block_shapes.items())) or None,
             "acceptance_length": n / s.rounds if s.rounds else None,
             "mean_live_tree": s.live_nodes_sum / s.pipeline_steps if s.live_nodes_sum else None,
             "ttft_ms": (self.token_times[0] - self.arrival) * 1e3 if n else None,

@@ -19,6 +19,7 @@ round), and speed-ups against `pp` (or `pp-cb` when no `pp` ran) and against the
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import sys
@@ -94,6 +95,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plots", default=None, help="write PNG pictures here (an --oracle timeline needs --profile)")
     p.add_argument("--profile", default=None, help="cost profile to simulate the timeline picture of --oracle runs with (real runs draw "
                         "the stages' measured times)")
+    p.add_argument("--cost-profile", default=None,
+                   help="what runs with layers=auto plan with (a profile file or shipped name; default: rows nearly free)")
     p.add_argument("--result-json", default=None)
     p.add_argument("--result-md", default=None)
     p.add_argument("--no-progress", action="store_true")
@@ -111,6 +114,7 @@ class Outcome:
     rounds: int
     ttft_ms: Optional[float] = None
     tbt_ms: Optional[float] = None
+    block_shapes: dict[str, int] = field(default_factory=dict)  # specpipe: "d x w" -> steps
 
 
 @dataclass
@@ -197,7 +201,7 @@ def _config(args, S: int, runs: list[RunSpec], **extra):
     return EngineConfig(model=args.model, mode="specpipe", stages=S, draft=args.draft, tree_width=args.tree_width,
                         tree_depth=args.tree_depth, layers_per_step=deepest, device=args.device,
                         max_num_seqs=max(1, args.concurrency), max_step_rows=args.max_step_rows,
-                        stage_timeout_s=600, **{"transport": args.transport, "stage_threads": args.stage_threads,
+                        stage_timeout_s=600, cost_profile=args.cost_profile if deepest == "auto" else None, **{"transport": args.transport, "stage_threads": args.stage_threads,
                                                 **extra})
 
 
@@ -207,7 +211,8 @@ def _core_args(args, run: RunSpec) -> tuple:
 
 def _outcome(group: str, req, real: bool) -> Outcome:
     s = req.stats
-    o = Outcome(group, len(req.output_ids), s.pipeline_steps, s.hits, s.verifications, s.rounds)
+    o = Outcome(group, len(req.output_ids), s.pipeline_steps, s.hits, s.verifications, s.rounds,
+                block_shapes=dict(s.block_shapes))
     if real:
         summary = req.summary(0)
         o.ttft_ms, o.tbt_ms = summary["ttft_ms"], summary["tbt_ms"]
@@ -268,7 +273,8 @@ def _oracle(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
                 source = engine.source if mode in SPECULATIVE_MODES else None
                 core = EngineCore(OraclePipeline(S, lambda pid: by_pid.get(pid, [])), mode, source, width=width,
                                   depth=depth, layers=layers, max_num_seqs=max(1, args.concurrency),
-                                  step_rows=args.max_step_rows, max_waiting=len(reqs))
+                                  step_rows=args.max_step_rows, max_waiting=len(reqs),
+                                  cost_profile=engine.cost_profile)
                 source = core.source.name if core.source is not None else None
                 core.tracer = _tracer(args, run, S, False, source)
                 res = RunResult(run, S)
@@ -327,7 +333,9 @@ def metrics(outcomes: list[Outcome], seconds: float) -> dict:
             "ttft_ms_median": statistics.median(ttft) if ttft else None,
             "tbt_ms_median": statistics.median(tbt) if tbt else None,
             "tbt_ms_p90": percentile(tbt, 90) if tbt else None,
-            "throughput_tok_s": tokens / seconds if seconds else None}
+            "throughput_tok_s": tokens / seconds if seconds else None,
+            "block_shapes": dict(sorted(sum((collections.Counter(o.block_shapes) for o in outcomes),
+                                            collections.Counter()).items())) or None}
 
 
 def build_report(args, results: list[RunResult]) -> dict:
@@ -398,7 +406,7 @@ def draw(args, report: dict, results: list[RunResult]) -> None:
                                       "tokens_per_step": r["all"]["tokens_per_step"]} for r in report["runs"]],
                                     out / "tokens_per_step.png")
     if report["runs"][0]["real"] or args.profile:  # real runs: the stages' own times; oracle: simulated
-        from specpipe.sim.cli import load_profile
+        from specpipe.sim.profile import load_profile
         from specpipe.sim.trace import Trace
 
         profile = load_profile(args.profile) if args.profile else None

@@ -21,17 +21,21 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Callable, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
 from specpipe.config import BUDGETED_MODES, SPECULATIVE_MODES, ConfigError
 from specpipe.engine.modes.base import AFTER, BEFORE, DURING, ModeState
 from specpipe.engine.modes.rounds import RoundsState
-from specpipe.engine.modes.specpipe import SpecPipeState, block_rows
+from specpipe.engine.modes.specpipe import AUTO, AutoPlan, SpecPipeState, block_rows
 from specpipe.messages import Control, Pipeline
 from specpipe.request import Request
 from specpipe.sched.block_manager import BlockManager
 from specpipe.sched.scheduler import QueueFull, Scheduler
+from specpipe.spec_decode.planner import HitProfile, StepCost
 from specpipe.spec_decode.sources import TokenSource
+
+if TYPE_CHECKING:
+    from specpipe.sim.profile import CostProfile
 
 MAX_STAGE_KV_FAILURES = 3  # a request a stage could not hold this often ends with an error
 DRAFT_BOUND_WAIT_S = 0.001  # results waiting less than this after drafting: the draft was the bottleneck
@@ -50,11 +54,16 @@ class EngineCore:
     def __init__(self, pipeline: Pipeline, mode: str, source: Optional[TokenSource] = None, *,
                  width: int = 8, depth: int = 4, layers: int | str = 1, kv_blocks: int = 1 << 16, block_size: int = 16,
                  max_num_seqs: int = 32, step_rows: Optional[int] = 64, max_waiting: int = 1024,
-                 pids: Optional[Iterator[int]] = None) -> None:
+                 pids: Optional[Iterator[int]] = None, cost_profile: Optional["CostProfile"] = None) -> None:
+        """`cost_profile`: what `--layers-per-step auto` prices rows and draft forwards with."""
         if mode in SPECULATIVE_MODES and source is None:
             raise ConfigError(f"mode {mode} needs a speculative source")
         self.pipe, self.mode, self.source = pipeline, mode, source
         self.width, self.depth, self.layers = width, depth, layers
+        self.auto_plan: Optional[AutoPlan] = None  # shared by every request in `--layers-per-step auto`
+        if layers == AUTO and mode in SPECULATIVE_MODES and mode != "tree":
+            cost = StepCost(cost_profile, pipeline.num_stages) if cost_profile is not None else None
+            self.auto_plan = AutoPlan(HitProfile(width), pipeline.num_stages, cost)
         self.scheduler = Scheduler(BlockManager(kv_blocks, block_size), max_num_seqs,
                                    step_rows if mode in BUDGETED_MODES else None, max_waiting)
         self.requests: dict[int, Request] = {}
@@ -215,7 +224,7 @@ class EngineCore:
             return RoundsState(pid, req, None, 1, 0)
         if self.mode == "tree":
             return RoundsState(pid, req, self.source, self.width, self.depth)
-        return SpecPipeState(pid, req, self.source, self.width, self.layers)
+        return SpecPipeState(pid, req, self.source, self.width, self.layers, self.auto_plan)
 
     def _draft(self, states: list[ModeState], phase: str) -> list[ModeState]:
         """Every request's source calls of one phase in one `propose_many` (one draft forward);

@@ -60,6 +60,14 @@ class Engine:
                                config.layers_per_step)
         self.num_blocks = pool_blocks(config, cfg, self.stage_specs, reserve)
         self.block_size = config.block_size
+        self.cost_profile = None
+        if config.cost_profile is not None:
+            from specpipe.sim.profile import load_profile
+
+            try:
+                self.cost_profile = load_profile(config.cost_profile)
+            except ValueError as e:
+                raise ConfigError(f"--cost-profile: {e}") from None
         self.source: Optional[TokenSource] = None
         if config.mode in SPECULATIVE_MODES:
             self._source()  # before any process starts, so a bad --draft leaves nothing running
@@ -109,7 +117,7 @@ class Engine:
             self._cores[key] = EngineCore(
                 self.pipeline, key[0], source, width=key[1], depth=key[2], layers=key[3], kv_blocks=self.num_blocks,
                 block_size=self.block_size, max_num_seqs=c.max_num_seqs, step_rows=c.max_step_rows,
-                max_waiting=c.max_waiting, pids=self._pids)
+                max_waiting=c.max_waiting, pids=self._pids, cost_profile=self.cost_profile)
         return self._cores[key]
 
     # -- requests -------------------------------------------------------------------------------

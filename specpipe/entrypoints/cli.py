@@ -94,7 +94,10 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--tree-depth", type=int, default=4, help="D: tree layers per round in mode tree (default 4)")
     g.add_argument("--layers-per-step", type=_layers, default=1,
                    help="d: tree layers entering stage 1 per step in specpipe / specpipe-db (default 1, the paper's "
-                        "method), or auto: depth and shape of each block chosen per request and step")
+                        "method), or auto: depth and width of each block planned per request and step")
+    g.add_argument("--cost-profile", default=None,
+                   help="with --layers-per-step auto: what rows and draft forwards cost, a `specpipe profile` file "
+                        "or a shipped profile (a100-80gb, h100-80gb, h200); default: rows nearly free")
     g.add_argument("--max-context", type=int, default=4096, help="prompt + output tokens per request (default 4096)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)")
@@ -124,7 +127,7 @@ def _engine_config(args: argparse.Namespace, **extra):
     config = EngineConfig(model=args.model, mode=args.mode, stages=args.stages,
                           stage_layers=parse_stage_layers(args.stage_layers), draft=args.draft,
                           tree_width=args.tree_width, tree_depth=args.tree_depth,
-                          layers_per_step=args.layers_per_step,
+                          layers_per_step=args.layers_per_step, cost_profile=args.cost_profile,
                           max_context=args.max_context, device=args.device, dtype=args.dtype,
                           transport=args.transport, stage_threads=args.stage_threads,
                           link_delay_ms=args.link_delay_ms,
@@ -217,6 +220,8 @@ def _summary(s: dict, n: int) -> str:
         lines.append("  hit rate by drafted depth: " + ", ".join(f"{d}: {r:.0%}" for d, r in s["hit_rate_by_depth"].items()))
     if s.get("commits_per_step"):
         lines.append("  steps by tokens committed: " + ", ".join(f"{k}: {v}" for k, v in s["commits_per_step"].items()))
+    if s.get("block_shapes"):
+        lines.append("  blocks sent (layers x width: steps): " + ", ".join(f"{k}: {v}" for k, v in s["block_shapes"].items()))
     if s.get("draft_bound_steps"):
         lines.append(f"  the draft set the pace in {s['draft_bound_steps']} of {s['pipeline_steps']} steps "
                      f"(its drafting outlasted the stages' compute)")

@@ -45,23 +45,11 @@ def parse_link(text: str, profile=None):
     return Link(text, latency, gbps)
 
 
-def load_profile(name: str):
-    from specpipe.sim.profile import CostProfile
-    from specpipe.sim.roofline import PROFILES_DIR
-
-    if Path(name).is_file():
-        return CostProfile.load(name)
-    shipped = sorted(PROFILES_DIR.glob(f"{name}*.json"))
-    if len(shipped) == 1:
-        return CostProfile.load(shipped[0])
-    known = ", ".join(p.stem for p in sorted(PROFILES_DIR.glob("*.json")))
-    raise ValueError(f"no profile file {name!r} and no single shipped profile starting with it; shipped: {known}")
-
-
 def main(args: argparse.Namespace) -> int:
     from specpipe.config import ConfigError
     from specpipe.loader.partition import parse_stage_layers
     from specpipe.sim.events import measured, simulate
+    from specpipe.sim.profile import load_profile
     from specpipe.sim.trace import Trace
 
     try:

@@ -139,6 +139,19 @@ class CostProfile:
         return cls.from_json(read_json(path, "profile"))
 
 
+def load_profile(name: str | Path) -> CostProfile:
+    """A profile file, or a shipped profile by (the start of) its name: a100-80gb, h100-80gb, ..."""
+    from specpipe.sim.roofline import PROFILES_DIR
+
+    if Path(name).is_file():
+        return CostProfile.load(name)
+    shipped = sorted(PROFILES_DIR.glob(f"{name}*.json"))
+    if len(shipped) == 1:
+        return CostProfile.load(shipped[0])
+    known = ", ".join(p.stem for p in sorted(PROFILES_DIR.glob("*.json")))
+    raise ValueError(f"no profile file {name!r} and no single shipped profile starting with it; shipped: {known}")
+
+
 def read_json(path: str | Path, what: str) -> dict:
     """A JSON file, or a ValueError that says which file and why."""
     try:

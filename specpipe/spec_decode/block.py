@@ -3,13 +3,9 @@ the cap"): up to `depth` layers below the deepest layer already in the pipeline.
 
 Best-first by cumulative draft score: candidates are the children the source proposed for nodes
 already in the pipeline (or already chosen for this block), so a parent always comes before its
-children. Two shapes:
-
-  fixed d, width W   at most W nodes per layer: layer i + 1 is the global top-W children of
-                     layer i (d = 1 is the paper's SpecPipe, one layer per step);
-  budget M           no per-layer cap: the M best nodes of the whole block by cumulative score,
-                     wherever they are (EAGLE-2's global top-M, per block instead of per round),
-                     so rows go where the draft puts probability mass.
+children, and at most W nodes go into each layer: layer i + 1 is the global top-W children of
+layer i (d = 1 is the paper's SpecPipe, one layer per step). A row cap (the scheduler's grant)
+can end the block early.
 
 Candidates may already exist as unsent nodes (drafted ahead while the stages computed): they are
 reused, and their own proposals open the next layer of the block. Ties go to the shallower node,
@@ -20,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, Sequence
 
 from specpipe.spec_decode.tree import Node, TokenTree
 
@@ -31,7 +27,7 @@ Proposals = Mapping[int, Sequence[tuple[int, float]]]
 class BlockShape:
     depth: int  # layers below the deepest layer in the pipeline
     rows: int  # nodes in the block at most
-    width: Optional[int] = None  # nodes per layer at most (None: only the row cap)
+    width: int  # nodes per layer at most
 
 
 def choose_block(tree: TokenTree, props: Proposals, sent: set[int], shape: BlockShape) -> list[Node]:
@@ -70,7 +66,7 @@ def _select(tree: TokenTree, props: Proposals, sent: set[int], shape: BlockShape
     per_layer: dict[int, int] = {}
     while heap and len(chosen) < shape.rows:
         _, depth, parent, token, lp = heapq.heappop(heap)
-        if shape.width is not None and per_layer.get(depth, 0) >= shape.width:
+        if per_layer.get(depth, 0) >= shape.width:
             continue
         per_layer[depth] = per_layer.get(depth, 0) + 1
         node = unsent.get((parent, token))

@@ -15,12 +15,14 @@ import torch
 
 from specpipe.config import StageSpec
 from specpipe.engine.engine import decode
+from specpipe.engine.modes.specpipe import AUTO_MAX_LAYERS
 from specpipe.engine.default_model import DefaultModelMissing, default_model_path
 from specpipe.loader import open_checkpoint
 from specpipe.loader.partition import partition_layers
 from specpipe.model.stage import build_stage
 from specpipe.request import Request
 from specpipe.sampling import SamplingParams
+from specpipe.sim.profile import CostProfile
 from specpipe.spec_decode.draft_model import DraftModelSource
 from specpipe.spec_decode.sources import MergedSource, NgramSource
 from specpipe.worker.local_pipeline import LocalPipeline
@@ -127,19 +129,42 @@ def test_all_modes_and_sources_equal_pp_tiny(tiny8, num_stages, sampling):
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("num_stages", [1, 2, 4, 8])
 def test_several_layers_per_step_equal_pp(tiny8, num_stages, sampling):
-    """Blocks of d = 2, 3, 4 layers per step, every source: the same tokens as pp, and at every
-    stage no more KV than committed tokens plus the live tree (d layers of W per step in flight)."""
+    """Blocks of d = 2, 3, 4 layers per step and auto (up to 8), every source: the same tokens as
+    pp, and at every stage no more KV than committed tokens plus the live tree (d layers of W per
+    step in flight)."""
     target, draft_ckpt = tiny8
     max_committed = len(TINY_PROMPT) + sampling.max_tokens
     reference = run(make_pipeline(target, 1, 1, max_committed), "pp", TINY_PROMPT, sampling).output_ids
     sources = all_sources(target, draft_ckpt)
-    for layers in (2, 3, 4):
-        pipe = make_pipeline(target, num_stages, 4 * layers, max_committed)
+    for layers in (2, 3, 4, "auto"):
+        deepest = AUTO_MAX_LAYERS if layers == "auto" else layers
+        pipe = make_pipeline(target, num_stages, 4 * deepest, max_committed)
         for name, make in sources.items():
             req = run(pipe, "specpipe", TINY_PROMPT, sampling, make(), layers=layers)
             assert req.output_ids == reference, f"d={layers} with {name} differs from pp"
             assert req.stats.pipeline_steps <= num_stages * len(reference)
-            assert max(req.stats.commits_per_step) <= layers + 1  # a block, plus a new root at S = 1
+            assert max(req.stats.commits_per_step) <= deepest + 1  # a block, plus a new root at S = 1
+
+
+def test_auto_plans_small_blocks_where_rows_cost(tiny8):
+    """auto with a profile in which every row costs as much as the last: the same tokens, in
+    blocks of one layer (a deeper or wider block would not pay for its rows); without a
+    profile (rows free) the deepest, widest blocks."""
+    target, _ = tiny8
+    sampling = GREEDY
+    max_committed = len(TINY_PROMPT) + sampling.max_tokens
+    reference = run(make_pipeline(target, 1, 1, max_committed), "pp", TINY_PROMPT, sampling).output_ids
+    rows = [1, 2, 4, 8, 16, 32, 64]
+    costly = CostProfile("rows cost", rows, [[float(n) for n in rows]], [0.0] * len(rows), model={"num_layers": 8})
+    shapes = {}
+    for name, profile in (("costly", costly), ("free", None)):
+        pipe = make_pipeline(target, 4, 4 * AUTO_MAX_LAYERS, max_committed)
+        req = Request(0, TINY_PROMPT, sampling, frozenset())
+        decode(pipe, req, "specpipe", self_draft(target, 7), 4, 3, layers="auto", cost_profile=profile)
+        assert req.output_ids == reference, name
+        shapes[name] = req.stats.block_shapes
+    assert set(shapes["costly"]) == {"1x1"}
+    assert max(shapes["free"], key=shapes["free"].get) == f"{AUTO_MAX_LAYERS}x4"
 
 
 def test_several_layers_pass_one_token_per_step(tiny8):

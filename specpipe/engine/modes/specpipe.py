@@ -23,16 +23,19 @@ One step of one request:
   4. after a miss the new root and d layers below it are drafted at once (d source calls on the
      critical path), so they enter stage 1 together in the next step.
 
-`--layers-per-step auto`: each block is the best AUTO_ROWS_PER_WIDTH * W nodes by cumulative draft
-score wherever they lie (no per-layer width: rows go where the draft puts probability mass, as
-EAGLE-2 chooses its tree), and the depth drafted ahead is chosen per request and step: one layer
-deeper when the target accepted a whole block in two steps running, one shallower when drafting
-outlasted the stages' compute (the draft set the pace), between 1 and AUTO_MAX_LAYERS. Under
-specpipe-db the scheduler's grant caps the block as for a fixed d.
+`--layers-per-step auto`: the block's depth d and width w are planned per request and step
+(spec_decode/planner.py): the (d, w) with the most expected tokens per unit of step time, from the
+hit rate the target has given the engine's requests so far (at any width up to W, from where its
+tokens ranked among the source's proposals) and, with a cost profile, what the stages' rows and
+the d draft forwards cost. Without a profile rows are taken as nearly free (an accelerator) and
+the deepest block of AUTO_MAX_LAYERS wins; either way the depth backs off a layer whenever drafting
+outlasted the stages' compute (the draft set the pace) and creeps back after two steps that were
+not draft-bound. Under specpipe-db the scheduler's grant caps the block as for a fixed d.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 from specpipe.engine.modes.base import AFTER, DURING, ModeState
@@ -40,25 +43,38 @@ from specpipe.engine.rows import concat_rows, node_rows, source_rows
 from specpipe.messages import Rows
 from specpipe.sched.scheduler import Want
 from specpipe.spec_decode.block import BlockShape, block_size, choose_block
+from specpipe.spec_decode.planner import HitProfile, StepCost, plan_block
 from specpipe.spec_decode.sources import ProposeCall, SourceRows
 
 AUTO = "auto"
 AUTO_MAX_LAYERS = 8
-AUTO_FIRST_LAYERS = 2
-AUTO_ROWS_PER_WIDTH = 4  # an auto block holds at most this many W of nodes
+AUTO_WIDTH_SHARES = (1, 2, 4)  # auto tries W, W/2 and W/4 nodes per layer
+AUTO_CALM_STEPS = 2  # steps not draft-bound before the depth may grow again by one
 
 
 def block_rows(layers: int | str, width: int) -> int:
     """The most nodes one block can hold."""
-    return AUTO_ROWS_PER_WIDTH * width if layers == AUTO else layers * width
+    return (AUTO_MAX_LAYERS if layers == AUTO else layers) * width
+
+
+@dataclass
+class AutoPlan:
+    """What `--layers-per-step auto` plans with, shared by the requests of one engine core."""
+
+    hits: HitProfile
+    num_stages: int
+    cost: Optional[StepCost] = None  # None: rows nearly free, drafting hidden
 
 
 class SpecPipeState(ModeState):
-    def __init__(self, pid, req, source, width: int, layers: int | str = 1) -> None:
+    def __init__(self, pid, req, source, width: int, layers: int | str = 1, auto: Optional[AutoPlan] = None) -> None:
         super().__init__(pid, req, source, width)
-        self.auto = layers == AUTO
-        self.layers = AUTO_FIRST_LAYERS if self.auto else int(layers)  # d: the block's depth now
-        self._whole_blocks = 0  # auto: steps running in which a whole block was accepted
+        if (layers == AUTO) != (auto is not None):
+            raise ValueError("--layers-per-step auto needs an AutoPlan (and only auto takes one)")
+        self.auto = auto
+        self.layers = 1 if auto else int(layers)  # d: the block's depth now
+        self.block_width = width  # w: nodes per layer of the block (auto: planned, at most W)
+        self._cap, self._calm = AUTO_MAX_LAYERS, 0  # auto: the depth drafting allows, steps since it bound
         self.props: dict[int, list[tuple[int, float]]] = {}  # node id -> its children's candidates
         self.drafted_depth: dict[int, int] = {}  # node id -> its depth when it was sent
         self.sent: set[int] = set()  # tree node ids sent into the pipeline (the root once it is)
@@ -69,10 +85,12 @@ class SpecPipeState(ModeState):
         self._calls = None  # the drafting in progress: a generator of source calls
         self._phase: Optional[str] = None
         self._call: Optional[ProposeCall] = None
+        if auto:
+            self._replan()
 
     def shape(self, rows: Optional[int] = None) -> BlockShape:
-        full = block_rows(AUTO if self.auto else self.layers, self.width)
-        return BlockShape(self.layers, full if rows is None else min(rows, full), None if self.auto else self.width)
+        full = self.layers * self.block_width
+        return BlockShape(self.layers, full if rows is None else min(rows, full), self.block_width)
 
     def want(self) -> Want:
         if self.prefill.left():
@@ -103,6 +121,8 @@ class SpecPipeState(ModeState):
                 self.drafted_depth[n.node_id] = tree.depth_of(n.node_id)
             self.sent.update(n.node_id for n in block)
             self.req.stats.drafted += len(block)
+            shape = f"{self.layers}x{self.block_width}"
+            self.req.stats.block_shapes[shape] = self.req.stats.block_shapes.get(shape, 0) + 1
             rows = concat_rows(rows, node_rows(self.pid, block))
         self.req.stats.live_nodes_sum += tree.num_live()
         return self._sent(rows)
@@ -174,9 +194,13 @@ class SpecPipeState(ModeState):
             parent = tree.root_id
             depth = max((self.drafted_depth.get(n.node_id, 0) for n in tree.live_nodes() if n.parent == parent),
                         default=0)  # when the root's children were sent (0: none were)
+            rank = self._rank(parent, tree.root_target()) if self.auto else None
             v = tree.verify(tree.root_target())
             stats.verifications += 1
-            if v.hit and v.committed_id in self.sent:
+            hit = v.hit and v.committed_id in self.sent
+            if self.auto:
+                self.auto.hits.record(rank, hit)
+            if hit:
                 stats.hits += 1
                 depth = self.drafted_depth.get(v.committed_id, depth)
                 stats.hits_by_depth[depth] = stats.hits_by_depth.get(depth, 0) + 1
@@ -192,7 +216,7 @@ class SpecPipeState(ModeState):
         if self.started and not self.prefill.left():
             stats.commits_per_step[len(commit)] = stats.commits_per_step.get(len(commit), 0) + 1
             if self.auto:
-                self._adapt(len(commit), self.new_root is None)
+                self._adapt()
         if not (commit or drop):
             return
         self._pruned(commit, [n for n in drop if n in self.sent], [n for n in drop if n in self.fed])
@@ -204,16 +228,29 @@ class SpecPipeState(ModeState):
         self.sent = {n for n in self.sent if n in tree}
         self.fed = {n for n in self.fed if n in tree}
 
-    def _adapt(self, committed: int, all_hits: bool) -> None:
-        """auto: a block accepted whole twice running asks for a deeper one; a draft that set the
-        pace asks for a shallower one (fewer source calls per step)."""
-        self._whole_blocks = self._whole_blocks + 1 if all_hits and committed >= self.layers else 0
-        if self.draft_bound and self.layers > 1:
-            self.layers -= 1
-            self._whole_blocks = 0
-        elif self._whole_blocks >= 2 and self.layers < AUTO_MAX_LAYERS:
-            self.layers += 1
-            self._whole_blocks = 0
+    def _rank(self, parent: int, token: int) -> Optional[int]:
+        """Where the source ranked the target's token among its proposals for `parent`."""
+        ranked = sorted(self.props.get(parent, ()), key=lambda p: -p[1])
+        return next((i for i, (t, _) in enumerate(ranked) if t == token), None)
+
+    def _adapt(self) -> None:
+        """auto: one layer less when drafting set the pace, one more allowed after calm steps;
+        then the plan for the next block."""
+        if self.draft_bound:
+            self._cap, self._calm = max(1, self.layers - 1), 0
+        else:
+            self._calm += 1
+            if self._calm >= AUTO_CALM_STEPS:
+                self._cap, self._calm = min(AUTO_MAX_LAYERS, self._cap + 1), 0
+        self._replan()
+
+    def _replan(self) -> None:
+        a = self.auto
+        widths = [max(1, self.width // k) for k in AUTO_WIDTH_SHARES]
+        d, w = plan_block(a.hits, self.block_width, a.num_stages, AUTO_MAX_LAYERS, widths, a.cost,
+                          self.req.context_len)
+        self.layers, self.block_width = min(d, self._cap), w
+        self.tree.width = w
 
     def _discard_unsent(self, keep: set[int]) -> None:
         """Drop the nodes drafted ahead that are not in this step's block (the source forgets

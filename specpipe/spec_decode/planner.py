@@ -1,0 +1,106 @@
+"""`--layers-per-step auto`: how deep and how wide the next block of a request's tree should be
+(SPEC §4, "lifting the cap"), from what the target has accepted so far and what rows cost.
+
+A block of d layers of w nodes enters stage 1 each step. With a hit rate h (the share of the
+target's tokens the tree held), a step that verifies a block commits tokens until the first miss:
+1 + h + ... + h^(d-1) of them on average, and ends in a miss with probability 1 - h^d; a miss
+costs S - 1 steps of refill (the new root must cross every stage). So, in tokens per step,
+
+    E(h, d, S) = (1 + h + ... + h^(d-1)) / (1 + (1 - h^d) (S - 1))
+
+(d = 1: 1 / (1 + (1 - h)(S - 1)); h = 1: d). Width sets the hit rate: the target's token must be
+among the w children the tree holds. The source ranks its proposals, so the hit rate at any width
+up to the proposals' count follows from where the target's tokens ranked (HitProfile).
+
+A step costs the slowest of: the stages, each computing about the rows of one block per step
+(d x w), and the drafting, d source forwards one after another while the stages compute. The
+plan is the (d, w) with the most tokens per millisecond, E / step time. Without a cost profile
+every shape costs the same (rows nearly free, drafting hidden: an accelerator far from its
+compute bound) and the deepest, widest block wins; the engine still backs off a layer whenever
+drafting measurably outlasts the stages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional, Sequence
+
+if TYPE_CHECKING:
+    from specpipe.sim.profile import CostProfile
+
+PRIOR_VERIFICATIONS = 8  # the hit profile starts as this many verifications at PRIOR_HIT_RATE
+PRIOR_HIT_RATE = 0.8
+
+
+def expected_tokens_per_step(h: float, d: int, num_stages: int) -> float:
+    """E(h, d, S) above."""
+    committed = sum(h ** j for j in range(d))
+    return committed / (1.0 + (1.0 - h ** d) * (num_stages - 1))
+
+
+@dataclass
+class HitProfile:
+    """Where the target's tokens ranked among the source's proposals for their parent, over all
+    verifications of the requests that share it (one per engine core: a draft's strength is a
+    property of the pair, not of one request)."""
+
+    max_width: int
+    ranks: list[int] = field(default_factory=list)  # ranks[r]: target tokens at rank r (0 = best)
+    verifications: int = 0  # all of them, also those whose token was not proposed
+    hits: int = 0  # ... and those the tree held
+
+    def __post_init__(self) -> None:
+        self.ranks = self.ranks or [0] * self.max_width
+
+    def record(self, rank: Optional[int], hit: bool) -> None:
+        """`rank`: the target token's rank among the proposals, None if it was not proposed."""
+        self.verifications += 1
+        self.hits += hit
+        if rank is not None and rank < self.max_width:
+            self.ranks[rank] += 1
+
+    def hit_rate(self, width: int, used_width: int) -> float:
+        """The hit rate a tree of `width` children per layer would have, from the measured one at
+        `used_width`: the tree holds fewer children of the right parent than the source proposed
+        (a layer's width is shared by several parents), so the measured rate is scaled by how the
+        proposals' reach changes with width. A prior of PRIOR_VERIFICATIONS at PRIOR_HIT_RATE keeps
+        the first steps sane."""
+        n = self.verifications + PRIOR_VERIFICATIONS
+        measured = (self.hits + PRIOR_HIT_RATE * PRIOR_VERIFICATIONS) / n
+        reach = [(sum(self.ranks[:w]) + PRIOR_HIT_RATE * PRIOR_VERIFICATIONS) / n for w in (width, used_width)]
+        return min(1.0, measured * reach[0] / reach[1]) if reach[1] > 0 else measured
+
+
+class StepCost:
+    """The time of one pipeline step when each stage computes `rows` rows and the source makes
+    `forwards` forwards of `draft_rows` rows while they compute: the slowest of the two. From a
+    cost profile (`specpipe profile`, or a roofline preset), with the profile's layers split over
+    `num_stages` stages; the slowest stage is the one that counts."""
+
+    def __init__(self, profile: "CostProfile", num_stages: int) -> None:
+        from specpipe.loader.partition import partition_layers
+
+        if not profile.num_layers:
+            raise ValueError("the cost profile does not say how many layers its model has")
+        self.profile = profile
+        self.layers = [p.end - p.start for p in partition_layers(profile.num_layers, num_stages)]
+
+    def step_ms(self, rows: int, forwards: int, draft_rows: int, context: int) -> float:
+        p, S = self.profile, len(self.layers)
+        stages = max(p.stage(n, s == S - 1, rows, context) for s, n in enumerate(self.layers))
+        return max(stages, forwards * p.draft_forward(draft_rows, context))
+
+
+def plan_block(hits: HitProfile, used_width: int, num_stages: int, max_layers: int, widths: Sequence[int],
+               cost: Optional[StepCost], context: int) -> tuple[int, int]:
+    """The (layers, width) with the most expected tokens per unit of step time."""
+    best, best_rate = (1, max(widths)), -1.0
+    for w in sorted(set(widths)):
+        h = hits.hit_rate(w, used_width)
+        for d in range(1, max_layers + 1):
+            tokens = expected_tokens_per_step(h, d, num_stages)
+            ms = cost.step_ms(d * w, d, w, context) if cost is not None else 1.0
+            rate = tokens / ms if ms > 0 else tokens
+            if rate > best_rate * (1 + 1e-9):  # ties: the smaller block (fewer rows, fewer forwards)
+                best, best_rate = (d, w), rate
+    return best
