@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from specpipe.sim.events import measured, simulate
+from specpipe.sim.events import has_stage_spans, measured, simulate
 from specpipe.sim.profile import CostProfile, Link
 from specpipe.sim.trace import Trace
 
@@ -42,6 +42,26 @@ def driver_ms(trace: Trace) -> float:
     costs next to nothing)."""
     ends = [s.t_end for s in trace.steps]
     return statistics.median(b - a for a, b in zip(ends, ends[1:])) * 1e3
+
+
+def diagnose(real: Trace, sim) -> dict:
+    """From a real trace's stage spans: measured stage compute over what the profile predicts for
+    the same steps, and the median hand-over time (stage s finished a step's rows at step k,
+    stage s + 1 started them at step k + 1)."""
+    if not has_stage_spans(real):
+        return {}
+    measured_ms = predicted_ms = 0.0
+    handovers = []
+    for k, step in enumerate(real.steps):
+        for s, rows in enumerate(step.rows):
+            if rows and step.stage_spans[s]:
+                measured_ms += (step.stage_spans[s][1] - step.stage_spans[s][0]) * 1e3
+                predicted_ms += sim.spans[k][s][1] - sim.spans[k][s][0]
+                before = real.steps[k - 1].stage_spans if k else None
+                if s and before and before[s - 1]:
+                    handovers.append((step.stage_spans[s][0] - before[s - 1][1]) * 1e3)
+    return {"compute_ratio": measured_ms / predicted_ms if predicted_ms else None,
+            "handover_ms": statistics.median(handovers) if handovers else None}
 
 
 def main() -> None:
@@ -76,12 +96,13 @@ def main() -> None:
             S = real.num_stages
             drv = driver_ms(oracle)
             link = Link(**profile.links[f"loopback-s{S}"])
-            sim = simulate(real, profile, link=link, driver_ms=drv, draft_cost=False).summary()
+            result = simulate(real, profile, link=link, driver_ms=drv, draft_cost=False, keep_spans=True)
+            sim = result.summary()
             got = measured(real).summary()
             row = {"case": kind, "run": real.meta["label"], "stages": S, "driver_ms": drv, "link_ms": link.latency_ms,
                    "tbt_sim": sim["tbt_ms_median"], "tbt_real": got["tbt_ms_median"],
                    "tput_sim": sim["throughput_tok_s"], "tput_real": got["throughput_tok_s"],
-                   "bottleneck": sim["bottleneck"], "utilization": sim["utilization"]}
+                   "bottleneck": sim["bottleneck"], "utilization": sim["utilization"], **diagnose(real, result)}
             row["tbt_err"] = row["tbt_sim"] / row["tbt_real"] - 1
             row["tput_err"] = row["tput_sim"] / row["tput_real"] - 1
             rows.append(row)
@@ -93,6 +114,13 @@ def main() -> None:
               f"{r['tbt_real']:7.1f} {r['tbt_err']:+7.1%} {r['tput_sim']:10.1f} {r['tput_real']:7.1f} "
               f"{r['tput_err']:+7.1%}  {r['bottleneck']}")
     worst = max(max(abs(r["tbt_err"]), abs(r["tput_err"])) for r in rows)
+    print("\nWhere the time went (the stages' own spans): their compute against the profile's, and the "
+          "hand-over between stages (one stage's end to the next one's start on the same rows) against the link")
+    for r in rows:
+        if r.get("compute_ratio") is not None:
+            hand = f"{r['handover_ms']:.2f} ms" if r.get("handover_ms") is not None else "-"
+            print(f"{r['case']:8s} {r['run']:22s} {r['stages']:2d}  compute real/profile {r['compute_ratio']:.2f}  "
+                  f"hand-over {hand} (link {r['link_ms']:.2f} ms)")
     print(f"\nlargest error {worst:.1%} ({'within' if worst <= 0.15 else 'OUTSIDE'} 15%)")
     if args.out:
         Path(args.out).write_text(json.dumps({"work": str(work), "rows": rows}, indent=1) + "\n")

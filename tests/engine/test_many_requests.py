@@ -88,11 +88,11 @@ def test_concurrent_requests_equal_each_alone_in_pp(model, reference, mode, stag
         engine.close()
 
 
-@pytest.mark.parametrize("mode", ["specpipe", "specpipe-db"])
-def test_several_layers_per_step_with_many_requests(model, reference, mode):
-    """Blocks of 3 layers per step (narrowed by the row budget in specpipe-db) for 32 requests
-    together: each request's tokens equal it alone in pp."""
-    engine = make_engine(model, mode, 2, layers_per_step=3)
+@pytest.mark.parametrize("mode,layers", [("specpipe", 3), ("specpipe-db", 3), ("specpipe-db", "auto")])
+def test_several_layers_per_step_with_many_requests(model, reference, mode, layers):
+    """Blocks of 3 layers per step, or planned ones (auto), narrowed by the row budget in
+    specpipe-db, for 32 requests together: each request's tokens equal it alone in pp."""
+    engine = make_engine(model, mode, 2, layers_per_step=layers)
     try:
         reqs = run_together(engine, reference)
         for req, (_, _, alone) in zip(reqs, reference):

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from specpipe.sim.profile import CostProfile, load_profile
 from specpipe.spec_decode.planner import (PRIOR_VERIFICATIONS, HitProfile, StepCost, expected_tokens_per_step,
                                           plan_block)
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 
 def test_expected_tokens_by_hand():
@@ -62,5 +66,5 @@ def test_plans():
     assert plan_block(strong, 16, 8, 8, [16, 8, 4], h100, 512) == (5, 16)
     # This CPU with the 0.5B draft (41% of the 1.5B target per row): every draft forward costs
     # more than a stage's step, so one layer per step.
-    cpu = StepCost(CostProfile.load("benchmarks/results/profile_qwen_cpu_t2.json"), 8)
+    cpu = StepCost(CostProfile.load(RESULTS / "profile_qwen_cpu_t2.json"), 8)
     assert plan_block(strong, 16, 8, 8, [16, 8, 4], cpu, 512)[0] == 1
