@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 PRIOR_VERIFICATIONS = 8  # the hit profile starts as this many verifications at PRIOR_HIT_RATE
 PRIOR_HIT_RATE = 0.8
+CONTEXT_STEP = 256  # step costs are looked up for contexts rounded up to this many tokens
 
 
 def expected_tokens_per_step(h: float, d: int, num_stages: int) -> float:
@@ -84,11 +85,17 @@ class StepCost:
             raise ValueError("the cost profile does not say how many layers its model has")
         self.profile = profile
         self.layers = [p.end - p.start for p in partition_layers(profile.num_layers, num_stages)]
+        self._ms: dict[tuple[int, int, int, int], float] = {}  # every request plans every step: remember
 
     def step_ms(self, rows: int, forwards: int, draft_rows: int, context: int) -> float:
-        p, S = self.profile, len(self.layers)
-        stages = max(p.stage(n, s == S - 1, rows, context) for s, n in enumerate(self.layers))
-        return max(stages, forwards * p.draft_forward(draft_rows, context))
+        """Contexts are rounded up to CONTEXT_STEP tokens."""
+        context = -(-max(context, 1) // CONTEXT_STEP) * CONTEXT_STEP
+        key = (rows, forwards, draft_rows, context)
+        if key not in self._ms:
+            p, S = self.profile, len(self.layers)
+            stages = max(p.stage(n, s == S - 1, rows, context) for s, n in enumerate(self.layers))
+            self._ms[key] = max(stages, forwards * p.draft_forward(draft_rows, context))
+        return self._ms[key]
 
 
 def plan_block(hits: HitProfile, used_width: int, num_stages: int, max_layers: int, widths: Sequence[int],
