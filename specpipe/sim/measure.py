@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median; default 3)")
     p.add_argument("--probe-links", type=_ints, default=[],
                    help="also measure the link between local stage processes for these stage counts, "
-                        "e.g. 1,2 (saved as loopback-sS)")
+                        "e.g. 1,2: idle (saved as loopback-sS) and while the stages compute (loopback-sS-busy)")
     p.add_argument("--roofline", metavar="DEVICE", default=None,
                    help="derive the profile from a device's published specifications instead of measuring")
     p.add_argument("--target-shape", default="llama-3.1-70b", help="with --roofline: the target's shape preset")
@@ -71,9 +71,9 @@ def main(args: argparse.Namespace) -> int:
     else:
         prof = measure(args)
         for S in args.probe_links:
-            link = probe_link(args.model, S, args.device, args.threads)
-            prof.links[link.name] = asdict(link)
-            print(f"link {link.name}: {link.latency_ms:.3f} ms per message", file=sys.stderr)
+            for link in probe_link(args.model, S, args.device, args.threads):
+                prof.links[link.name] = asdict(link)
+                print(f"link {link.name}: {link.latency_ms:.3f} ms per message", file=sys.stderr)
     prof.save(args.out)
     print(f"wrote {args.out} ({prof.method}, {prof.device})", file=sys.stderr)
     return 0
@@ -92,31 +92,59 @@ def _timed(fn, repeats: int, sync) -> float:
 
 
 def probe_link(model, num_stages: int, device: str = "cpu", threads: int = 0, steps: int = 300):
-    """The link between the driver and local stage processes, as the simulator sees it: steps
-    with no rows cost only their messages (control out to every stage, the previous step's
-    output in, results back), so half an empty step's round trip is one message's latency."""
+    """The link between the driver and local stage processes, as the simulator sees it, twice:
+
+      idle  steps with no rows cost only their messages (control out to every stage, the previous
+            step's output in, results back), so half an empty step's round trip is one message;
+      busy  one request decoding in pp (one row crossing the stages' real layers): the median gap
+            along the row's path, from the driver's send to stage 1's start, from each stage's end
+            to the next one's start and from the last stage's end to the driver's receipt, as the
+            stages' own spans time them. Where processes share cores, a message between
+            computing processes can cost more than an idle one."""
     import torch
 
     from specpipe.distributed.transport import LinkOptions
+    from specpipe.engine.core import EngineCore
     from specpipe.engine.default_model import default_model_path
     from specpipe.engine.launcher import local_processes
     from specpipe.loader import open_checkpoint
     from specpipe.loader.partition import partition_layers
     from specpipe.messages import Control
+    from specpipe.request import Request
+    from specpipe.sampling import SamplingParams
     from specpipe.sim.profile import Link
+    from specpipe.sim.trace import StepTracer
 
     path = model or default_model_path()
     specs = partition_layers(open_checkpoint(path).config.num_layers, num_stages)
-    pipe = local_processes(path, specs, 4, 16, device, torch.float32, LinkOptions(), threads=threads)
+    pipe = local_processes(path, specs, 16, 16, device, torch.float32, LinkOptions(), threads=threads)
     try:
         times = []
         for _ in range(steps):
             t0 = time.perf_counter()
             pipe.step(Control(), [])
             times.append((time.perf_counter() - t0) * 1e3)
+        core = EngineCore(pipe, "pp", kv_blocks=16, block_size=16)
+        core.tracer = StepTracer(num_stages)
+        core.run([Request(0, [1, 2, 3, 4], SamplingParams(max_tokens=max(8, steps // (4 * num_stages))), frozenset())],
+                 on_finish=lambda _r: core.request_stage_stats())
+        trace = core.tracer.finish()
     finally:
         pipe.close()
-    return Link(f"loopback-s{num_stages}", statistics.median(times[steps // 5:]) / 2, 0.0)
+    gaps, last = [], num_stages - 1
+    for before, step in zip(trace.steps, trace.steps[1:]):
+        spans = step.stage_spans
+        if not spans:
+            continue
+        if spans[0] and step.rows[0] == 1:
+            gaps.append(spans[0][0] - step.t_submit)
+        gaps += [spans[s][0] - before.stage_spans[s - 1][1] for s in range(1, num_stages)
+                 if spans[s] and before.stage_spans and before.stage_spans[s - 1]]
+        if spans[last] and step.rows[last] == 1:
+            gaps.append(step.t_collect - spans[last][1])
+    idle = statistics.median(times[steps // 5:]) / 2
+    busy = statistics.median(gaps[len(gaps) // 5:]) * 1e3 if gaps else idle
+    return [Link(f"loopback-s{num_stages}", idle, 0.0), Link(f"loopback-s{num_stages}-busy", busy, 0.0)]
 
 
 class StageTimer:

@@ -35,10 +35,13 @@ def test_oracle_step_counts_traces_and_pictures(capsys, tiny_llama_dir, prompts,
     """Every mode against oracle stages (outputs checked against the target's own), a trace per
     run that the simulator and the pictures read, and a profile measured on this CPU."""
     code = main(["profile", "--model", str(tiny_llama_dir), "--rows", "1,8", "--contexts", "16,64", "--repeats", "1",
-                 "--out", str(tmp_path / "p.json")])
+                 "--probe-links", "2", "--threads", "1", "--out", str(tmp_path / "p.json")])
     assert code == 0
     profile = CostProfile.load(tmp_path / "p.json")
     assert profile.method == "measured" and profile.num_layers == 4
+    # The link between two local stage processes, idle and while they compute: a message costs time.
+    assert set(profile.links) == {"loopback-s2", "loopback-s2-busy"}
+    assert all(link["latency_ms"] > 0 for link in profile.links.values())
     assert (profile.rows, profile.contexts, len(profile.request_ms)) == ([1, 8], [16, 64], 2)
     # A 1-layer stage costs something (a layer alone of this tiny model can drown in timing
     # noise, and is then taken as 0 with the stage's overhead holding the time).
