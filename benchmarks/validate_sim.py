@@ -5,9 +5,11 @@ driver little, the simulator's prediction from (a) the recorded trace, (b) a cos
 on this CPU with the stages' thread count and (c) the driver's own time per step, measured on
 oracle stages (no stage compute, the same prompts and modes) must come within 15% of the measured
 TBT and throughput of the same run, for every mode, single request and 8 at once. Nothing is
-fitted to the real runs: the profile (stage steps through the stages' own code), the link (half
-the round trip of an empty step through local stage processes) and the driver time are measured
-separately.
+fitted to the real runs: the profile (stage steps through the stages' own code), the link (one
+row decoding in pp through local stage processes: the gaps along its path between the stages'
+own compute spans, `specpipe profile --probe-links`) and the driver time are measured separately.
+Real runs record the stages' spans too, so the script also says how their compute and hand-overs
+compare with the profile and the link.
 
   python benchmarks/validate_sim.py --out benchmarks/results/validate_sim.json
 
@@ -95,7 +97,9 @@ def main() -> None:
             oracle = Trace.load(work / f"{kind}_oracle" / path.name)
             S = real.num_stages
             drv = driver_ms(oracle)
-            link = Link(**profile.links[f"loopback-s{S}"])
+            # The link measured while the stages compute (as they do in these runs); older
+            # profiles have only the idle one.
+            link = Link(**profile.links.get(f"loopback-s{S}-busy", profile.links[f"loopback-s{S}"]))
             result = simulate(real, profile, link=link, driver_ms=drv, draft_cost=False, keep_spans=True)
             sim = result.summary()
             got = measured(real).summary()
