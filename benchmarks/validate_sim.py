@@ -31,6 +31,7 @@ from specpipe.sim.profile import CostProfile, Link
 from specpipe.sim.trace import Trace
 
 SINGLE = "pp,tree:depth=4,specpipe,specpipe:layers=2"
+PROFILES = 3  # profiles measured one after another; the costs used are their medians
 BATCHED = "pp-cb,specpipe-db"
 
 
@@ -48,22 +49,38 @@ def driver_ms(trace: Trace) -> float:
 
 def diagnose(real: Trace, sim) -> dict:
     """From a real trace's stage spans: measured stage compute over what the profile predicts for
-    the same steps, and the median hand-over time (stage s finished a step's rows at step k,
-    stage s + 1 started them at step k + 1)."""
+    the same steps, and the median hand-over: how long after the last of its prerequisites (its
+    input's end at the stage before, one step earlier; its own previous step; the step's control
+    leaving the driver) a stage s > 1 started, i.e. what the last message took."""
     if not has_stage_spans(real):
         return {}
     measured_ms = predicted_ms = 0.0
     handovers = []
     for k, step in enumerate(real.steps):
+        before = real.steps[k - 1].stage_spans if k else None
         for s, rows in enumerate(step.rows):
             if rows and step.stage_spans[s]:
                 measured_ms += (step.stage_spans[s][1] - step.stage_spans[s][0]) * 1e3
                 predicted_ms += sim.spans[k][s][1] - sim.spans[k][s][0]
-                before = real.steps[k - 1].stage_spans if k else None
                 if s and before and before[s - 1]:
-                    handovers.append((step.stage_spans[s][0] - before[s - 1][1]) * 1e3)
+                    ready = max(before[s - 1][1], before[s][1] if before[s] else 0.0, step.t_submit)
+                    handovers.append((step.stage_spans[s][0] - ready) * 1e3)
     return {"compute_ratio": measured_ms / predicted_ms if predicted_ms else None,
             "handover_ms": statistics.median(handovers) if handovers else None}
+
+
+def median_profile(profiles: list[CostProfile]) -> CostProfile:
+    """Every cost the median of several measurements of the same points (a profile measured while
+    something else ran is off by tens of percent; the median of three is not)."""
+    def med(*values):
+        return statistics.median(values) if not isinstance(values[0], list) else [med(*v) for v in zip(*values)]
+
+    out = CostProfile.from_json(profiles[0].to_json())
+    for name in ("layer_ms", "head_ms", "overhead_ms", "request_ms", "request_overhead_ms"):
+        setattr(out, name, med(*(getattr(p, name) for p in profiles)))
+    for link in out.links:
+        out.links[link]["latency_ms"] = med(*(p.links[link]["latency_ms"] for p in profiles))
+    return out
 
 
 def main() -> None:
@@ -78,11 +95,13 @@ def main() -> None:
     common = ["--transport", "processes", "--stage-threads", "1", "--prompts-per-group", "2", "--groups", args.groups, "--max-tokens", str(args.max_tokens), "--no-progress"]
     # Every stage is a process with one thread: at S = 1 the stage and the driver each have a core;
     # at S = 2 the two stages do, and the driver shares (there are only two).
-    path = work / "profile.json"
-    if not path.exists():
-        sh("profile", "--threads", "1", "--rows", "1,2,4,8,16,32,64,128,256", "--contexts", "64,256,512",
-           "--repeats", "9", "--probe-links", "1,2", "--out", str(path))
-    profile = CostProfile.load(path)
+    for i in range(PROFILES):
+        path = work / f"profile{i + 1}.json"
+        if not path.exists():
+            sh("profile", "--threads", "1", "--rows", "1,2,4,8,16,32,64,128,256", "--contexts", "64,256,512",
+               "--repeats", "9", "--probe-links", "1,2", "--out", str(path))
+    profile = median_profile([CostProfile.load(work / f"profile{i + 1}.json") for i in range(PROFILES)])
+    profile.save(work / "profile.json")  # the one the predictions use
     cases = [("single", SINGLE, "1"), ("batched", BATCHED, "8")]
     for kind, runs, conc in cases:
         for method in ("oracle", "real"):
