@@ -4,7 +4,8 @@ Where each stage has a core to itself (S = 1 and 2 on 2 cores) and the n-gram so
 driver little, the simulator's prediction from (a) the recorded trace, (b) a cost profile measured
 on this CPU with the stages' thread count and (c) the driver's own time per step, measured on
 oracle stages (no stage compute, the same prompts and modes) must come within 15% of the measured
-TBT and throughput of the same run, for every mode, single request and 8 at once. Nothing is
+TBT and throughput of the same run (each run three times: medians), for every mode, single
+request and 8 at once. Nothing is
 fitted to the real runs: the profile (stage steps through the stages' own code), the link (one
 row decoding in pp through local stage processes: the gaps along its path between the stages'
 own compute spans, `specpipe profile --probe-links`) and the driver time are measured separately.
@@ -32,6 +33,7 @@ from specpipe.sim.trace import Trace
 
 SINGLE = "pp,tree:depth=4,specpipe,specpipe:layers=2"
 PROFILES = 3  # profiles measured one after another; the costs used are their medians
+REAL_RUNS = 3  # each real run is repeated; simulated and measured figures are medians over them
 BATCHED = "pp-cb,specpipe-db"
 
 
@@ -103,8 +105,9 @@ def main() -> None:
     profile = median_profile([CostProfile.load(work / f"profile{i + 1}.json") for i in range(PROFILES)])
     profile.save(work / "profile.json")  # the one the predictions use
     cases = [("single", SINGLE, "1"), ("batched", BATCHED, "8")]
+    real_dirs = ["real"] + [f"real{i + 1}" for i in range(1, REAL_RUNS)]
     for kind, runs, conc in cases:
-        for method in ("oracle", "real"):
+        for method in ("oracle", *real_dirs):
             out = work / f"{kind}_{method}"
             if not out.exists():
                 sh("bench", "--runs", runs, "--stages", "1,2", "--concurrency", conc, "--trace-dir", str(out),
@@ -112,20 +115,28 @@ def main() -> None:
     rows = []
     for kind, _, _ in cases:
         for path in sorted((work / f"{kind}_real").glob("trace_*.json")):
-            real = Trace.load(path)
             oracle = Trace.load(work / f"{kind}_oracle" / path.name)
-            S = real.num_stages
             drv = driver_ms(oracle)
-            # The link measured while the stages compute (as they do in these runs); older
-            # profiles have only the idle one.
-            link = Link(**profile.links.get(f"loopback-s{S}-busy", profile.links[f"loopback-s{S}"]))
-            result = simulate(real, profile, link=link, driver_ms=drv, draft_cost=False, keep_spans=True)
-            sim = result.summary()
-            got = measured(real).summary()
+            runs = []  # (trace, simulated, measured) of each repetition
+            for d in real_dirs:
+                real = Trace.load(work / f"{kind}_{d}" / path.name)
+                S = real.num_stages
+                # The link measured while the stages compute (as they do in these runs); older
+                # profiles have only the idle one.
+                link = Link(**profile.links.get(f"loopback-s{S}-busy", profile.links[f"loopback-s{S}"]))
+                result = simulate(real, profile, link=link, driver_ms=drv, draft_cost=False, keep_spans=True)
+                runs.append((real, result, result.summary(), measured(real).summary()))
+
+            def med(i: int, key: str) -> float:
+                return statistics.median(r[i][key] for r in runs)
+
+            real, result = runs[0][:2]
             row = {"case": kind, "run": real.meta["label"], "stages": S, "driver_ms": drv, "link_ms": link.latency_ms,
-                   "tbt_sim": sim["tbt_ms_median"], "tbt_real": got["tbt_ms_median"],
-                   "tput_sim": sim["throughput_tok_s"], "tput_real": got["throughput_tok_s"],
-                   "bottleneck": sim["bottleneck"], "utilization": sim["utilization"], **diagnose(real, result)}
+                   "repetitions": len(runs), "tbt_sim": med(2, "tbt_ms_median"), "tbt_real": med(3, "tbt_ms_median"),
+                   "tbt_real_each": [r[3]["tbt_ms_median"] for r in runs],
+                   "tput_sim": med(2, "throughput_tok_s"), "tput_real": med(3, "throughput_tok_s"),
+                   "bottleneck": runs[0][2]["bottleneck"], "utilization": runs[0][2]["utilization"],
+                   **diagnose(real, result)}
             row["tbt_err"] = row["tbt_sim"] / row["tbt_real"] - 1
             row["tput_err"] = row["tput_sim"] / row["tput_real"] - 1
             rows.append(row)
