@@ -93,7 +93,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage-threads", type=int, default=0, help="CPU threads per stage process (default: cores / S)")
     p.add_argument("--trace-dir", default=None, help="write one trace per run and stage count here")
     p.add_argument("--plots", default=None, help="write PNG pictures here (an --oracle timeline needs --profile)")
-    p.add_argument("--profile", default=None, help="cost profile to simulate the timeline picture of --oracle runs with (real runs draw "
+    p.add_argument("--profile", default=None,
+                   help="cost profile to simulate the timeline picture of --oracle runs with (real runs draw "
                         "the stages' measured times)")
     p.add_argument("--cost-profile", default=None,
                    help="what runs with layers=auto plan with (a profile file or shipped name; default: rows nearly free)")
@@ -201,8 +202,8 @@ def _config(args, S: int, runs: list[RunSpec], **extra):
     return EngineConfig(model=args.model, mode="specpipe", stages=S, draft=args.draft, tree_width=args.tree_width,
                         tree_depth=args.tree_depth, layers_per_step=deepest, device=args.device,
                         max_num_seqs=max(1, args.concurrency), max_step_rows=args.max_step_rows,
-                        stage_timeout_s=600, cost_profile=args.cost_profile if deepest == "auto" else None, **{"transport": args.transport, "stage_threads": args.stage_threads,
-                                                **extra})
+                        stage_timeout_s=600, cost_profile=args.cost_profile if deepest == "auto" else None,
+                        **{"transport": args.transport, "stage_threads": args.stage_threads, **extra})
 
 
 def _core_args(args, run: RunSpec) -> tuple:
