@@ -202,7 +202,7 @@ def _config(args, S: int, runs: list[RunSpec], **extra):
     return EngineConfig(model=args.model, mode="specpipe", stages=S, draft=args.draft, tree_width=args.tree_width,
                         tree_depth=args.tree_depth, layers_per_step=deepest, device=args.device,
                         max_num_seqs=max(1, args.concurrency), max_step_rows=args.max_step_rows,
-                        stage_timeout_s=600, cost_profile=args.cost_profile if deepest == "auto" else None,
+                        stage_timeout_s=600, cost_profile=args.cost_profile,
                         **{"transport": args.transport, "stage_threads": args.stage_threads, **extra})
 
 
