@@ -111,7 +111,9 @@ def test_bad_arguments_are_one_line(capsys, tiny_llama_dir, prompts, tmp_path):
     for argv, words in ((["--runs", "pp,fast"], "unknown mode 'fast'"),
                         (["--runs", "specpipe:layers=x"], "not a valid value"),
                         (["--runs", "tree:size=3"], "NAME=VALUE"),
-                        (["--groups", "poetry"], "unknown poetry")):
+                        (["--groups", "poetry"], "unknown poetry"),
+                        (["--runs", "pp", "--cost-profile", "h100-80gb"], "only steers --layers-per-step auto"),
+                        (["--runs", "specpipe:layers=auto", "--cost-profile", "tpu"], "--cost-profile: no profile file")):
         dataset = [] if "--groups" in argv else ["--dataset", str(prompts)]
         assert main(["bench", "--model", str(tiny_llama_dir), *dataset, *argv]) == 2
         assert words in capsys.readouterr().err
