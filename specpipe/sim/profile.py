@@ -20,8 +20,9 @@ specifications (sim/roofline.py). Both write the same JSON file:
                                       processes on this machine), usable by name in `specpipe sim`
 
 Between measured points costs are linear in rows and in context; past the last measured row
-count they are extrapolated from the last two points (compute-bound growth), below the first they
-are the first point (a step never costs less than its fixed overhead).
+count or context they are extrapolated from the last two points (compute-bound growth; never below
+the last point), below the first they are the first point (a step never costs less than its fixed
+overhead).
 Files written before contexts were added ({"profile": {"rows", "layer_ms", "head_ms",
 "draft_ms", "context"}}) load as one context.
 """
@@ -38,11 +39,14 @@ FORMAT = "specpipe-profile/1"
 
 
 def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
-    """Piecewise linear in x; flat below the first point, extrapolated past the last."""
+    """Piecewise linear in x; flat below the first point, extrapolated past the last (never
+    downwards: more rows or context never cost less, whatever the noise in the last two points)."""
     if len(xs) == 1 or x <= xs[0]:
         return float(ys[0])
     i = min(bisect.bisect_left(xs, x), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    if x > x1:
+        return max(float(y1), y0 + (y1 - y0) * (x - x0) / (x1 - x0))
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
 
 

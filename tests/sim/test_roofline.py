@@ -136,3 +136,11 @@ def test_link_transfer_of_one_70b_row():
 def test_profile_interpolates_between_its_rows():
     p = roofline_profile(H100_80GB, LLAMA_31_70B, rows=[1, 256], contexts=[1024])
     assert p.layer(1, 1024) < p.layer(100, 1024) < p.layer(256, 1024)
+
+
+def test_profile_never_extrapolates_downwards():
+    # Noise can make the last two measured points fall; past them the cost stays at the last one.
+    p = CostProfile("t", [1, 8], [[2.0, 3.0], [2.5, 2.8]], [1.0, 1.0], contexts=[256, 512])
+    assert p.layer(8, 1024) == pytest.approx(2.8)  # context: 3.0 -> 2.8 falls, so it stays at 2.8
+    assert p.layer(1, 1024) == pytest.approx(3.5)  # 2.0 -> 2.5 rises: extrapolated
+    assert p.layer(16, 256) == pytest.approx(3.0 + 8 / 7)  # rows: 2 -> 3 over 1 -> 8, extrapolated
