@@ -72,8 +72,8 @@ def diagnose(real: Trace, sim) -> dict:
 
 
 def median_profile(profiles: list[CostProfile]) -> CostProfile:
-    """Every cost the median of several measurements of the same points (a profile measured while
-    something else ran is off by tens of percent; the median of three is not)."""
+    """Every cost the median of several measurements of the same points (on this VM profiles
+    measured minutes apart differ by up to 20% at some points; their median is steadier)."""
     def med(*values):
         return statistics.median(values) if not isinstance(values[0], list) else [med(*v) for v in zip(*values)]
 
@@ -117,7 +117,7 @@ def main() -> None:
         for path in sorted((work / f"{kind}_real").glob("trace_*.json")):
             oracle = Trace.load(work / f"{kind}_oracle" / path.name)
             drv = driver_ms(oracle)
-            runs = []  # (trace, simulated, measured) of each repetition
+            runs = []  # (trace, simulation, its summary, the measured summary) of each repetition
             for d in real_dirs:
                 real = Trace.load(work / f"{kind}_{d}" / path.name)
                 S = real.num_stages
