@@ -17,11 +17,11 @@ as `specpipe bench --oracle` does), the draft proposes its top-K children given 
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
+import math
 import sys
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -53,8 +53,8 @@ def analyse(samples: list[tuple[int, list]], k: int) -> dict:
             for lo, hi in zip(BINS, BINS[1:])]
     for target, props in samples:
         for token, lp in props:
-            p = float(torch.tensor(lp).exp())
-            b = next(b for b in bins if b["p_lo"] <= p < b["p_hi"] or (b["p_hi"] == 1.0 and p >= 1.0))
+            p = math.exp(lp)
+            b = bins[min(bisect.bisect_right(BINS, p), len(bins)) - 1]
             b["proposed"] += 1
             b["accepted"] += token == target
             b["p_sum"] += p
