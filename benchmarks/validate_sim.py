@@ -27,8 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from specpipe.costs.profile import CostProfile, Link
 from specpipe.sim.events import has_stage_spans, measured, simulate
-from specpipe.sim.profile import CostProfile, Link
 from specpipe.sim.trace import Trace
 
 SINGLE = "pp,tree:depth=4,specpipe,specpipe:layers=2"

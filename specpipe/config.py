@@ -138,6 +138,24 @@ class StageSpec:
         return StageSpec(0, cfg.num_layers, True, True)
 
 
+@dataclass(frozen=True)
+class LinkOptions:
+    """The link between ranks: emulated latency and bandwidth (for rehearsing a slow network) and
+    how long the driver waits for a step's results."""
+
+    delay_ms: float = 0.0  # emulated one-way latency per message
+    bandwidth_mbps: float = 0.0  # emulated link bandwidth in megabits/s; 0 = unlimited
+    timeout_s: float = 30.0  # how long the driver waits for a step's results
+
+    def __post_init__(self) -> None:
+        if self.delay_ms < 0 or self.bandwidth_mbps < 0 or self.timeout_s <= 0:
+            raise ValueError("link delay and bandwidth must be >= 0 and the timeout > 0")
+
+    @property
+    def emulated(self) -> bool:
+        return self.delay_ms > 0 or self.bandwidth_mbps > 0
+
+
 @dataclass
 class EngineConfig:
     model: Optional[str] = None  # GGUF file or HF directory; None = the embedded default model
@@ -164,9 +182,7 @@ class EngineConfig:
     kv_memory: Optional[str] = None  # KV cache per stage, e.g. "2GiB"; None = kv_memory_fraction of free memory
     kv_memory_fraction: float = 0.25
 
-    def link(self):
-        from specpipe.distributed.transport import LinkOptions
-
+    def link(self) -> LinkOptions:
         return LinkOptions(self.link_delay_ms, self.link_bandwidth_mbps, self.stage_timeout_s)
 
     def uses_processes(self) -> bool:

@@ -407,7 +407,7 @@ def draw(args, report: dict, results: list[RunResult]) -> None:
                                       "tokens_per_step": r["all"]["tokens_per_step"]} for r in report["runs"]],
                                     out / "tokens_per_step.png")
     if report["runs"][0]["real"] or args.profile:  # real runs: the stages' own times; oracle: simulated
-        from specpipe.sim.profile import load_profile
+        from specpipe.costs.profile import load_profile
         from specpipe.sim.trace import Trace
 
         profile = load_profile(args.profile) if args.profile else None

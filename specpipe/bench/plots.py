@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple, Optional
 
+from specpipe.costs.profile import NO_LINK, CostProfile, Link
 from specpipe.sim.events import SimResult, has_stage_spans, measured, simulate
-from specpipe.sim.profile import NO_LINK, CostProfile, Link
 from specpipe.sim.trace import Trace
 
 DPI = 120

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from specpipe.distributed.transport import LinkOptions
+from specpipe.config import LinkOptions
 
 
 def die_with_parent() -> None:

@@ -28,11 +28,12 @@ import os
 import socket
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from specpipe.config import LinkOptions
 
 TAG_CONTROL, TAG_ROWS, TAG_RESULTS, TAG_REPORT = 1, 2, 3, 4
 HEARTBEAT_S = 0.5
@@ -49,21 +50,6 @@ def short_error(e: BaseException, limit: int = 200) -> str:
         return type(e).__name__
     text = text.splitlines()[0].split(". This is typically")[0]
     return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-@dataclass(frozen=True)
-class LinkOptions:
-    delay_ms: float = 0.0  # emulated one-way latency per message
-    bandwidth_mbps: float = 0.0  # emulated link bandwidth in megabits/s; 0 = unlimited
-    timeout_s: float = 30.0  # how long the driver waits for a step's results
-
-    def __post_init__(self) -> None:
-        if self.delay_ms < 0 or self.bandwidth_mbps < 0 or self.timeout_s <= 0:
-            raise ValueError("link delay and bandwidth must be >= 0 and the timeout > 0")
-
-    @property
-    def emulated(self) -> bool:
-        return self.delay_ms > 0 or self.bandwidth_mbps > 0
 
 
 class LinkClock:

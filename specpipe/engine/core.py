@@ -35,7 +35,7 @@ from specpipe.spec_decode.planner import HitProfile, StepCost
 from specpipe.spec_decode.sources import TokenSource
 
 if TYPE_CHECKING:
-    from specpipe.sim.profile import CostProfile
+    from specpipe.costs.profile import CostProfile
 
 MAX_STAGE_KV_FAILURES = 3  # a request a stage could not hold this often ends with an error
 DRAFT_BOUND_WAIT_S = 0.001  # results waiting less than this after drafting: the draft was the bottleneck

@@ -12,15 +12,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
-from specpipe.config import DEFAULT_DRAFT, MODES, SPECULATIVE_MODES, ConfigError, EngineConfig
+from specpipe.config import (
+    DEFAULT_DRAFT,
+    MODES,
+    SPECULATIVE_MODES,
+    ConfigError,
+    EngineConfig,
+)
 from specpipe.distributed.launch import RankEnv
 from specpipe.engine import launcher
 from specpipe.engine.core import EngineCore, spec_reserve
-from specpipe.engine.default_model import default_model_path
 from specpipe.engine.kv_pool import pool_blocks
 from specpipe.engine.main_guard import check_main_guard
 from specpipe.engine.sources import build_source
 from specpipe.loader import open_checkpoint
+from specpipe.loader.default_model import default_model_path
 from specpipe.loader.partition import partition_layers
 from specpipe.messages import Pipeline
 from specpipe.request import Request
@@ -62,7 +68,7 @@ class Engine:
         self.block_size = config.block_size
         self.cost_profile = None
         if config.cost_profile is not None:
-            from specpipe.sim.profile import load_profile
+            from specpipe.costs.profile import load_profile
 
             try:
                 self.cost_profile = load_profile(config.cost_profile)

@@ -9,10 +9,16 @@ from typing import Callable, Optional
 
 import torch
 
-from specpipe.config import StageSpec
-from specpipe.distributed.launch import LocalStages, RankEnv, free_port, stage_failure, wait_ready
+from specpipe.config import LinkOptions, StageSpec
+from specpipe.distributed.launch import (
+    LocalStages,
+    RankEnv,
+    free_port,
+    stage_failure,
+    wait_ready,
+)
 from specpipe.distributed.remote_pipeline import PipelineError, RemotePipeline
-from specpipe.distributed.transport import LinkOptions, Transport
+from specpipe.distributed.transport import Transport
 from specpipe.loader import Checkpoint
 from specpipe.model.stage import build_stage
 from specpipe.worker.local_pipeline import LocalPipeline

@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="run modes on benchmark prompts (or: bench serve, a server load test)",
                        description="Every chosen mode on the same prompts at the chosen stage counts; "
                                    "`specpipe bench serve --help` for the server load test.")
-    from specpipe.bench import offline, serve as bench_serve
+    from specpipe.bench import offline
+    from specpipe.bench import serve as bench_serve
 
     offline.add_arguments(b)
     bsub = b.add_subparsers(dest="bench_command", required=False, metavar="serve")
@@ -74,9 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serve.add_arguments(bsub.add_parser(
         "serve", help="load-test any OpenAI-compatible server (Poisson arrivals or fixed concurrency)"))
 
-    from specpipe.sim import cli as sim_cli, measure
+    from specpipe.sim import calibrate
+    from specpipe.sim import cli as sim_cli
 
-    measure.add_arguments(sub.add_parser(
+    calibrate.add_arguments(sub.add_parser(
         "profile", help="measure a stage's and the draft's cost on this device (or derive it from a roofline)"))
     sim_cli.add_arguments(sub.add_parser("sim", help="simulate recorded traces on a cost profile and a link"))
     return p
@@ -190,11 +192,11 @@ def _serve_stage(config, env) -> int:
     """A stage rank under torchrun: load its layers and serve until the driver stops."""
     import os
 
-    from specpipe.engine.default_model import default_model_path
     from specpipe.engine.core import spec_reserve
     from specpipe.engine.kv_pool import pool_blocks
     from specpipe.engine.launcher import torchrun_stage
     from specpipe.loader import open_checkpoint
+    from specpipe.loader.default_model import default_model_path
     from specpipe.loader.partition import partition_layers
 
     path = config.model or str(default_model_path())
@@ -246,13 +248,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.command == "serve":
             return _serve(args)
         if args.command == "bench":
-            from specpipe.bench import offline, serve as bench_serve
+            from specpipe.bench import offline
+            from specpipe.bench import serve as bench_serve
 
             return (bench_serve if args.bench_command == "serve" else offline).main(args)
         if args.command == "profile":
-            from specpipe.sim import measure
+            from specpipe.sim import calibrate
 
-            return measure.main(args)
+            return calibrate.main(args)
         if args.command == "sim":
             from specpipe.sim import cli as sim_cli
 

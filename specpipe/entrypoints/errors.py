@@ -13,8 +13,8 @@ from specpipe.loader.checkpoint import CheckpointError
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:
-    from specpipe.engine.default_model import DefaultModelMissing
     from specpipe.distributed.remote_pipeline import PipelineError
+    from specpipe.loader.default_model import DefaultModelMissing
     from specpipe.tokenizer.tokenizer import TokenizerError
     from specpipe.worker.slot_table import KVCacheFull
 

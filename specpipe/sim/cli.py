@@ -29,8 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def parse_link(text: str, profile=None):
     """A preset, a link measured with the profile (e.g. loopback-s2), or LATENCY_MS:GBPS."""
-    from specpipe.sim.profile import NO_LINK, Link
-    from specpipe.sim.roofline import LINKS
+    from specpipe.costs.profile import NO_LINK, Link
+    from specpipe.costs.roofline import LINKS
 
     if text == "none":
         return NO_LINK
@@ -47,9 +47,9 @@ def parse_link(text: str, profile=None):
 
 def main(args: argparse.Namespace) -> int:
     from specpipe.config import ConfigError
+    from specpipe.costs.profile import load_profile
     from specpipe.loader.partition import parse_stage_layers
     from specpipe.sim.events import measured, simulate
-    from specpipe.sim.profile import load_profile
     from specpipe.sim.trace import Trace
 
     try:

@@ -1,6 +1,6 @@
 """Discrete-event simulation of an S-stage pipeline replaying a recorded trace (SPEC §8).
 
-The trace (sim/trace.py) says what every step computed; a cost profile (sim/profile.py) says how
+The trace (sim/trace.py) says what every step computed; a cost profile (costs/profile.py) says how
 long that takes on one device; a link says how long messages travel. The simulator follows the
 runtime's own rules (worker/stage_main.py, engine/core.py), event by event:
 
@@ -28,8 +28,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from specpipe.costs.profile import NO_LINK, CostProfile, Link
 from specpipe.loader.partition import partition_layers
-from specpipe.sim.profile import NO_LINK, CostProfile, Link
 from specpipe.sim.trace import Trace
 
 TOKEN_BYTES = 8  # one token id on the wire into stage 1

@@ -39,10 +39,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from specpipe.costs.profile import read_json
 from specpipe.engine.modes.base import DURING
 from specpipe.messages import Control, Rows
 from specpipe.sim.inflight import InFlight, row_counts
-from specpipe.sim.profile import read_json
 
 FORMAT = "specpipe-trace/1"
 

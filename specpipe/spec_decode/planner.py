@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Sequence
 
 if TYPE_CHECKING:
-    from specpipe.sim.profile import CostProfile
+    from specpipe.costs.profile import CostProfile
 
 PRIOR_VERIFICATIONS = 8  # the hit profile starts as this many verifications at PRIOR_HIT_RATE
 PRIOR_HIT_RATE = 0.8

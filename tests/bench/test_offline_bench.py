@@ -7,9 +7,9 @@ import json
 import pytest
 
 from specpipe.bench.offline import parse_runs
+from specpipe.costs.profile import CostProfile
 from specpipe.entrypoints.cli import main
 from specpipe.sim.events import has_stage_spans
-from specpipe.sim.profile import CostProfile
 from specpipe.sim.trace import Trace
 
 PROMPTS = ["the cat sat on the mat the cat sat on the", "one two three one two three one two", "abc abc abc abc"]

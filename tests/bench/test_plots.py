@@ -4,13 +4,19 @@ the trace's work (checked exactly); the pictures are real PNGs; bad input is ref
 import pytest
 from matplotlib.image import imread
 
-from specpipe.bench.plots import UNKNOWN, _boxes, tbt_distributions, timeline, tokens_per_step_vs_stages
+from specpipe.bench.plots import (
+    UNKNOWN,
+    _boxes,
+    tbt_distributions,
+    timeline,
+    tokens_per_step_vs_stages,
+)
+from specpipe.costs.profile import CostProfile
 from specpipe.engine.core import EngineCore
 from specpipe.request import Request
 from specpipe.sampling import SamplingParams
 from specpipe.sim.events import simulate
 from specpipe.sim.oracle_pipeline import OraclePipeline
-from specpipe.sim.profile import CostProfile
 from specpipe.sim.trace import StepRecord, StepTracer, Trace
 from specpipe.spec_decode.sources import NgramSource
 

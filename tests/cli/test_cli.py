@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from specpipe.engine.default_model import DefaultModelMissing, default_model_path
 from specpipe.entrypoints.cli import main
+from specpipe.loader.default_model import DefaultModelMissing, default_model_path
 
 STAT_KEYS = {"pipeline_steps", "tokens_per_step", "hit_rate", "ttft_ms", "tbt_ms"}
 

@@ -14,7 +14,8 @@ import time
 import pytest
 import torch
 
-from specpipe.distributed.transport import LinkClock, LinkOptions, Transport
+from specpipe.config import LinkOptions
+from specpipe.distributed.transport import LinkClock, Transport
 
 D_MS = 50.0  # the emulated delay
 BW_MBPS = 8.0  # 1 MB/s: a PAYLOAD-byte tensor takes about 50 ms on the link

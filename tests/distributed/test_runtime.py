@@ -128,7 +128,7 @@ def test_seeded_sampling_differs_from_greedy(runs):
 
 
 def test_default_model_two_stages_match_one():
-    from specpipe.engine.default_model import DefaultModelMissing, default_model_path
+    from specpipe.loader.default_model import DefaultModelMissing, default_model_path
 
     try:
         default_model_path()

@@ -14,15 +14,15 @@ import pytest
 import torch
 
 from specpipe.config import StageSpec
+from specpipe.costs.profile import CostProfile
 from specpipe.engine.engine import decode
 from specpipe.engine.modes.specpipe import AUTO_MAX_LAYERS
-from specpipe.engine.default_model import DefaultModelMissing, default_model_path
 from specpipe.loader import open_checkpoint
+from specpipe.loader.default_model import DefaultModelMissing, default_model_path
 from specpipe.loader.partition import partition_layers
 from specpipe.model.stage import build_stage
 from specpipe.request import Request
 from specpipe.sampling import SamplingParams
-from specpipe.sim.profile import CostProfile
 from specpipe.spec_decode.draft_model import DraftModelSource
 from specpipe.spec_decode.sources import MergedSource, NgramSource
 from specpipe.worker.local_pipeline import LocalPipeline

@@ -4,6 +4,7 @@ runtime's rules (checked against hand-computed schedules)."""
 import pytest
 
 from specpipe.config import StageSpec
+from specpipe.costs.profile import CostProfile, Link
 from specpipe.engine.core import EngineCore
 from specpipe.loader import open_checkpoint
 from specpipe.loader.partition import partition_layers
@@ -12,7 +13,6 @@ from specpipe.request import Request
 from specpipe.sampling import SamplingParams
 from specpipe.sim.events import has_stage_spans, measured, simulate
 from specpipe.sim.oracle_pipeline import OraclePipeline
-from specpipe.sim.profile import CostProfile, Link
 from specpipe.sim.trace import StepRecord, StepTracer, Trace
 from specpipe.spec_decode.sources import NgramSource
 from specpipe.worker.local_pipeline import LocalPipeline

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from specpipe.sim.profile import CostProfile, load_profile
+from specpipe.costs.profile import CostProfile, load_profile
 from specpipe.spec_decode.planner import (PRIOR_VERIFICATIONS, HitProfile, StepCost, expected_tokens_per_step,
                                           plan_block)
 

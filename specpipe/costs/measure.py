@@ -1,22 +1,18 @@
-"""`specpipe profile`: measure a cost profile on this device, or derive one from a roofline.
-
-    specpipe profile --out cpu.json [--model M] [--draft D] [--rows 1,2,...] [--contexts 256,...]
-    specpipe profile --roofline h100-80gb --target-shape llama-3.1-70b --draft-shape llama-3.2-1b --out h100.json
+"""Measure what a stage's step costs on this device: a `CostProfile` (costs/profile.py).
 
 Measured through the stages' own code (StageWorker.step), for n tree rows after `context`
 committed tokens that every row attends to (a tree layer's shape): one target decoder layer, the
 stage's fixed overhead per step (slot table, tree mask, packing), the final norm + LM head with
-the target tokens, and a whole step of the draft model; median of `--repeats` runs after a
+the target tokens, and a whole step of the draft model; median of `repeats` runs after a
 warm-up. On CUDA every timing synchronises.
 The driver's own time per step is not a device cost and is not in the profile (`specpipe sim
---driver-ms`).
+--driver-ms`); the links between stage processes are probed by `specpipe profile --probe-links`
+(sim/calibrate.py), which runs the engine.
 """
 
 from __future__ import annotations
 
-import argparse
 import platform
-from dataclasses import asdict
 import statistics
 import sys
 import time
@@ -24,127 +20,6 @@ import time
 DEFAULT_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 DEFAULT_CONTEXTS = [256, 1024, 2048, 4096, 8192]
 REQUESTS = 8  # requests sharing a step when the per-request cost is measured
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = sorted({int(x) for x in text.split(",") if x.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or values[0] < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", required=True, help="write the profile (JSON) here")
-    p.add_argument("--model", default=None, help="target GGUF file or HF directory (default: embedded SmolLM2-135M)")
-    p.add_argument("--draft", default=None, help="draft model to profile (a path; default: none)")
-    p.add_argument("--rows", type=_ints, default=DEFAULT_ROWS, help="row counts (default 1,2,4,...,256)")
-    p.add_argument("--contexts", type=_ints, default=DEFAULT_CONTEXTS, help="context lengths (default 256,...,8192)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median; default 3)")
-    p.add_argument("--probe-links", type=_ints, default=[],
-                   help="also measure the link between local stage processes for these stage counts, "
-                        "e.g. 1,2: idle (saved as loopback-sS) and while the stages compute (loopback-sS-busy)")
-    p.add_argument("--roofline", metavar="DEVICE", default=None,
-                   help="derive the profile from a device's published specifications instead of measuring")
-    p.add_argument("--target-shape", default="llama-3.1-70b", help="with --roofline: the target's shape preset")
-    p.add_argument("--draft-shape", default="llama-3.2-1b", help="with --roofline: the draft's shape preset ('none')")
-    p.add_argument("--stages", type=int, default=8, help="with --roofline: stages (checks a stage's weights fit)")
-
-
-def main(args: argparse.Namespace) -> int:
-    from specpipe.config import ConfigError
-
-    if args.roofline:
-        from specpipe.sim import roofline
-
-        try:
-            prof = roofline.build(args.roofline, args.target_shape,
-                                  None if args.draft_shape == "none" else args.draft_shape,
-                                  args.rows, args.contexts, args.stages)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-    else:
-        prof = measure(args)
-        for S in args.probe_links:
-            for link in probe_link(args.model, S, args.device, args.threads):
-                prof.links[link.name] = asdict(link)
-                print(f"link {link.name}: {link.latency_ms:.3f} ms per message", file=sys.stderr)
-    prof.save(args.out)
-    print(f"wrote {args.out} ({prof.method}, {prof.device})", file=sys.stderr)
-    return 0
-
-
-def _timed(fn, repeats: int, sync) -> float:
-    fn()  # warm-up
-    out = []
-    for _ in range(max(1, repeats)):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(out)
-
-
-def probe_link(model, num_stages: int, device: str = "cpu", threads: int = 0, steps: int = 300):
-    """The link between the driver and local stage processes, as the simulator sees it, twice:
-
-      idle  steps with no rows cost only their messages (control out to every stage, the previous
-            step's output in, results back), so half an empty step's round trip is one message;
-      busy  one request decoding in pp (one row crossing the stages' real layers): the median gap
-            along the row's path, from the driver's send to stage 1's start, from each stage's end
-            to the next one's start and from the last stage's end to the driver's receipt, as the
-            stages' own spans time them. Where processes share cores, a message between
-            computing processes can cost more than an idle one."""
-    import torch
-
-    from specpipe.distributed.transport import LinkOptions
-    from specpipe.engine.core import EngineCore
-    from specpipe.engine.default_model import default_model_path
-    from specpipe.engine.launcher import local_processes
-    from specpipe.loader import open_checkpoint
-    from specpipe.loader.partition import partition_layers
-    from specpipe.messages import Control
-    from specpipe.request import Request
-    from specpipe.sampling import SamplingParams
-    from specpipe.sim.profile import Link
-    from specpipe.sim.trace import StepTracer
-
-    path = model or default_model_path()
-    specs = partition_layers(open_checkpoint(path).config.num_layers, num_stages)
-    pipe = local_processes(path, specs, 16, 16, device, torch.float32, LinkOptions(), threads=threads)
-    try:
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            pipe.step(Control(), [])
-            times.append((time.perf_counter() - t0) * 1e3)
-        core = EngineCore(pipe, "pp", kv_blocks=16, block_size=16)
-        core.tracer = StepTracer(num_stages)
-        core.run([Request(0, [1, 2, 3, 4], SamplingParams(max_tokens=max(8, steps // (4 * num_stages))), frozenset())],
-                 on_finish=lambda _r: core.request_stage_stats())
-        trace = core.tracer.finish()
-    finally:
-        pipe.close()
-    gaps, last = [], num_stages - 1
-    for before, step in zip(trace.steps, trace.steps[1:]):
-        spans = step.stage_spans
-        if not spans:
-            continue
-        if spans[0] and step.rows[0] == 1:
-            gaps.append(spans[0][0] - step.t_submit)
-        gaps += [spans[s][0] - before.stage_spans[s - 1][1] for s in range(1, num_stages)
-                 if spans[s] and before.stage_spans and before.stage_spans[s - 1]]
-        if spans[last] and step.rows[last] == 1:
-            gaps.append(step.t_collect - spans[last][1])
-    idle = statistics.median(times[steps // 5:]) / 2
-    busy = statistics.median(gaps[len(gaps) // 5:]) * 1e3 if gaps else idle
-    return [Link(f"loopback-s{num_stages}", idle, 0.0), Link(f"loopback-s{num_stages}-busy", busy, 0.0)]
 
 
 class StageTimer:
@@ -209,29 +84,31 @@ class StageTimer:
         return statistics.median(out)
 
 
-def measure(args: argparse.Namespace):
-    """`specpipe profile` on a checkpoint (the target, and the draft if given)."""
+def measure_checkpoint(model, draft, rows: list[int], contexts: list[int], device: str = "cpu",
+                       dtype: str = "auto", threads: int = 0, repeats: int = 3):
+    """The cost profile of a checkpoint (the target, and the draft if given); `model` None is the
+    embedded default model."""
     import torch
 
     from specpipe.config import EngineConfig, StageSpec
-    from specpipe.engine.default_model import default_model_path
     from specpipe.loader import open_checkpoint
+    from specpipe.loader.default_model import default_model_path
     from specpipe.model.stage import build_stage
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dtype = EngineConfig(device=args.device, dtype=args.dtype).torch_dtype()
-    device = torch.device(args.device)
-    target = args.model or default_model_path()
+    if threads:
+        torch.set_num_threads(threads)
+    torch_dtype = EngineConfig(device=device, dtype=dtype).torch_dtype()
+    dev = torch.device(device)
+    target = model or default_model_path()
     ckpt = open_checkpoint(target)
-    draft, draft_meta = None, None
-    if args.draft:
-        dckpt = open_checkpoint(args.draft)
-        draft = build_stage(dckpt, StageSpec.whole(dckpt.config), device, dtype)
-        draft_meta = {"path": str(args.draft), "num_layers": dckpt.config.num_layers,
+    draft_model, draft_meta = None, None
+    if draft:
+        dckpt = open_checkpoint(draft)
+        draft_model = build_stage(dckpt, StageSpec.whole(dckpt.config), dev, torch_dtype)
+        draft_meta = {"path": str(draft), "num_layers": dckpt.config.num_layers,
                       "hidden_size": dckpt.config.hidden_size}
-    prof = profile_stages(lambda spec: build_stage(ckpt, spec, device, dtype), ckpt.config, args.rows, args.contexts,
-                          args.repeats, device, dtype, draft)
+    prof = profile_stages(lambda spec: build_stage(ckpt, spec, dev, torch_dtype), ckpt.config, rows, contexts,
+                          repeats, dev, torch_dtype, draft_model)
     prof.model["path"], prof.draft = str(target), draft_meta
     return prof
 
@@ -242,7 +119,7 @@ def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: in
     import torch
 
     from specpipe.config import StageSpec
-    from specpipe.sim.profile import CostProfile
+    from specpipe.costs.profile import CostProfile
 
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     L = cfg.num_layers

@@ -13,7 +13,7 @@ near n = (peak * flops_eff) / (bandwidth * bandwidth_eff) rows: about 124 on an 
 H100 (a little more, since activations add bytes).
 
 Every number used goes into the profile's `assumptions`; docs/roofline.md explains them and
-`python -m specpipe.sim.roofline` rewrites the shipped profiles in specpipe/sim/profiles/.
+`python -m specpipe.costs.roofline` rewrites the shipped profiles in specpipe/costs/profiles/.
 """
 
 from __future__ import annotations
@@ -24,9 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specpipe.config import ModelConfig
-from specpipe.sim.profile import CostProfile, Link
+from specpipe.costs.profile import PROFILES_DIR, CostProfile, Link
 
-PROFILES_DIR = Path(__file__).parent / "profiles"
 DEFAULT_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 DEFAULT_CONTEXTS = [256, 512, 1024, 2048, 4096, 8192]
 GIB = 2**30

@@ -6,8 +6,8 @@ from itertools import pairwise
 import pytest
 
 from specpipe.config import ModelConfig
-from specpipe.sim.profile import CostProfile
-from specpipe.sim.roofline import (
+from specpipe.costs.profile import CostProfile
+from specpipe.costs.roofline import (
     DEVICES,
     H100_80GB,
     LINKS,
@@ -99,7 +99,7 @@ def test_shipped_profiles_equal_what_build_gives_now(device, model, draft, stage
     path = PROFILES_DIR / profile_filename(device, model, draft, stages)
     shipped = CostProfile.load(path)
     assert shipped == build(device, model, draft, stages=stages), \
-        "stale profile: run python -m specpipe.sim.roofline"
+        "stale profile: run python -m specpipe.costs.roofline"
     assert shipped.method == "roofline" and shipped.row_bytes == 8192 * 2
     assert shipped.num_layers == 80 and shipped.draft["name"] == draft
 

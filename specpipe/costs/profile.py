@@ -1,8 +1,8 @@
 """Cost profiles: what one pipeline stage, the LM head and the draft source cost on one device, as
 a function of the rows computed in a step and the context they attend to (SPEC §8).
 
-A profile is measured (`specpipe profile`, sim/measure.py) or derived from a device's published
-specifications (sim/roofline.py). Both write the same JSON file:
+A profile is measured (`specpipe profile`, costs/measure.py) or derived from a device's published
+specifications (costs/roofline.py). Both write the same JSON file:
 
   {"format": "specpipe-profile/1", "device": ..., "method": "measured" | "roofline",
    "model": {...}, "draft": {...} | null, "assumptions": [...],
@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 FORMAT = "specpipe-profile/1"
+PROFILES_DIR = Path(__file__).parent / "profiles"  # shipped profiles (costs/roofline.py writes them)
 
 
 def _interp(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
@@ -145,8 +146,6 @@ class CostProfile:
 
 def load_profile(name: str | Path) -> CostProfile:
     """A profile file, or a shipped profile by (the start of) its name: a100-80gb, h100-80gb, ..."""
-    from specpipe.sim.roofline import PROFILES_DIR
-
     if Path(name).is_file():
         return CostProfile.load(name)
     shipped = sorted(PROFILES_DIR.glob(f"{name}*.json"))
