@@ -41,7 +41,7 @@ from specpipe.config import StageSpec
 from specpipe.loader import open_checkpoint
 from specpipe.model.runner import run_rows
 from specpipe.model.stage import build_stage
-from specpipe.worker.slot_table import NO_PARENT, SlotTable
+from specpipe.kv.slot_table import NO_PARENT, SlotTable
 
 SMOL_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPT_TEXT = (

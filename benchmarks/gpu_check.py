@@ -27,7 +27,7 @@ import torch
 from specpipe.config import ModelConfig, StageSpec
 from specpipe.costs import roofline
 from specpipe.costs.measure import profile_stages
-from specpipe.engine.engine import decode
+from specpipe.engine.core import EngineCore
 from specpipe.loader.partition import partition_layers
 from specpipe.model.llama import LlamaStage, rope_inv_freq
 from specpipe.request import Request
@@ -67,7 +67,7 @@ def decode_on(device, dtype, mode: str, layers=1) -> list[int]:
     workers = [StageWorker(random_stage(cfg, s, device, dtype), 64, 16) for s in partition_layers(cfg.num_layers, 2)]
     req = Request(0, [5, 17, 33, 90, 5, 17, 33, 90, 5, 17, 120, 7], SamplingParams(max_tokens=40), frozenset())
     source = NgramSource() if mode != "pp" else None
-    decode(LocalPipeline(workers), req, mode, source, 4, 3, layers=layers)
+    EngineCore(LocalPipeline(workers), mode, source, width=4, depth=3, layers=layers).run([req])
     return req.output_ids
 
 

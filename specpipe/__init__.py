@@ -10,10 +10,14 @@ __all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
 
 def __getattr__(name: str):
     # Lazy, so that `specpipe --version` and the stage processes do not import the whole engine.
-    if name in ("LLM", "RequestOutput"):
-        from specpipe.engine import llm
+    if name == "LLM":
+        from specpipe.engine.llm import LLM
 
-        return getattr(llm, name)
+        return LLM
+    if name == "RequestOutput":
+        from specpipe.outputs import RequestOutput
+
+        return RequestOutput
     if name == "SamplingParams":
         from specpipe.sampling import SamplingParams
 

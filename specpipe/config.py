@@ -162,7 +162,7 @@ class EngineConfig:
     mode: str = "pp"
     stages: int = 1
     stage_layers: Optional[list[int]] = None
-    draft: Optional[str] = None  # source spec (see engine/sources.py); tree/specpipe default: ngram
+    draft: Optional[str] = None  # source spec (see spec_decode/build.py); tree/specpipe default: ngram
     tree_width: int = 8  # W: nodes per tree layer
     tree_depth: int = 4  # D: layers per round in mode `tree`
     layers_per_step: int | str = 1  # d: tree layers per step in specpipe / specpipe-db, or "auto"

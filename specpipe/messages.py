@@ -46,9 +46,6 @@ class Control:
     report: bool = False  # every stage sends its cumulative StageStats to the driver
     shutdown: bool = False
 
-    def empty(self) -> bool:
-        return not (self.admit or self.prune or self.release or self.report or self.shutdown)
-
 
 @dataclass
 class Rows:

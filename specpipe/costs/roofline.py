@@ -23,7 +23,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specpipe.config import ModelConfig
 from specpipe.costs.profile import PROFILES_DIR, CostProfile, Link
 
 DEFAULT_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
@@ -97,12 +96,6 @@ class ModelShape:
     tie_word_embeddings: bool = False
     bytes_per_param: int = 2  # bf16 weights, activations and KV cache
     source: str = ""
-
-    @staticmethod
-    def from_config(name: str, cfg: ModelConfig, source: str = "") -> ModelShape:
-        return ModelShape(name, cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
-                          cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, cfg.tie_word_embeddings,
-                          source=source)
 
     @property
     def q_dim(self) -> int:

@@ -27,6 +27,7 @@ from specpipe.config import BUDGETED_MODES, SPECULATIVE_MODES, ConfigError
 from specpipe.engine.modes.base import AFTER, BEFORE, DURING, ModeState
 from specpipe.engine.modes.rounds import RoundsState
 from specpipe.engine.modes.specpipe import AUTO, AutoPlan, SpecPipeState, block_rows
+from specpipe.engine.observer import NO_OBSERVER, StepObserver
 from specpipe.messages import Control, Pipeline
 from specpipe.request import Request
 from specpipe.sched.block_manager import BlockManager
@@ -75,7 +76,7 @@ class EngineCore:
         self.stage_stats: Optional[list[dict]] = None  # the stages' last report (cumulative)
         self.steps = 0
         self.draft_bound_steps = 0
-        self.tracer = None  # a sim.trace.StepTracer records every step when set
+        self.observer: StepObserver = NO_OBSERVER  # e.g. sim.trace.StepTracer, to record every step
 
     # -- requests -----------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -91,8 +92,7 @@ class EngineCore:
         self.scheduler.add(req.request_id)  # QueueFull when the waiting queue is at its bound
         self.requests[req.request_id] = req
         self.states[req.request_id] = self._new_state(req)
-        if self.tracer is not None:
-            self.tracer.added(req.request_id, req.arrival, len(req.prompt_ids))
+        self.observer.added(req)
 
     def spec_reserve(self) -> int:
         return spec_reserve(self.mode, self.width, self.depth, self.pipe.num_stages, self.layers)
@@ -153,9 +153,7 @@ class EngineCore:
                 control.prune.append(prune)
         self._release, self._report = [], False
 
-        if self.tracer is not None:
-            self.tracer.submitted(control, rows, {st.pid: (st.req.request_id, st.req.context_len - 1) for st in running},
-                                  self.pipe.steps + 1)
+        self.observer.submitted(self.pipe.steps + 1, control, rows, running)
         self.pipe.submit(control, rows)
         error: Optional[BaseException] = None
         drafters: list[ModeState] = []
@@ -168,8 +166,6 @@ class EngineCore:
             error = e
         t0 = time.perf_counter()
         results = self.pipe.collect()
-        if self.tracer is not None:
-            self.tracer.collected()
         # The results were already waiting when drafting ended: the draft, not the stages, set
         # this step's pace (only where the stages compute while the driver drafts).
         draft_bound = (bool(drafters) and self.pipe.concurrent
@@ -180,25 +176,22 @@ class EngineCore:
             st.draft_bound = draft_bound
             st.req.stats.draft_bound_steps += draft_bound
         self.steps += 1
+        spans = []
         if control.report:
-            reported = getattr(self.pipe, "reported", None)
-            spans = [r.pop("spans", []) for r in reported or []]
-            if self.tracer is not None and spans:
-                self.tracer.stage_spans(spans)
-            self.stage_stats = reported
+            spans = [r.pop("spans", []) for r in self.pipe.reported or []]
+            self.stage_stats = self.pipe.reported
+        self.observer.collected(spans)
 
         by_pid = {st.pid: st for st in running}
         for res in results:
             st = by_pid.get(res.request_id)
             if st is None or self.states.get(st.req.request_id) is not st:
                 continue  # rows of a request that ended or was restarted while they travelled
-            if getattr(res, "failed", False):
+            if res.failed:
                 self._stage_kv_failed(st)
             else:
                 st.receive(res)
         live = [st for st in running if self.states.get(st.req.request_id) is st]
-        if self.tracer is not None:
-            self.tracer.verifying([st.req for st in live])
         for st in live:
             if st.started:
                 st.req.stats.pipeline_steps += 1
@@ -209,8 +202,7 @@ class EngineCore:
             for st in live:
                 st.drafting(AFTER)  # drop a new root's draft call: the source may be in any state
         done = [st.req for st in live if st.req.finished]
-        if self.tracer is not None:
-            self.tracer.ended([st.req for st in live])
+        self.observer.verified([st.req for st in live])
         for req in done:
             self._retire(req.request_id)
         if error is not None:
@@ -238,8 +230,7 @@ class EngineCore:
             t0 = time.perf_counter()
             outs = self.source.propose_many([c for _, c in calls])
             dt = time.perf_counter() - t0
-            if self.tracer is not None:
-                self.tracer.drafted(phase, sum(len(c.rows.node_ids) for _, c in calls))
+            self.observer.drafted(phase, sum(len(c.rows.node_ids) for _, c in calls))
             for (st, _), props in zip(calls, outs):
                 st.proposals(phase, props)
                 st.req.stats.draft_s += dt / len(calls)

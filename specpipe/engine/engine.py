@@ -8,45 +8,27 @@ core for one request (`generate`) or many (`run`).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
-from specpipe.config import (
-    DEFAULT_DRAFT,
-    MODES,
-    SPECULATIVE_MODES,
-    ConfigError,
-    EngineConfig,
-)
-from specpipe.distributed.launch import RankEnv
-from specpipe.engine import launcher
+from specpipe.config import DEFAULT_DRAFT, MODES, SPECULATIVE_MODES, ConfigError, EngineConfig
+from specpipe.costs.profile import CostProfile, load_profile
+from specpipe.distributed.ranks import RankEnv
 from specpipe.engine.core import EngineCore, spec_reserve
 from specpipe.engine.kv_pool import pool_blocks
-from specpipe.engine.main_guard import check_main_guard
-from specpipe.engine.sources import build_source
+from specpipe.engine.prompts import PromptProcessor
+from specpipe.engine.start_pipeline import start_pipeline
 from specpipe.loader import open_checkpoint
 from specpipe.loader.default_model import default_model_path
 from specpipe.loader.partition import partition_layers
 from specpipe.messages import Pipeline
+from specpipe.outputs import RequestOutput
 from specpipe.request import Request
 from specpipe.sampling import SamplingParams
+from specpipe.spec_decode.build import build_source
 from specpipe.spec_decode.sources import TokenSource
-from specpipe.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
+from specpipe.tokenizer.tokenizer import Tokenizer
 from specpipe.worker.stage_worker import StageStats
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str
-    stats: dict = field(default_factory=dict)
-
-    def as_dict(self) -> dict:
-        return {"text": self.text, "prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
-                "finish_reason": self.finish_reason, "stats": self.stats}
 
 
 class Engine:
@@ -61,43 +43,31 @@ class Engine:
         self.tokenizer = Tokenizer.from_path(self.model_path)
         cfg = self.checkpoint.config
         self.max_context = min(config.max_context, cfg.max_position)
+        self.prompts = PromptProcessor(self.tokenizer, cfg.vocab_size, self.max_context)
         self.stage_specs = partition_layers(cfg.num_layers, config.stages, config.stage_layers)
         reserve = spec_reserve(config.mode, config.tree_width, config.tree_depth, config.stages,
                                config.layers_per_step)
         self.num_blocks = pool_blocks(config, cfg, self.stage_specs, reserve)
         self.block_size = config.block_size
-        self.cost_profile = None
-        if config.cost_profile is not None:
-            from specpipe.costs.profile import load_profile
-
-            try:
-                self.cost_profile = load_profile(config.cost_profile)
-            except ValueError as e:
-                raise ConfigError(f"--cost-profile: {e}") from None
+        self.cost_profile = _cost_profile(config)
         self.source: Optional[TokenSource] = None
         if config.mode in SPECULATIVE_MODES:
             self._source()  # before any process starts, so a bad --draft leaves nothing running
-        dtype = config.torch_dtype()
+        self.pipeline: Pipeline = start_pipeline(config, self.checkpoint, self.model_path, self.stage_specs,
+                                                 self.num_blocks, rank_env, progress)
         if rank_env is not None:
-            self.pipeline: Pipeline = launcher.torchrun_driver(rank_env, config.stages, config.device,
-                                                               config.link(), progress=progress)
             # Each stage sized its pool from its own machine's memory: admit against the smallest.
             self.num_blocks = min([self.num_blocks] + [r["num_blocks"] for r in self.pipeline.ready])
-        elif config.uses_processes():
-            check_main_guard()  # spawn re-imports the caller's script: say so before it fails in a child
-            self.pipeline = launcher.local_processes(self.model_path, self.stage_specs, self.num_blocks,
-                                                     self.block_size, config.device, dtype, config.link(),
-                                                     progress=progress, threads=config.stage_threads)
-        else:
-            self.pipeline = launcher.in_process(self.checkpoint, self.stage_specs, self.num_blocks,
-                                                self.block_size, config.device, dtype)
         if progress and (rank_env is not None or config.uses_processes()):  # with the stages' own lines
             progress(f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens per stage "
                      f"({self.num_blocks * self.block_size} tokens)")
-        self._ids = itertools.count()
         self._pids = itertools.count()  # shared by every core: the stages see one id space
         self._cores: dict[tuple, EngineCore] = {}
         self._stage_before: list[dict] = []  # the stages' counters when the last generate() began
+        # Prompts and requests: see engine/prompts.py.
+        self.encode_prompt = self.prompts.encode_prompt
+        self.encode_chat = self.prompts.encode_chat
+        self.make_request = self.prompts.make_request
 
     def _source(self) -> TokenSource:
         if self.source is None:
@@ -126,41 +96,6 @@ class Engine:
                 max_waiting=c.max_waiting, pids=self._pids, cost_profile=self.cost_profile)
         return self._cores[key]
 
-    # -- requests -------------------------------------------------------------------------------
-    def encode_prompt(self, prompt: str, chat: Optional[bool] = None) -> list[int]:
-        use_chat = self.tokenizer.has_chat_template if chat is None else chat
-        if use_chat:
-            if not self.tokenizer.has_chat_template:
-                raise ConfigError("--chat: this model has no chat template; use --no-chat")
-            return self.encode_chat([{"role": "user", "content": prompt}])
-        return self.tokenizer.encode(prompt)
-
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        if not self.tokenizer.has_chat_template:
-            raise ConfigError("this model has no chat template; pass plain prompts instead")
-        text = self.tokenizer.apply_chat_template(messages)
-        # The template already holds the special tokens (BOS included where the model has one).
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def make_request(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
-                     chat: Optional[bool] = None, on_text: Optional[Callable[[str], None]] = None,
-                     ignore_eos: bool = False) -> Request:
-        """A validated request (not yet added): token ids, a concrete seed, a detokenizer.
-        `ignore_eos`: decode past end-of-sequence tokens, up to max_tokens (for benchmarks)."""
-        prompt_ids = list(prompt) if not isinstance(prompt, str) else self.encode_prompt(prompt, chat)
-        if not prompt_ids:
-            raise ConfigError("the prompt is empty")
-        if len(prompt_ids) + sampling.max_tokens > self.max_context:
-            raise ConfigError(
-                f"the prompt ({len(prompt_ids)} tokens) plus --max-tokens ({sampling.max_tokens}) exceeds "
-                f"the context of {self.max_context} tokens; shorten the prompt or lower --max-tokens")
-        vocab = self.checkpoint.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ConfigError(f"prompt token ids must be in [0, {vocab})")
-        stop_ids = frozenset() if ignore_eos else frozenset(self.tokenizer.eos_token_ids)
-        return Request(next(self._ids), prompt_ids, sampling.resolved(), stop_ids,
-                       detokenizer=IncrementalDetokenizer(self.tokenizer), on_text=on_text)
-
     def run(self, requests: Iterable[Request], core: Optional[EngineCore] = None,
             on_finish: Optional[Callable[[Request], None]] = None) -> None:
         """Serve `requests` together until all have finished (see EngineCore.run)."""
@@ -169,7 +104,7 @@ class Engine:
     def generate(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
                  chat: Optional[bool] = None, on_text: Optional[Callable[[str], None]] = None,
                  mode: Optional[str] = None, tree_width: Optional[int] = None,
-                 tree_depth: Optional[int] = None, layers_per_step: Optional[int] = None) -> GenerationResult:
+                 tree_depth: Optional[int] = None, layers_per_step: Optional[int] = None) -> RequestOutput:
         """Decode one request. `mode`, `tree_width`, `tree_depth` and `layers_per_step` override the
         config for this request (so one set of stage processes can serve every mode, e.g. in
         benchmarks)."""
@@ -182,10 +117,19 @@ class Engine:
         stats = req.summary(self.pipeline.num_stages)
         stats.update(mode=core.mode, draft=core.source.name if core.source is not None else None,
                      seed=req.sampling.seed, stages=stages)
-        return GenerationResult(req.text, req.prompt_ids, list(req.output_ids), req.finish_reason or "length", stats)
+        return RequestOutput.of(req, stats, prompt if isinstance(prompt, str) else None)
 
     def close(self) -> None:
         self.pipeline.close()
+
+
+def _cost_profile(config: EngineConfig) -> Optional[CostProfile]:
+    if config.cost_profile is None:
+        return None
+    try:
+        return load_profile(config.cost_profile)
+    except ValueError as e:
+        raise ConfigError(f"--cost-profile: {e}") from None
 
 
 def _stage_deltas(before: list[dict], after: list[dict]) -> list[dict]:
@@ -203,13 +147,3 @@ def _stage_deltas(before: list[dict], after: list[dict]) -> list[dict]:
         d["occupancy"] = d["rows_committed"] / d["rows_computed"] if d["rows_computed"] else None
         out.append(d)
     return out
-
-
-def decode(pipe: Pipeline, req: Request, mode: str, source: Optional[TokenSource] = None, width: int = 8,
-           depth: int = 4, **core_options) -> EngineCore:
-    """Run one request to completion on a given pipeline (tests and step-count benchmarks)."""
-    core = EngineCore(pipe, mode, source, width=width, depth=depth, **core_options)
-    core.add_request(req)
-    while core.has_work():
-        core.step()
-    return core

@@ -16,43 +16,16 @@ from __future__ import annotations
 
 import sys
 import weakref
-from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 from specpipe.config import EngineConfig
 from specpipe.engine.engine import Engine
+from specpipe.outputs import RequestOutput
 from specpipe.request import Request
 from specpipe.sampling import SamplingParams
 
 Prompt = Union[str, Sequence[int]]
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-
-
-@dataclass
-class RequestOutput:
-    """One prompt's result: text, token ids, why it ended (stop | length | abort | error), stats."""
-
-    request_id: int
-    prompt: Optional[str]
-    prompt_token_ids: list[int]
-    text: str
-    token_ids: list[int]
-    finish_reason: str
-    stats: dict = field(default_factory=dict)
-    error: Optional[str] = None
-
-    @property
-    def outputs(self) -> list[CompletionOutput]:
-        """vLLM's shape (`out.outputs[0].text`), for code written against it."""
-        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
 
 
 class LLM:
@@ -106,8 +79,7 @@ class LLM:
     def _output(self, req: Request, prompt: Optional[str]) -> RequestOutput:
         stats = req.summary(self.engine.pipeline.num_stages)
         stats.update(mode=self.engine.config.mode, seed=req.sampling.seed)
-        return RequestOutput(req.request_id, prompt, req.prompt_ids, req.text, list(req.output_ids),
-                             req.finish_reason or "length", stats, req.error)
+        return RequestOutput.of(req, stats, prompt)
 
     def close(self) -> None:
         """Stop the stage processes (also done when the object is garbage-collected)."""

@@ -57,7 +57,7 @@ def node_rows(request_id: int, nodes: Sequence[Node], root_parent: int | None = 
 
 
 def source_rows(rows: Rows) -> SourceRows:
-    return SourceRows(list(rows.node_ids), list(rows.parent_ids), list(rows.positions), rows.data.tolist())
+    return SourceRows(list(rows.node_ids), list(rows.parent_ids), list(rows.positions), rows.data)
 
 
 def concat_rows(a: Optional[Rows], b: Optional[Rows]) -> Optional[Rows]:

@@ -141,7 +141,7 @@ def _engine_config(args: argparse.Namespace, **extra):
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from specpipe.distributed.launch import RankEnv
+    from specpipe.distributed.ranks import RankEnv
     from specpipe.engine.engine import Engine
     from specpipe.sampling import SamplingParams
 
@@ -172,7 +172,7 @@ def _serve(args: argparse.Namespace) -> int:
     import os
 
     from specpipe.config import ConfigError
-    from specpipe.distributed.launch import RankEnv
+    from specpipe.distributed.ranks import RankEnv
 
     if args.max_queue < 0:
         raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
@@ -194,7 +194,7 @@ def _serve_stage(config, env) -> int:
 
     from specpipe.engine.core import spec_reserve
     from specpipe.engine.kv_pool import pool_blocks
-    from specpipe.engine.launcher import torchrun_stage
+    from specpipe.engine.start_pipeline import torchrun_stage
     from specpipe.loader import open_checkpoint
     from specpipe.loader.default_model import default_model_path
     from specpipe.loader.partition import partition_layers

@@ -16,7 +16,7 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from specpipe.distributed.remote_pipeline import PipelineError
     from specpipe.loader.default_model import DefaultModelMissing
     from specpipe.tokenizer.tokenizer import TokenizerError
-    from specpipe.worker.slot_table import KVCacheFull
+    from specpipe.kv.slot_table import KVCacheFull
 
     return (ConfigError, CheckpointError, TokenizerError, DefaultModelMissing, PipelineError, KVCacheFull,
             ValueError)

@@ -1,7 +1,7 @@
 """Preallocated KV cache of one stage, addressed by slot.
 
 The cache is a fixed pool of slots per layer. Which slot holds which token is bookkeeping kept by
-the caller (see worker/slot_table.py, which also groups the slots into blocks), so freeing a
+the caller (see kv/slot_table.py, which also groups the slots into blocks), so freeing a
 pruned tree node or rolling back a rejected draft costs nothing, and committing a node is a
 slot-table update, never a copy of KV rows.
 """

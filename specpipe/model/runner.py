@@ -1,4 +1,4 @@
-"""Run a model over rows whose KV placement was planned by the caller (worker/slot_table.py)."""
+"""Run a model over rows whose KV placement was planned by the caller (kv/slot_table.py)."""
 
 from __future__ import annotations
 

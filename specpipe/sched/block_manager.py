@@ -1,6 +1,6 @@
 """The driver's count of KV blocks per request: admission and preemption decide on it.
 
-Pure Python. The stages keep the real block tables (worker/slot_table.py); the driver mirrors
+Pure Python. The stages keep the real block tables (kv/slot_table.py); the driver mirrors
 their rule without seeing them. A stage gives a request a new block only when all of the
 request's slots are in use, and takes its blocks back only when it is released, so at any stage a
 request holds ceil(peak slots / block_size) blocks. A request's slots at any stage never exceed
@@ -53,6 +53,3 @@ class BlockManager:
 
     def free(self, request_id: int) -> None:
         self._held.pop(request_id, None)
-
-    def requests(self) -> list[int]:
-        return list(self._held)

@@ -89,7 +89,7 @@ def probe_link(model, num_stages: int, device: str = "cpu", threads: int = 0, st
     from specpipe.config import LinkOptions
     from specpipe.costs.profile import Link
     from specpipe.engine.core import EngineCore
-    from specpipe.engine.launcher import local_processes
+    from specpipe.engine.start_pipeline import local_processes
     from specpipe.loader import open_checkpoint
     from specpipe.loader.default_model import default_model_path
     from specpipe.loader.partition import partition_layers
@@ -108,10 +108,10 @@ def probe_link(model, num_stages: int, device: str = "cpu", threads: int = 0, st
             pipe.step(Control(), [])
             times.append((time.perf_counter() - t0) * 1e3)
         core = EngineCore(pipe, "pp", kv_blocks=16, block_size=16)
-        core.tracer = StepTracer(num_stages)
+        core.observer = StepTracer(num_stages)
         core.run([Request(0, [1, 2, 3, 4], SamplingParams(max_tokens=max(8, steps // (4 * num_stages))), frozenset())],
                  on_finish=lambda _r: core.request_stage_stats())
-        trace = core.tracer.finish()
+        trace = core.observer.finish()
     finally:
         pipe.close()
     gaps, last = [], num_stages - 1

@@ -41,6 +41,7 @@ from typing import Any, Optional
 
 from specpipe.costs.profile import read_json
 from specpipe.engine.modes.base import DURING
+from specpipe.engine.observer import StepObserver
 from specpipe.messages import Control, Rows
 from specpipe.sim.inflight import InFlight, row_counts
 
@@ -102,8 +103,8 @@ class Trace:
         return cls(data["meta"], {int(k): v for k, v in data["requests"].items()}, steps)
 
 
-class StepTracer:
-    """Attached to an EngineCore (`core.tracer = StepTracer(...)`), which calls it at each phase
+class StepTracer(StepObserver):
+    """Attached to an EngineCore (`core.observer = StepTracer(...)`), which calls it at each phase
     of a step. Costs a few dictionary updates per step."""
 
     def __init__(self, num_stages: int, meta: Optional[dict[str, Any]] = None) -> None:
@@ -112,7 +113,7 @@ class StepTracer:
         self._t0 = time.perf_counter()
         self._serial: list[int] = []  # draft forwards since the last submit
         self._step: Optional[StepRecord] = None
-        self._checked = (0, 0)  # verifications and hits of the step's requests before it verified
+        self._checked: dict[int, tuple[int, int]] = {}  # request id -> (verifications, hits) at submit
         self._nodes: list[list[list[tuple[int, int, int]]]] = []  # [step][stage] -> (pid, node, depth)
         self._pid_request: dict[int, int] = {}
         self._by_pipe_step: dict[int, StepRecord] = {}  # the pipeline's step number -> its record
@@ -120,11 +121,11 @@ class StepTracer:
     def now(self) -> float:
         return time.perf_counter() - self._t0
 
-    def added(self, request_id: int, arrival: float, prompt_tokens: int) -> None:
+    def added(self, req) -> None:
         """`step`: the first step it could be in (a closed-loop run adds a request when the
         engine is ready for it; the simulator starts it there, whatever the wall clock said)."""
-        self.trace.requests[request_id] = {"arrival": arrival - self._t0, "prompt_tokens": prompt_tokens,
-                                           "step": len(self.trace.steps)}
+        self.trace.requests[req.request_id] = {"arrival": req.arrival - self._t0, "prompt_tokens": len(req.prompt_ids),
+                                               "step": len(self.trace.steps)}
 
     def drafted(self, phase: str, rows_per_forward: int) -> None:
         if phase == DURING and self._step is not None:
@@ -132,13 +133,13 @@ class StepTracer:
         else:
             self._serial.append(rows_per_forward)
 
-    def submitted(self, control: Control, rows: list[Rows], roots: dict[int, tuple[int, int]],
-                  pipe_step: Optional[int] = None) -> None:
-        """`roots`: pid -> (request id, position of its last committed token) of every request
-        in this step; `pipe_step`: the number the stages give this step (for `stage_spans`)."""
-        for pid, (rid, _) in roots.items():
-            self._pid_request[pid] = rid
-        self._roots = {pid: pos for pid, (_, pos) in roots.items()}
+    def submitted(self, pipe_step: int, control: Control, rows: list[Rows], running: list) -> None:
+        """Every request in this step: its pid, the position of its last committed token (the
+        root, for depths) and its verification counters before this step (for its hits)."""
+        for st in running:
+            self._pid_request[st.pid] = st.req.request_id
+        self._roots = {st.pid: st.req.context_len - 1 for st in running}
+        self._checked = {st.req.request_id: (st.req.stats.verifications, st.req.stats.hits) for st in running}
         computed = self._inflight.step(control, rows)
         self._nodes.append([[(r.request_id, n, self._depth(r.request_id, p)) for r in batch
                              for n, p in zip(r.node_ids, r.positions)] for batch in computed])
@@ -149,13 +150,14 @@ class StepTracer:
                                 sent={self._pid_request.get(r.request_id, r.request_id): len(r) for r in rows},
                                 contexts=contexts)
         self._serial = []
-        if pipe_step is not None:
-            self._by_pipe_step[pipe_step] = self._step
+        self._by_pipe_step[pipe_step] = self._step
 
-    def stage_spans(self, spans: list[list[tuple[int, int, int]]]) -> None:
-        """The stages' compute spans from a report: per stage, (pipeline step, start, end ns)."""
+    def collected(self, stage_spans: list[list[tuple[int, int, int]]]) -> None:
+        """The stages' compute spans from a report (per stage, (pipeline step, start, end ns)) go
+        to the steps they timed, which may be earlier ones."""
+        self._step.t_collect = self.now()
         S = self.trace.num_stages
-        for s, stage in enumerate(spans):
+        for s, stage in enumerate(stage_spans):
             for step, start, end in stage:
                 record = self._by_pipe_step.get(step)
                 if record is not None:
@@ -168,19 +170,13 @@ class StepTracer:
         root = self._roots.get(pid)
         return max(0, position - root) if root is not None else 0
 
-    def collected(self) -> None:
-        self._step.t_collect = self.now()
-
-    def verifying(self, requests: list) -> None:
-        """Before this step's verifications: their counters so far."""
-        self._checked = sum(r.stats.verifications for r in requests), sum(r.stats.hits for r in requests)
-
-    def ended(self, requests: list) -> None:
+    def verified(self, requests: list) -> None:
         """The step's requests after verification: tokens they hold, hits and misses of the step."""
         step = self._step
         step.tokens = {r.request_id: len(r.output_ids) for r in requests}
-        step.hits = sum(r.stats.hits for r in requests) - self._checked[1]
-        step.misses = sum(r.stats.verifications for r in requests) - self._checked[0] - step.hits
+        before = [self._checked.get(r.request_id, (0, 0)) for r in requests]
+        step.hits = sum(r.stats.hits for r in requests) - sum(h for _, h in before)
+        step.misses = sum(r.stats.verifications for r in requests) - sum(v for v, _ in before) - step.hits
         step.t_end = self.now()
         self.trace.steps.append(step)
         self._step = None

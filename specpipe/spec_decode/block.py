@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 from specpipe.spec_decode.tree import Node, TokenTree
 
@@ -30,19 +30,20 @@ class BlockShape:
     width: int  # nodes per layer at most
 
 
-def choose_block(tree: TokenTree, props: Proposals, sent: set[int], shape: BlockShape) -> list[Node]:
-    """The block for this step, parents first (by depth, then score); candidates that are not
-    nodes yet become nodes."""
-    chosen = _select(tree, props, sent, shape, tree.add_child)
-    return sorted(chosen, key=lambda n: (n.position, -n.score, n.node_id))
+@dataclass(frozen=True)
+class Pick:
+    """One node of a block: an unsent node drafted ahead, or (node None) a child to create."""
+
+    parent: int
+    token: int
+    logprob: float
+    node: Optional[Node]
 
 
-def block_size(tree: TokenTree, props: Proposals, sent: set[int], shape: BlockShape) -> int:
-    """How many nodes `choose_block` would choose now (the tree is left as it is)."""
-    return len(_select(tree, props, sent, shape, lambda parent, token, lp: None))
-
-
-def _select(tree: TokenTree, props: Proposals, sent: set[int], shape: BlockShape, make) -> list:
+def select_block(tree: TokenTree, props: Proposals, sent: set[int], shape: BlockShape) -> list[Pick]:
+    """The block for this step in the order it is chosen, the tree left as it is. The choice is
+    greedy and stops at `shape.rows`, so the first k picks are the block a cap of k rows would
+    choose: the scheduler sizes a request's want from this list and the state sends a prefix."""
     base_depth = max((tree.depth_of(n) for n in sent if n in tree), default=0)
     top = base_depth + shape.depth
     unsent = {(n.parent, n.token): n for n in tree.live_nodes() if n.node_id not in sent}
@@ -62,7 +63,7 @@ def _select(tree: TokenTree, props: Proposals, sent: set[int], shape: BlockShape
     for n in [tree.root, *tree.live_nodes()]:
         if (n is tree.root or n.node_id in sent) and tree.depth_of(n.node_id) == base_depth:
             push_children(n, base_depth)
-    chosen: list = []
+    chosen: list[Pick] = []
     per_layer: dict[int, int] = {}
     while heap and len(chosen) < shape.rows:
         _, depth, parent, token, lp = heapq.heappop(heap)
@@ -70,9 +71,19 @@ def _select(tree: TokenTree, props: Proposals, sent: set[int], shape: BlockShape
             continue
         per_layer[depth] = per_layer.get(depth, 0) + 1
         node = unsent.get((parent, token))
-        if node is None:
-            node = make(parent, token, lp)  # a new node has no proposals yet: a leaf of the block
-        elif node.node_id in props:
-            push_children(node, depth)
-        chosen.append(node)
+        if node is not None and node.node_id in props:
+            push_children(node, depth)  # a new node has no proposals yet: a leaf of the block
+        chosen.append(Pick(parent, token, lp, node))
     return chosen
+
+
+def take_block(tree: TokenTree, picks: Sequence[Pick]) -> list[Node]:
+    """The picked nodes, created where they are not nodes yet, parents first (by depth, then
+    score)."""
+    nodes = [p.node if p.node is not None else tree.add_child(p.parent, p.token, p.logprob) for p in picks]
+    return sorted(nodes, key=lambda n: (n.position, -n.score, n.node_id))
+
+
+def choose_block(tree: TokenTree, props: Proposals, sent: set[int], shape: BlockShape) -> list[Node]:
+    """`select_block` then `take_block`: the block for this step, as tree nodes."""
+    return take_block(tree, select_block(tree, props, sent, shape))

@@ -1,7 +1,7 @@
 """A draft model as a speculative token source: any causal LM with the target's tokenizer.
 
 The draft decodes the tree node-wise with its own tree-masked, paged KV cache, using the same slot
-table and the same packed forward as a pipeline stage (worker/slot_table.py, worker/batch.py), and
+table and the same packed forward as a pipeline stage (kv/slot_table.py, kv/packed_forward.py), and
 prunes it with the same messages, so its cache too holds only committed tokens + live nodes.
 One step's drafting for every request is one forward (`propose_many`).
 
@@ -19,8 +19,8 @@ import torch
 from specpipe.messages import Rows
 from specpipe.model.llama import LlamaStage
 from specpipe.spec_decode.sources import ProposeCall, SourceRows, TokenSource
-from specpipe.worker.batch import run_packed
-from specpipe.worker.slot_table import SlotTable
+from specpipe.kv.packed_forward import run_packed
+from specpipe.kv.slot_table import SlotTable
 
 
 class DraftModelSource(TokenSource):
@@ -50,7 +50,7 @@ class DraftModelSource(TokenSource):
                 raise ValueError(f"request {c.request_id}: proposals wanted for nodes {missing} that "
                                  "are not among this call's rows (the draft keeps no logits)")
             parts.append(Rows(c.request_id, list(c.rows.node_ids), list(c.rows.parent_ids),
-                              list(c.rows.positions), torch.tensor(c.rows.tokens, dtype=torch.long),
+                              list(c.rows.positions), c.rows.tokens,
                               head_rows=[index[n] for n in c.want]))
             owner.append(i)
         out: list[dict[int, list[tuple[int, float]]]] = [{} for _ in calls]

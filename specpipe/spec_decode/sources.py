@@ -18,6 +18,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
+
 from specpipe.spec_decode.tree import Proposals, TokenTree
 
 
@@ -28,7 +30,10 @@ class SourceRows:
     node_ids: list[int]
     parent_ids: list[int]
     positions: list[int]
-    tokens: list[int]
+    tokens: torch.Tensor  # (N,) long: the very tensor stage 1 gets, so a draft model uses it as it is
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokens", torch.as_tensor(self.tokens, dtype=torch.long))
 
 
 @dataclass
@@ -147,12 +152,6 @@ class NgramSource(TokenSource):
     def propose(self, request_id, tree, rows, want, k):
         index = self._index(request_id, tree)
         return {n: self._candidates(index, tree.path_tokens(n), k) for n in want}
-
-    def lookup(self, context: Sequence[int], k: int) -> list[tuple[int, float]]:
-        """Candidates for the token after `context` alone (no request, nothing kept)."""
-        index = NgramIndex(self.min_n, self.max_n)
-        index.extend(context)
-        return self._candidates(index, [], k)
 
     def _candidates(self, index: NgramIndex, path: Sequence[int], k: int) -> list[tuple[int, float]]:
         """Candidates for the token after `index.tokens + path`, scored by how often each followed

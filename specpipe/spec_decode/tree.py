@@ -1,7 +1,7 @@
 """The dynamic speculative token tree of one request (SPEC.md §3-§4), kept by the driver.
 
 Pure Python: no torch, no model, no processes. (Each stage builds its tree attention mask itself,
-in worker/slot_table.py, from the parent ids the rows carry.)
+in kv/slot_table.py, from the parent ids the rows carry.)
 
 Glossary:
   committed  -- every token the target has decided, prompt included, in order.
@@ -88,11 +88,6 @@ class TokenTree:
         self._width = int(value)
 
     @property
-    def committed(self) -> tuple[int, ...]:
-        """All committed tokens, prompt included (a copy: O(length))."""
-        return tuple(self._committed)
-
-    @property
     def num_committed(self) -> int:
         return len(self._committed)
 
@@ -111,10 +106,6 @@ class TokenTree:
     def root_id(self) -> int:
         return self._root.node_id
 
-    @property
-    def root_position(self) -> int:
-        return self._root.position
-
     # ---- queries -----------------------------------------------------------------------------
 
     def node(self, node_id: int) -> Node:
@@ -129,10 +120,6 @@ class TokenTree:
     def __contains__(self, node_id: int) -> bool:
         return node_id == self._root.node_id or node_id in self._nodes
 
-    def is_live(self, node_id: int) -> bool:
-        """True for live speculative nodes (not the root)."""
-        return node_id in self._nodes
-
     def live_nodes(self) -> list[Node]:
         """Live speculative nodes (root excluded), in id order, so parents come first."""
         return list(self._nodes.values())
@@ -143,10 +130,6 @@ class TokenTree:
     def depth_of(self, node_id: int) -> int:
         """Depth below the current root (0 for the root itself)."""
         return self.node(node_id).position - self._root.position
-
-    def position(self, node_id: int) -> int:
-        """Absolute position: root position + depth. Never changes while the node lives."""
-        return self.node(node_id).position
 
     def max_depth(self) -> int:
         """Depth of the deepest live layer (0 when only the root is left)."""

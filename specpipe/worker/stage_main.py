@@ -112,7 +112,7 @@ def stage_process_main(rank: int, world_size: int, master_addr: str, master_port
     """
     import signal
 
-    from specpipe.distributed.launch import die_with_parent
+    from specpipe.distributed.ranks import die_with_parent
 
     die_with_parent()
     if managed:

@@ -1,7 +1,7 @@
 """One pipeline stage: apply the driver's control, drop pruned rows, compute, pass rows on.
 
     recv Control + Rows (one per request)  ->  prune / commit bookkeeping
-        ->  one packed forward over every request's surviving rows (worker/batch.py)
+        ->  one packed forward over every request's surviving rows (kv/packed_forward.py)
         ->  Rows to the next stage (or, on the last stage, each request's target tokens)
 
 The worker is transport-agnostic: the in-process pipeline (local_pipeline.py) and the
@@ -22,8 +22,8 @@ import torch
 from specpipe.messages import Control, Results, Rows, StageStats
 from specpipe.model.llama import LlamaStage
 from specpipe.sampling import SamplingParams, target_tokens
-from specpipe.worker.batch import run_packed
-from specpipe.worker.slot_table import SlotTable
+from specpipe.kv.packed_forward import run_packed
+from specpipe.kv.slot_table import SlotTable
 
 
 SPAN_LOG = 1 << 16  # steps of compute spans kept between two reports

@@ -50,9 +50,9 @@ def oracle_trace(S=3) -> Trace:
     """A trace recorded from the engine (the oracle stands in for the stages)."""
     prompt = [5, 17, 33, 90, 5, 17, 33, 90, 5, 17, 120, 7]
     core = EngineCore(OraclePipeline(S, prompt + [5, 17, 33, 90, 3, 4, 5, 3, 4, 5]), "specpipe", NgramSource(), width=4)
-    core.tracer = StepTracer(S, {"mode": "specpipe", "label": "specpipe"})
+    core.observer = StepTracer(S, {"mode": "specpipe", "label": "specpipe"})
     core.run([Request(0, prompt, SamplingParams(max_tokens=10), frozenset())])
-    return core.tracer.finish()
+    return core.observer.finish()
 
 
 def check_boxes(trace: Trace) -> None:

@@ -5,7 +5,6 @@ from itertools import pairwise
 
 import pytest
 
-from specpipe.config import ModelConfig
 from specpipe.costs.profile import CostProfile
 from specpipe.costs.roofline import (
     DEVICES,
@@ -13,10 +12,8 @@ from specpipe.costs.roofline import (
     LINKS,
     LLAMA_31_70B,
     LLAMA_32_1B,
-    MODELS,
     PROFILES_DIR,
     SHIPPED,
-    ModelShape,
     build,
     head_ms,
     layer_ms,
@@ -117,13 +114,6 @@ def test_70b_on_one_device_does_not_fit():
     with pytest.raises(ValueError, match="does not fit"):
         build("h100-80gb", "llama-3.1-70b", None, stages=1)
     assert build("h100-80gb", "llama-3.1-70b", None, stages=2).draft_ms == []
-
-
-def test_shape_from_a_specpipe_model_config():
-    m = LLAMA_32_1B
-    cfg = ModelConfig("llama", m.vocab_size, m.hidden_size, m.intermediate_size, m.num_layers, m.num_heads,
-                      m.num_kv_heads, m.head_dim, tie_word_embeddings=True)
-    assert ModelShape.from_config("llama-3.2-1b", cfg, m.source) == MODELS["llama-3.2-1b"]
 
 
 def test_link_transfer_of_one_70b_row():

@@ -90,7 +90,7 @@ def _rank(rank: int, port: int, out: mp.Queue) -> None:
 @pytest.fixture(scope="module")
 def timings() -> dict[str, dict[int, list[float]]]:
     """scenario -> rank -> milliseconds (rank 0: sending; others: each message's latency)."""
-    from specpipe.distributed.launch import free_port
+    from specpipe.distributed.ranks import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()

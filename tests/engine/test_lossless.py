@@ -15,7 +15,7 @@ import torch
 
 from specpipe.config import StageSpec
 from specpipe.costs.profile import CostProfile
-from specpipe.engine.engine import decode
+from engine_helpers import decode
 from specpipe.engine.modes.specpipe import AUTO_MAX_LAYERS
 from specpipe.loader import open_checkpoint
 from specpipe.loader.default_model import DefaultModelMissing, default_model_path

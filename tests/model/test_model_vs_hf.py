@@ -21,7 +21,7 @@ from specpipe.config import StageSpec
 from specpipe.loader import CheckpointError, open_checkpoint
 from specpipe.model.runner import run_rows
 from specpipe.model.stage import build_stage
-from specpipe.worker.slot_table import NO_PARENT, SlotTable
+from specpipe.kv.slot_table import NO_PARENT, SlotTable
 
 transformers = pytest.importorskip("transformers")
 
@@ -242,7 +242,7 @@ def test_tree_attention_matches_paths(tiny_llama_dir):
     # are then no longer one contiguous range, and stale K/V left in them must stay invisible.
     s.kvm.commit(0, [10, 11, 13])
     s.kvm.drop(0, [12, 14, 15, 16])
-    assert s.kvm.slots_in_use(0) == 13
+    assert s.kvm.requests[0].num_slots() == 13
     parents2 = {20: 13, 21: 20, 22: 20, 23: 21}
     token_of.update(zip(parents2, random_tokens(4, 300, seed=23)))
     order2 = [20, 21, 22, 23]

@@ -120,10 +120,10 @@ def test_tracer_follows_the_real_stages(tiny_model_dir, mode, tmp_path):
     ckpt = open_checkpoint(tiny_model_dir("llama"))
     workers = [StageWorker(build_stage(ckpt, s), 64, 16) for s in partition_layers(4, 2)]
     core = _core(LocalPipeline(workers), mode)
-    core.tracer = StepTracer(2, {"mode": mode})
+    core.observer = StepTracer(2, {"mode": mode})
     reqs = [Request(i, p, SamplingParams(max_tokens=12), frozenset()) for i, p in enumerate(PROMPTS)]
     core.run(reqs)
-    trace = core.tracer.finish()
+    trace = core.observer.finish()
     assert len(trace.steps) == core.steps
     assert [sum(s.rows[k] for s in trace.steps) for k in range(2)] == [w.stats.rows_computed for w in workers]
     final = {}
@@ -153,10 +153,10 @@ def test_stage_spans_reach_the_trace(tiny_model_dir):
     ckpt = open_checkpoint(tiny_model_dir("llama"))
     workers = [StageWorker(build_stage(ckpt, s), 64, 16) for s in partition_layers(4, 2)]
     core = _core(LocalPipeline(workers), "specpipe-db")
-    core.tracer = StepTracer(2, {"mode": "specpipe-db"})
+    core.observer = StepTracer(2, {"mode": "specpipe-db"})
     reqs = [Request(i, p, SamplingParams(max_tokens=12), frozenset()) for i, p in enumerate(PROMPTS)]
     core.run(reqs, on_finish=lambda _r: core.request_stage_stats())
-    trace = core.tracer.finish()
+    trace = core.observer.finish()
     assert has_stage_spans(trace) and "spans" not in core.stage_stats[0]  # the stats stay counters only
     for s in trace.steps:
         for k, rows in enumerate(s.rows):
@@ -174,9 +174,9 @@ def test_oracle_trace_equals_the_oracles_own_row_counts():
     seqs = {i: p + [3, 4, 5, 3, 4, 5, 3, 4] for i, p in enumerate(PROMPTS)}
     pipe = OraclePipeline(4, lambda pid: seqs[pid])
     core = _core(pipe, "specpipe-db")
-    core.tracer = StepTracer(4)
+    core.observer = StepTracer(4)
     core.run([Request(i, p, SamplingParams(max_tokens=8), frozenset()) for i, p in enumerate(PROMPTS)])
-    assert [s.rows for s in core.tracer.finish().steps] == pipe.rows_per_step
+    assert [s.rows for s in core.observer.finish().steps] == pipe.rows_per_step
 
 
 def test_bad_files_are_refused(tmp_path):

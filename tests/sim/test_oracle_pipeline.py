@@ -3,7 +3,7 @@
 import pytest
 
 from specpipe.config import StageSpec
-from specpipe.engine.engine import decode
+from engine_helpers import decode
 from specpipe.loader import open_checkpoint
 from specpipe.loader.partition import partition_layers
 from specpipe.model.stage import build_stage

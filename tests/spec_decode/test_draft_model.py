@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specpipe.config import StageSpec
-from specpipe.engine.engine import decode
+from engine_helpers import decode
 from specpipe.loader import open_checkpoint
 from specpipe.messages import NO_PARENT
 from specpipe.model.runner import run_rows
@@ -30,13 +30,13 @@ class CheckedDraft(DraftModelSource):
         for c, out in zip(calls, outs):
             tree, k = c.tree, c.k
             for n in c.want:
-                path = list(tree.committed) + (tree.path_tokens(n) if n != tree.root_id else [])
+                path = tree.committed_since(0) + (tree.path_tokens(n) if n != tree.root_id else [])
                 m = len(path)
                 kv = self.model.make_kv_cache(m)
                 logits = run_rows(self.model, kv, torch.tensor(path), list(range(m)), list(range(m)),
                                   list(range(m)), np.tri(m, dtype=bool), [m - 1])
                 expected = logits.log_softmax(-1).topk(k, -1)
-                assert [t for t, _ in out[n]] == expected.indices[0].tolist(), f"node {n} at {tree.position(n)}"
+                assert [t for t, _ in out[n]] == expected.indices[0].tolist(), f"node {n} at {tree.node(n).position}"
                 assert np.allclose([lp for _, lp in out[n]], expected.values[0].tolist(), atol=1e-4)
                 self.checked += 1
         return outs

@@ -9,10 +9,17 @@ from collections import Counter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specpipe.spec_decode.sources import MergedSource, NgramSource, ProposeCall, SourceRows, TokenSource
+from specpipe.spec_decode.sources import MergedSource, NgramIndex, NgramSource, ProposeCall, SourceRows, TokenSource
 from specpipe.spec_decode.tree import TokenTree
 
 NO_ROWS = SourceRows([], [], [], [])
+
+
+def lookup(src: NgramSource, context, k):
+    """The source's candidates for the token after `context` alone (no request, nothing kept)."""
+    index = NgramIndex(src.min_n, src.max_n)
+    index.extend(context)
+    return src._candidates(index, [], k)
 
 
 def scan_lookup(context, k, min_n, max_n):
@@ -34,7 +41,7 @@ def scan_lookup(context, k, min_n, max_n):
 
 
 def scan_propose(tree, want, k, min_n, max_n):
-    return {n: scan_lookup(list(tree.committed) + tree.path_tokens(n), k, min_n, max_n) for n in want}
+    return {n: scan_lookup(tree.committed_since(0) + tree.path_tokens(n), k, min_n, max_n) for n in want}
 
 
 # ---- n-gram: examples --------------------------------------------------------------------------
@@ -42,10 +49,10 @@ def scan_propose(tree, want, k, min_n, max_n):
 def test_ngram_proposes_what_followed_the_longest_match():
     src = NgramSource(max_n=3)
     ctx = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
-    cands = src.lookup(ctx, k=4)
+    cands = lookup(src, ctx, k=4)
     assert [t for t, _ in cands] == [7, 9]  # both followed "1 2 3"; ties broken by token id
     assert all(lp <= 0 for _, lp in cands)
-    assert src.lookup([4, 5, 6], k=4) == []
+    assert lookup(src, [4, 5, 6], k=4) == []
 
 
 def test_ngram_uses_the_tree_path():
@@ -121,7 +128,7 @@ def test_indexed_proposals_equal_the_scan(prompt, sizes, k, width, data):
 @settings(max_examples=200, deadline=None)
 @given(context=st.lists(TOKENS, max_size=20), min_n=st.integers(1, 3), extra=st.integers(0, 3), k=st.integers(1, 4))
 def test_lookup_equals_the_scan(context, min_n, extra, k):
-    assert NgramSource(max_n=min_n + extra, min_n=min_n).lookup(context, k) == scan_lookup(context, k, min_n, min_n + extra)
+    assert lookup(NgramSource(max_n=min_n + extra, min_n=min_n), context, k) == scan_lookup(context, k, min_n, min_n + extra)
 
 
 # ---- merged ----------------------------------------------------------------------------------------

@@ -12,6 +12,16 @@ from specpipe.spec_decode.tree import TokenTree
 PROMPT = [11, 12, 13]
 
 
+def committed(tree):
+    """Every committed token, prompt included."""
+    return tuple(tree.committed_since(0))
+
+
+def is_live(tree, node_id):
+    """A live speculative node (not the root)."""
+    return node_id in tree and node_id != tree.root_id
+
+
 def grow(tree, proposals):
     """Expand and return {token: node} of the new layer (tokens are unique in these tests)."""
     return {n.token: n for n in tree.expand(proposals)}
@@ -21,8 +31,8 @@ def grow(tree, proposals):
 
 def test_initial_tree_is_just_the_root():
     tree = TokenTree(PROMPT, width=4)
-    assert tree.committed == tuple(PROMPT)
-    assert tree.root.token == 13 and tree.root_position == 2 and tree.root_id == 0
+    assert committed(tree) == tuple(PROMPT)
+    assert tree.root.token == 13 and tree.root.position == 2 and tree.root_id == 0
     assert tree.num_live() == 0 and tree.live_nodes() == []
     assert [n.node_id for n in tree.frontier()] == [tree.root_id]
     assert tree.ancestors(tree.root_id) == [] and tree.depth_of(tree.root_id) == 0
@@ -51,12 +61,12 @@ def test_expand_scores_positions_and_ancestors():
     l1 = grow(tree, {tree.root_id: [(5, -0.1), (6, -1.0)]})
     assert set(l1) == {5, 6}
     assert l1[5].score == pytest.approx(-0.1) and l1[5].parent == tree.root_id
-    assert tree.position(l1[5].node_id) == 3 and tree.depth_of(l1[5].node_id) == 1
+    assert tree.node(l1[5].node_id).position == 3 and tree.depth_of(l1[5].node_id) == 1
 
     l2 = grow(tree, {l1[5].node_id: [(7, -0.2)], l1[6].node_id: [(8, -0.3)]})
     assert l2[7].score == pytest.approx(-0.3)
     assert l2[8].score == pytest.approx(-1.3)
-    assert tree.position(l2[8].node_id) == 4 and tree.depth_of(l2[8].node_id) == 2
+    assert tree.node(l2[8].node_id).position == 4 and tree.depth_of(l2[8].node_id) == 2
     assert tree.ancestors(l2[8].node_id) == [l1[6].node_id, l2[8].node_id]
     assert tree.path_tokens(l2[8].node_id) == [6, 8]
     assert [n.node_id for n in tree.frontier()] == [n.node_id for n in tree.layer(2)]
@@ -126,17 +136,17 @@ def test_verify_hit_promotes_child_and_prunes_siblings():
     l2 = grow(tree, {l1[5].node_id: [(7, -0.2)], l1[6].node_id: [(8, -0.1)]})
     l3 = grow(tree, {l2[7].node_id: [(9, -0.3)], l2[8].node_id: [(10, -0.1)]})
     old_root = tree.root_id
-    pos9 = tree.position(l3[9].node_id)
+    pos9 = tree.node(l3[9].node_id).position
 
     res = tree.verify(5)
     assert res.hit and res.token == 5 and res.position == 3
     assert res.committed_id == l1[5].node_id == tree.root_id != old_root
     assert set(res.pruned) == {l1[6].node_id, l2[8].node_id, l3[10].node_id}
     assert res.surviving == (l2[7].node_id, l3[9].node_id)
-    assert tree.committed == (11, 12, 13, 5)
-    assert l1[6].node_id not in tree and not tree.is_live(l2[8].node_id)
+    assert committed(tree) == (11, 12, 13, 5)
+    assert l1[6].node_id not in tree and not is_live(tree, l2[8].node_id)
     # positions stay, depths and scores are re-based on the new root
-    assert tree.position(l3[9].node_id) == pos9 and tree.depth_of(l3[9].node_id) == 2
+    assert tree.node(l3[9].node_id).position == pos9 and tree.depth_of(l3[9].node_id) == 2
     assert tree.root.score == 0.0 and tree.root.parent is None
     assert l2[7].score == pytest.approx(-0.2) and l3[9].score == pytest.approx(-0.5)
     assert tree.ancestors(l3[9].node_id) == [l2[7].node_id, l3[9].node_id]
@@ -152,9 +162,9 @@ def test_verify_miss_makes_fresh_root_and_drops_everything():
     res = tree.verify(42)
     assert not res.hit and res.surviving == () and len(res.pruned) == 3
     assert res.committed_id == tree.root_id > highest
-    assert tree.root.token == 42 and tree.root_position == 3 and tree.root_target() is None
+    assert tree.root.token == 42 and tree.root.position == 3 and tree.root_target() is None
     assert tree.num_live() == 0 and [n.node_id for n in tree.frontier()] == [tree.root_id]
-    assert tree.committed == (11, 12, 13, 42)
+    assert committed(tree) == (11, 12, 13, 42)
     assert (tree.hits, tree.verifications) == (0, 1)
 
 
@@ -198,7 +208,7 @@ def test_committed_since_reads_only_the_new_tokens():
     assert tree.committed_since(3) == [5, 8] and tree.num_committed == 5
     got = tree.committed_since(4)
     got.append(99)  # a copy of the tail: the tree is not changed through it
-    assert tree.committed == (11, 12, 13, 5, 8)
+    assert committed(tree) == (11, 12, 13, 5, 8)
     for bad in (-1, 6):
         with pytest.raises(IndexError):
             tree.committed_since(bad)
@@ -215,7 +225,7 @@ class Reference:
     """What the tree must equal, recomputed from facts recorded when nodes were made."""
 
     def __init__(self, tree):
-        self.prompt = list(tree.committed)
+        self.prompt = list(committed(tree))
         self.verified = []
         self.parent = {}     # node id -> parent id at creation (root for layer 1)
         self.token = {}
@@ -223,7 +233,7 @@ class Reference:
         self.logprob = {}
         self.live = set()
         self.root = tree.root_id
-        self.root_pos = tree.root_position
+        self.root_pos = tree.root.position
         self.ids_seen = {tree.root_id}
         self.hits = 0
         self.max_width = tree.width  # the live-count bound holds for the widest layer ever made
@@ -249,10 +259,10 @@ def check_invariants(tree, ref):
     ids = [n.node_id for n in live]
     assert set(ids) == ref.live and ids == sorted(ids)
     assert tree.num_live() == len(ids)
-    assert tree.committed == tuple(ref.prompt + ref.verified)
-    assert tree.committed_since(len(ref.prompt)) == ref.verified and tree.num_committed == len(tree.committed)
-    assert tree.root_id == ref.root and tree.root_position == len(tree.committed) - 1
-    assert tree.root.parent is None and tree.root.token == tree.committed[-1]
+    assert committed(tree) == tuple(ref.prompt + ref.verified)
+    assert tree.committed_since(len(ref.prompt)) == ref.verified and tree.num_committed == len(committed(tree))
+    assert tree.root_id == ref.root and tree.root.position == len(committed(tree)) - 1
+    assert tree.root.parent is None and tree.root.token == committed(tree)[-1]
     assert tree.num_live() <= ref.max_width * tree.max_depth()
     assert (tree.hits, tree.verifications) == (ref.hits, len(ref.verified))
     for n in live:
@@ -261,8 +271,8 @@ def check_invariants(tree, ref):
         assert n.parent == tree.root_id or n.parent in ref.live
         assert tree.depth_of(n.node_id) == tree.depth_of(n.parent) + 1
         # positions are fixed for life and agree with depth below the current root
-        assert tree.position(n.node_id) == ref.position[n.node_id]
-        assert tree.position(n.node_id) == tree.root_position + tree.depth_of(n.node_id)
+        assert tree.node(n.node_id).position == ref.position[n.node_id]
+        assert tree.node(n.node_id).position == tree.root.position + tree.depth_of(n.node_id)
         assert tree.ancestors(n.node_id) == ref.chain(n.node_id)[::-1]
         assert tree.path_tokens(n.node_id) == [ref.token[i] for i in ref.chain(n.node_id)[::-1]]
         expect = ref.path_score(n.node_id)
@@ -301,7 +311,7 @@ def do_expand(tree, ref, data):
         ref.parent[n.node_id] = n.parent
         ref.token[n.node_id] = n.token
         ref.logprob[n.node_id] = n.logprob
-        ref.position[n.node_id] = tree.position(n.parent) + 1
+        ref.position[n.node_id] = tree.node(n.parent).position + 1
         ref.live.add(n.node_id)
     assert not (before - ref.live)
 

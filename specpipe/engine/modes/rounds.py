@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from specpipe.engine.modes.base import BEFORE, ModeState
 from specpipe.engine.rows import concat_rows, node_rows, source_rows
 from specpipe.messages import Rows
@@ -119,5 +121,5 @@ class RoundsState(ModeState):
             fresh = source_rows(self.root_rows)
             self._feed = fresh if catch_up is None else SourceRows(
                 catch_up.node_ids + fresh.node_ids, catch_up.parent_ids + fresh.parent_ids,
-                catch_up.positions + fresh.positions, catch_up.tokens + fresh.tokens)
+                catch_up.positions + fresh.positions, torch.cat([catch_up.tokens, fresh.tokens]))
 

@@ -42,7 +42,7 @@ from specpipe.engine.modes.base import AFTER, DURING, ModeState
 from specpipe.engine.rows import concat_rows, node_rows, source_rows
 from specpipe.messages import Rows
 from specpipe.sched.scheduler import Want
-from specpipe.spec_decode.block import BlockShape, block_size, choose_block
+from specpipe.spec_decode.block import BlockShape, Pick, select_block, take_block
 from specpipe.spec_decode.planner import HitProfile, StepCost, plan_block
 from specpipe.spec_decode.sources import ProposeCall, SourceRows
 
@@ -85,18 +85,19 @@ class SpecPipeState(ModeState):
         self._calls = None  # the drafting in progress: a generator of source calls
         self._phase: Optional[str] = None
         self._call: Optional[ProposeCall] = None
+        self._picks: Optional[list[Pick]] = None  # the block `want` chose this step, for `send`
         if auto:
             self._replan()
 
-    def shape(self, rows: Optional[int] = None) -> BlockShape:
-        full = self.layers * self.block_width
-        return BlockShape(self.layers, full if rows is None else min(rows, full), self.block_width)
+    def shape(self) -> BlockShape:
+        return BlockShape(self.layers, self.layers * self.block_width, self.block_width)
 
     def want(self) -> Want:
         if self.prefill.left():
             return Want(must=self.prefill.left(), chunkable=True, held=self.held)
-        return Want(must=len(self.new_root) if self.new_root is not None else 0,
-                    spec=block_size(self.tree, self.props, self.sent, self.shape()), held=self.held)
+        self._picks = select_block(self.tree, self.props, self.sent, self.shape())
+        return Want(must=len(self.new_root) if self.new_root is not None else 0, spec=len(self._picks),
+                    held=self.held)
 
     def send(self) -> Optional[Rows]:
         g, tree = self.grant, self.tree
@@ -114,7 +115,11 @@ class SpecPipeState(ModeState):
                 return None  # its children cannot go before it
             rows, self.new_root = self.new_root, None
             self.sent.add(tree.root_id)
-        block = choose_block(tree, self.props, self.sent, self.shape(g.spec)) if g.spec else []
+        # The grant may cap the block: the picks are in choice order, so a prefix is the block a
+        # smaller cap would have chosen.
+        picks = self._picks if self._picks is not None else select_block(tree, self.props, self.sent, self.shape())
+        self._picks = None
+        block = take_block(tree, picks[:g.spec]) if g.spec else []
         self._discard_unsent(keep={n.node_id for n in block})
         if block:
             for n in block:

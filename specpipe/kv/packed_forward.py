@@ -21,7 +21,7 @@ from specpipe.model.attention import SegmentPlan
 from specpipe.model.kv_cache import KVCache
 from specpipe.model.llama import LlamaStage
 from specpipe.model.runner import run_segments
-from specpipe.worker.slot_table import KVCacheFull, SlotTable
+from specpipe.kv.slot_table import KVCacheFull, SlotTable
 
 
 @dataclass

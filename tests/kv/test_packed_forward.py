@@ -15,8 +15,8 @@ from specpipe.config import StageSpec
 from specpipe.loader import open_checkpoint
 from specpipe.messages import NO_PARENT, Rows
 from specpipe.model.stage import build_stage
-from specpipe.worker.batch import run_packed
-from specpipe.worker.slot_table import SlotTable
+from specpipe.kv.packed_forward import run_packed
+from specpipe.kv.slot_table import SlotTable
 
 BLOCK = 4
 
@@ -125,7 +125,7 @@ def test_a_request_out_of_blocks_fails_alone(tiny_llama_dir):
     parts = [chain(0, tokens(3, 0), 0, [2]), chain(1, tokens(9, 1), 0, [8]), chain(2, tokens(2, 2), 0, [1])]
     res = run_packed(model, kv, table, parts)
     assert res.failed == [1] and res.outputs[1] is None
-    assert table.requests[1].failed and table.blocks_of(1) == 0
+    assert table.requests[1].failed and len(table.requests[1].blocks) == 0
     alone = SlotTable(1, BLOCK)
     alone_kv = model.make_kv_cache(alone.num_slots)
     alone.admit(2)

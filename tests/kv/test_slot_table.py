@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specpipe.worker.slot_table import NO_PARENT, KVCacheFull, KVStateError, SlotTable
+from specpipe.kv.slot_table import NO_PARENT, KVCacheFull, KVStateError, SlotTable
 
 
 def test_prefill_is_a_causal_chain():
@@ -40,7 +40,7 @@ def test_tree_mask_is_ancestry_and_commit_moves_slots_without_copy():
     assert m.requests[1].committed == [0, 1, slot_of[1]]
     assert set(m.requests[1].spec) == {3}
     assert m.total_in_use() == 4
-    assert m.blocks_of(1) == 2 == m.blocks_in_use()  # the peak was 6 slots
+    assert len(m.requests[1].blocks) == 2 == m.blocks_in_use()  # the peak was 6 slots
     m.release(1)
     assert m.total_in_use() == 0 and m.blocks_in_use() == 0
 
@@ -173,7 +173,7 @@ def test_paged_table_invariants(ops, num_blocks, block_size):
             assert set(slots) <= owned and set(rq.free) == owned - set(slots)
             peak[q] = max(peak[q], len(slots))
             assert len(rq.blocks) == -(-peak[q] // block_size)
-            assert m.blocks_of(q) == len(rq.blocks)
+            assert len(m.requests[q].blocks) == len(rq.blocks)
         assert len(held) == len(set(held)) == m.total_in_use()
         assert m.blocks_in_use() == sum(len(rq.blocks) for rq in m.requests.values())
     for rid in list(m.requests):

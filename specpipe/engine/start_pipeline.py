@@ -1,4 +1,8 @@
-"""Bringing up the stages for the driver: in-process, as local processes, or as torchrun ranks."""
+"""Bringing up the stages for the driver, one of three ways, each giving a `Pipeline`
+(messages.py): in this process (worker/local_pipeline.py: LocalPipeline, exact lock-step), as
+local stage processes, or as the other ranks of a torchrun job (both
+distributed/remote_pipeline.py: RemotePipeline). The third implementation, the oracle pipeline
+of step-count benchmarks, lives with the simulator (sim/oracle_pipeline.py)."""
 
 from __future__ import annotations
 
@@ -9,23 +13,32 @@ from typing import Callable, Optional
 
 import torch
 
-from specpipe.config import LinkOptions, StageSpec
-from specpipe.distributed.launch import (
-    LocalStages,
-    RankEnv,
-    free_port,
-    stage_failure,
-    wait_ready,
-)
+from specpipe.config import EngineConfig, LinkOptions, StageSpec
+from specpipe.distributed.ranks import LocalStages, RankEnv, free_port, stage_failure, wait_ready
 from specpipe.distributed.remote_pipeline import PipelineError, RemotePipeline
 from specpipe.distributed.transport import Transport
+from specpipe.engine.main_guard import check_main_guard
 from specpipe.loader import Checkpoint
+from specpipe.messages import Pipeline
 from specpipe.model.stage import build_stage
 from specpipe.worker.local_pipeline import LocalPipeline
 from specpipe.worker.stage_main import stage_process_main
 from specpipe.worker.stage_worker import StageWorker
 
 Progress = Optional[Callable[[str], None]]
+
+
+def start_pipeline(config: EngineConfig, ckpt: Checkpoint, model_path: Path, specs: list[StageSpec],
+                   num_blocks: int, rank_env: Optional[RankEnv] = None, progress: Progress = None) -> Pipeline:
+    """The pipeline the config asks for: torchrun ranks when this process is rank 0 of a job,
+    local stage processes (`--transport processes`, the default when S > 1), else in-process."""
+    if rank_env is not None:
+        return torchrun_driver(rank_env, config.stages, config.device, config.link(), progress=progress)
+    if config.uses_processes():
+        check_main_guard()  # spawn re-imports the caller's script: say so before it fails in a child
+        return local_processes(model_path, specs, num_blocks, config.block_size, config.device,
+                               config.torch_dtype(), config.link(), progress=progress, threads=config.stage_threads)
+    return in_process(ckpt, specs, num_blocks, config.block_size, config.device, config.torch_dtype())
 
 
 def in_process(ckpt: Checkpoint, specs: list[StageSpec], num_blocks: int, block_size: int, device: str,
@@ -91,4 +104,4 @@ def torchrun_stage(env: RankEnv, model_path: Path, specs: list[StageSpec], num_b
     return 0
 
 
-__all__ = ["in_process", "local_processes", "torchrun_driver", "torchrun_stage"]
+__all__ = ["start_pipeline", "in_process", "local_processes", "torchrun_driver", "torchrun_stage"]

@@ -225,12 +225,6 @@ class SlotTable:
         return out
 
     # -- accounting -----------------------------------------------------------------------------
-    def slots_in_use(self, request_id: int) -> int:
-        return self.requests[request_id].num_slots()
-
-    def blocks_of(self, request_id: int) -> int:
-        return len(self.requests[request_id].blocks)
-
     def total_in_use(self) -> int:
         """Slots holding a committed token or a live node, over all requests."""
         return sum(r.num_slots() for r in self.requests.values())

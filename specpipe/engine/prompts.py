@@ -1,0 +1,52 @@
+"""Prompts into validated requests: chat template, tokenization, the checks a request must pass
+before it reaches the engine core (not empty, token ids in the vocabulary, prompt plus
+`max_tokens` within the context), a concrete seed and an incremental detokenizer."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Callable, Optional, Sequence
+
+from specpipe.config import ConfigError
+from specpipe.request import Request
+from specpipe.sampling import SamplingParams
+from specpipe.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class PromptProcessor:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_context: int) -> None:
+        self.tokenizer, self.vocab_size, self.max_context = tokenizer, vocab_size, max_context
+        self._ids = itertools.count()
+
+    def encode_prompt(self, prompt: str, chat: Optional[bool] = None) -> list[int]:
+        use_chat = self.tokenizer.has_chat_template if chat is None else chat
+        if use_chat:
+            if not self.tokenizer.has_chat_template:
+                raise ConfigError("--chat: this model has no chat template; use --no-chat")
+            return self.encode_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        if not self.tokenizer.has_chat_template:
+            raise ConfigError("this model has no chat template; pass plain prompts instead")
+        text = self.tokenizer.apply_chat_template(messages)
+        # The template already holds the special tokens (BOS included where the model has one).
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def make_request(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
+                     chat: Optional[bool] = None, on_text: Optional[Callable[[str], None]] = None,
+                     ignore_eos: bool = False) -> Request:
+        """A validated request (not yet added): token ids, a concrete seed, a detokenizer.
+        `ignore_eos`: decode past end-of-sequence tokens, up to max_tokens (for benchmarks)."""
+        prompt_ids = list(prompt) if not isinstance(prompt, str) else self.encode_prompt(prompt, chat)
+        if not prompt_ids:
+            raise ConfigError("the prompt is empty")
+        if len(prompt_ids) + sampling.max_tokens > self.max_context:
+            raise ConfigError(
+                f"the prompt ({len(prompt_ids)} tokens) plus --max-tokens ({sampling.max_tokens}) exceeds "
+                f"the context of {self.max_context} tokens; shorten the prompt or lower --max-tokens")
+        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
+            raise ConfigError(f"prompt token ids must be in [0, {self.vocab_size})")
+        stop_ids = frozenset() if ignore_eos else frozenset(self.tokenizer.eos_token_ids)
+        return Request(next(self._ids), prompt_ids, sampling.resolved(), stop_ids,
+                       detokenizer=IncrementalDetokenizer(self.tokenizer), on_text=on_text)
