@@ -34,6 +34,9 @@ class FailingPipe:
         self.pipe, self.fail_at, self.calls = pipe, fail_at, 0
         self.num_stages = pipe.num_stages
 
+    def __getattr__(self, name):  # the rest of the Pipeline protocol is the real pipeline's
+        return getattr(self.pipe, name)
+
     def submit(self, control, rows):
         self.pipe.submit(control, rows)
 
