@@ -78,3 +78,32 @@ def test_an_engine_error_ends_every_request_and_frees_the_core(ckpt):
         core.run(reqs)
     assert [r.finish_reason for r in reqs] == ["error"] * 3 and "draft device lost" in reqs[0].error
     assert not core.scheduler.has_work() and not core.requests
+
+
+@pytest.mark.parametrize("mode", ["pp", "specpipe"])
+def test_a_request_refused_by_add_request_leaves_the_core_serving(ckpt, mode):
+    """An empty prompt reaching the core directly (the server refuses it before) used to be
+    registered before its state was built: the state failed, and the next step died on a
+    request without one."""
+    pipe = pipeline(ckpt, 2)
+    core = EngineCore(pipe, mode, NgramSource() if mode != "pp" else None, width=4, kv_blocks=32, block_size=16)
+    with pytest.raises(ValueError):
+        core.add_request(Request(0, [], SamplingParams(max_tokens=4), frozenset()))
+    ok = Request(1, PROMPT, SamplingParams(max_tokens=4), frozenset())
+    core.add_request(ok)
+    while core.has_work():
+        core.step()
+    assert len(ok.output_ids) == 4
+    assert all(w.slots.total_in_use() == 0 for w in pipe.workers)
+
+
+def test_a_state_that_fails_to_build_is_never_registered(ckpt, monkeypatch):
+    core = EngineCore(pipeline(ckpt, 2), "pp", kv_blocks=32, block_size=16)
+
+    def broken(req):
+        raise RuntimeError("state")
+
+    monkeypatch.setattr(core, "_new_state", broken)
+    with pytest.raises(RuntimeError):
+        core.add_request(Request(0, PROMPT, SamplingParams(max_tokens=4), frozenset()))
+    assert not core.has_work() and not core.requests
