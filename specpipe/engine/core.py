@@ -84,11 +84,13 @@ class EngineCore:
         if not req.prompt_ids:
             raise ValueError(f"request {req.request_id}: the prompt is empty")
         need = len(req.prompt_ids) + req.sampling.max_tokens + self.spec_reserve()
-        pool = self.scheduler.blocks.capacity
+        # What admission can grant, not the whole pool: admission keeps a watermark free, so a
+        # request between the two would wait at the head of the queue forever (and all behind it).
+        pool = self.scheduler.admissible_tokens
         if need > pool:
             raise ConfigError(
                 f"request {req.request_id} needs up to {need} KV slots (prompt {len(req.prompt_ids)} + max tokens "
-                f"{req.sampling.max_tokens} + speculative tree {self.spec_reserve()}), but the KV pool holds {pool}; "
+                f"{req.sampling.max_tokens} + speculative tree {self.spec_reserve()}), but the KV pool admits {pool}; "
                 f"shorten it, lower --tree-width, or give the KV cache more memory (--kv-memory)")
         # Build its state before the scheduler or the tables know it: if that fails, nothing refers
         # to a request without a state (the next schedule would die on it).

@@ -81,6 +81,12 @@ class Scheduler:
         self.running: list[int] = []  # admission order: the oldest first, preemption takes the last
         self._turn = 0  # rotates who gets the leftover speculative rows
 
+    @property
+    def admissible_tokens(self) -> int:
+        """The most KV slots a request can ever be admitted with: the pool above the watermark.
+        Refuse anything larger up front, or it waits at the head of the queue forever."""
+        return (self.blocks.num_blocks - self.watermark) * self.blocks.block_size
+
     # -- queue ------------------------------------------------------------------------------------
     def add(self, rid: int) -> None:
         if len(self.waiting) >= self.max_waiting:

@@ -107,3 +107,20 @@ def test_a_state_that_fails_to_build_is_never_registered(ckpt, monkeypatch):
     with pytest.raises(RuntimeError):
         core.add_request(Request(0, PROMPT, SamplingParams(max_tokens=4), frozenset()))
     assert not core.has_work() and not core.requests
+
+
+def test_what_add_request_accepts_can_be_admitted(ckpt):
+    """The size check used the whole pool, admission the pool minus its watermark: a request in
+    between was accepted and then waited at the head of the queue forever."""
+    core = EngineCore(pipeline(ckpt, 2), "pp", kv_blocks=8, block_size=16)  # 128 slots, watermark 1 block
+    assert core.scheduler.admissible_tokens == 112
+    with pytest.raises(ConfigError, match="KV pool admits 112"):
+        core.add_request(Request(0, list(range(1, 101)), SamplingParams(max_tokens=20), frozenset()))
+    assert not core.has_work()
+    fits = Request(1, list(range(1, 101)), SamplingParams(max_tokens=12), frozenset())
+    core.add_request(fits)
+    for _ in range(100):
+        if not core.has_work():
+            break
+        core.step()
+    assert fits.finish_reason == "length" and len(fits.output_ids) == 12
