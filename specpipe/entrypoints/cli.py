@@ -172,8 +172,6 @@ def _serve(args: argparse.Namespace) -> int:
     from specpipe.config import ConfigError
     from specpipe.distributed.launch import RankEnv
 
-    if args.max_queue < 0:
-        raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     config = _engine_config(args, max_waiting=args.max_queue)

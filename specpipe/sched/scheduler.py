@@ -71,6 +71,9 @@ class Scheduler:
                  max_waiting: int = 1024, watermark: float = 0.01) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        if max_waiting < 1:
+            # No request could ever join: callers that retry on QueueFull would spin forever.
+            raise ValueError(f"max_waiting must be at least 1, got {max_waiting}")
         if step_rows is not None and step_rows < max_num_seqs:
             # Every running request must be able to send its one committed row in every step.
             raise ValueError(f"the row budget per step ({step_rows}) must be at least max_num_seqs ({max_num_seqs})")

@@ -178,3 +178,8 @@ def test_a_request_of_admissible_size_is_admitted_on_an_empty_pool(num_blocks, b
     sched.add(0)
     plan = sched.schedule(lambda rid: Want(must=sched.admissible_tokens))
     assert plan.admitted == [0]
+
+
+def test_a_waiting_queue_without_room_is_refused():
+    with pytest.raises(ValueError, match="max_waiting"):
+        Scheduler(BlockManager(8, 16), 4, max_waiting=0)
