@@ -28,6 +28,14 @@ class EngineDead(RuntimeError):
     """The pipeline failed; the message names the stage. No request can be served any more."""
 
 
+class AdmitFailed(RuntimeError):
+    """Taking this one request in failed inside the engine (a bug); the engine serves on."""
+
+
+class EngineStalled(RuntimeError):
+    """The engine thread did not take the request in time (a step that does not end)."""
+
+
 @dataclass
 class Delta:
     """What one request decoded since its last Delta. The last one has `finish_reason` set
@@ -102,8 +110,11 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, observer: Optional[Observer] = None) -> None:
+    def __init__(self, core: EngineCore, observer: Optional[Observer] = None, admit_timeout_s: float = 60.0) -> None:
+        """`admit_timeout_s`: how long `add` waits for the engine thread to take a request; it
+        should outlast the longest healthy step (the stage timeout)."""
         self.core = core
+        self.admit_timeout_s = admit_timeout_s
         self.observer = observer
         self.dead: Optional[str] = None
         self.snapshot = EngineSnapshot(kv_blocks=core.scheduler.blocks.num_blocks)
@@ -118,8 +129,8 @@ class AsyncEngine:
     # -- the asyncio side -------------------------------------------------------------------------
     async def add(self, req: Request) -> RequestStream:
         """Queue `req`; returns its stream once the engine has taken it. Raises QueueFull (the
-        waiting queue is at --max-queue), ConfigError (it can never fit the KV pool) or
-        EngineDead."""
+        waiting queue is at --max-queue), ConfigError (it can never fit the KV pool),
+        EngineDead, AdmitFailed or EngineStalled."""
         loop = asyncio.get_running_loop()
         admitted: asyncio.Future = loop.create_future()
         queue: asyncio.Queue = asyncio.Queue()
@@ -127,7 +138,10 @@ class AsyncEngine:
         req.on_text = stream.pending.append  # called on the engine thread as tokens commit
         self._post(("add", stream, admitted))
         try:
-            await admitted
+            await asyncio.wait_for(admitted, self.admit_timeout_s)
+        except asyncio.TimeoutError:
+            self.abort(req.request_id)  # in case the thread takes it after all
+            raise EngineStalled(f"the engine did not take the request within {self.admit_timeout_s:g} s") from None
         except asyncio.CancelledError:
             self.abort(req.request_id)  # the client left while it was being admitted
             raise
@@ -169,9 +183,9 @@ class AsyncEngine:
                     self._cond.wait()
                 items, self._inbox = self._inbox, []
                 stopping = self._stopping
+            for item in items:
+                self._handle_one(item)
             try:
-                for item in items:
-                    self._handle(item)
                 if stopping:
                     self._end_all("abort", "the server is shutting down")
                     self._emit()
@@ -183,6 +197,24 @@ class AsyncEngine:
                 traceback.print_exc()
                 self._die(f"internal error in the engine loop: {e!r}")
                 self._emit()
+
+    def _handle_one(self, item: tuple) -> None:
+        """One inbox item. An error fails that item alone and its caller hears of it: the rest of
+        the batch is still handled, so no caller is left waiting on a future nobody resolves."""
+        try:
+            self._handle(item)
+        except Exception as e:  # noqa: BLE001  (a bug in one request must not take the others down)
+            traceback.print_exc()
+            if item[0] == "add":
+                _, stream, admitted = item
+                rid = stream.req.request_id
+                if self._streams.get(rid) is stream:
+                    del self._streams[rid]
+                self.core.abort(rid, "error", f"internal error: {e!r}")  # a no-op unless it got in
+                _call_soon(stream.loop, _resolve, admitted, AdmitFailed(f"internal error admitting the request: {e!r}"))
+            elif item[0] == "report":
+                _, loop, fut = item
+                _call_soon(loop, _resolve, fut, None, self.core.stage_stats)
 
     def _handle(self, item: tuple) -> None:
         kind = item[0]

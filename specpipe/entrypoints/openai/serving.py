@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import AsyncIterator, Callable, Optional, Union
 
 from specpipe.config import ConfigError
-from specpipe.engine.async_engine import AsyncEngine, Delta, EngineDead, RequestStream
+from specpipe.engine.async_engine import AdmitFailed, AsyncEngine, Delta, EngineDead, EngineStalled, RequestStream
 from specpipe.engine.engine import Engine
 from specpipe.entrypoints.openai import protocol as p
 from specpipe.request import Request
@@ -86,6 +86,10 @@ class OpenAIServing:
             raise ApiError(429, f"the server is busy: {e}", "rate_limit_error", code="queue_full") from None
         except EngineDead as e:
             raise ApiError(503, f"the engine cannot serve: {e}", "server_error", code="engine_dead") from None
+        except EngineStalled as e:
+            raise ApiError(503, f"the server is not answering: {e}", "server_error", code="engine_stalled") from None
+        except AdmitFailed as e:
+            raise ApiError(500, str(e), "server_error", code="engine_error") from None
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
