@@ -96,7 +96,7 @@ class EngineCore:
         # to a request without a state (the next schedule would die on it).
         state = self._new_state(req)
         try:
-            self.scheduler.add(req.request_id)  # QueueFull when the waiting queue is at its bound
+            self.scheduler.add(req.request_id, req.client)  # QueueFull when the waiting queue is at its bound
         except BaseException:
             state.finish()
             raise
