@@ -23,6 +23,9 @@ from specpipe.engine.core import EngineCore
 from specpipe.request import Request
 from specpipe.sched.scheduler import QueueFull
 
+STAGE_REPORT_EVERY_S = 1.0  # the stages' counters ride on an ordinary step at most this often
+HEALTH_FRESH_S = 1.0  # a step that ended this recently proves that every stage answers
+
 
 class EngineDead(RuntimeError):
     """The pipeline failed; the message names the stage. No request can be served any more."""
@@ -115,6 +118,8 @@ class AsyncEngine:
         should outlast the longest healthy step (the stage timeout)."""
         self.core = core
         self.admit_timeout_s = admit_timeout_s
+        self.last_step_end: Optional[float] = None  # time.monotonic() of the last completed step
+        self._last_report = float("-inf")
         self.observer = observer
         self.dead: Optional[str] = None
         self.snapshot = EngineSnapshot(kv_blocks=core.scheduler.blocks.num_blocks)
@@ -161,6 +166,32 @@ class AsyncEngine:
                 return await asyncio.wait_for(fut, timeout_s)
             except asyncio.TimeoutError:
                 pass
+        return self.core.stage_stats
+
+    async def check(self, timeout_s: float = 5.0) -> Optional[str]:
+        """None while the engine serves, else why not; answers within `timeout_s`. A step that
+        ended in the last HEALTH_FRESH_S proves every stage answers; otherwise one is asked for,
+        shared by every caller asking at the same time (so polling makes at most about one step a
+        second). No step within `timeout_s` is a wedged engine, not a healthy one."""
+        if self.dead is not None:
+            return self.dead
+        if not self._thread.is_alive():
+            return "the engine thread has stopped"
+        if self.last_step_end is not None and time.monotonic() - self.last_step_end < HEALTH_FRESH_S:
+            return None
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        self._post(("report", loop, fut))
+        try:
+            await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            return self.dead or f"no pipeline step completed within {timeout_s:g} s"
+        return self.dead
+
+    @property
+    def latest_stage_stats(self) -> Optional[list[dict]]:
+        """The stages' last report: refreshed on ordinary steps (at most every
+        STAGE_REPORT_EVERY_S, and when the engine goes idle), never at a reader's request."""
         return self.core.stage_stats
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
@@ -242,12 +273,20 @@ class AsyncEngine:
                 self._report_waiters.append((loop, fut))
 
     def _step(self) -> None:
+        now = time.monotonic()
+        # Stage counters for /metrics ride on a step that runs anyway: at most every
+        # STAGE_REPORT_EVERY_S, and on the step that delivers the last releases (so an idle
+        # engine shows its KV freed). A scrape never costs a step.
+        if now - self._last_report >= STAGE_REPORT_EVERY_S or not self.core.scheduler.has_work():
+            self.core.request_stage_stats()
+            self._last_report = now
         t0 = time.perf_counter()
         try:
             self.core.step()
         except Exception as e:  # noqa: BLE001  (the pipeline is gone: fail everyone, stay up to refuse)
             self._die(str(e) or type(e).__name__)
         else:
+            self.last_step_end = time.monotonic()
             if self.observer is not None:
                 self.observer.on_step(time.perf_counter() - t0)
         sched = self.core.scheduler
