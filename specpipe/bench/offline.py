@@ -274,7 +274,7 @@ def _oracle(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
                 source = engine.source if mode in SPECULATIVE_MODES else None
                 core = EngineCore(OraclePipeline(S, lambda pid: by_pid.get(pid, [])), mode, source, width=width,
                                   depth=depth, layers=layers, max_num_seqs=max(1, args.concurrency),
-                                  step_rows=args.max_step_rows, max_waiting=len(reqs),
+                                  step_rows=args.max_step_rows, max_waiting=max(1, len(reqs)),
                                   cost_profile=engine.cost_profile)
                 source = core.source.name if core.source is not None else None
                 core.tracer = _tracer(args, run, S, False, source)
