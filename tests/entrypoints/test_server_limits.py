@@ -126,8 +126,16 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None, code:
 # -- limits -------------------------------------------------------------------------------------------
 
 def test_a_body_over_the_limit_gets_413_before_it_is_parsed(server):
-    big = completion(prompt="x" * (70 << 10))
+    big = completion(prompt="x" * (8 << 20))  # far over: still read and dropped, so the client sees the 413
     assert_error(server.post("/v1/completions", json=big), 413, code="request_too_large")
+
+    async def post_async():  # an asyncio client still sending when the server closed got a reset
+        async with httpx.AsyncClient(timeout=60) as c:
+            return [await c.post(server.url + "/v1/completions", json=big, headers={"Authorization": "Bearer key-a"})
+                    for _ in range(3)]
+
+    for r in asyncio.run(post_async()):
+        assert_error(r, 413, code="request_too_large")
 
     def chunks():  # no Content-Length: the limit is counted as the body arrives
         yield b'{"model": "tiny", "prompt": "'

@@ -12,6 +12,9 @@ from typing import Optional, Sequence
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # see README (Serving): a full context of text is far smaller
+# A refused body is still read (and dropped) up to this much before the 413 goes out: a client
+# still sending when the server closes gets a reset, not the 413. Beyond it, answer and close.
+DRAIN_MAX_BYTES = 64 << 20
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: Optional[str] = None,
@@ -50,7 +53,7 @@ class BodyLimit:
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.limit:
-            return await self._refuse(send)
+            return await self._refuse(receive, send)  # parses nothing, keeps nothing
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -59,7 +62,7 @@ class BodyLimit:
             body = message.get("body", b"")
             size += len(body)
             if size > self.limit:
-                return await self._refuse(send)
+                return await self._refuse(receive, send, more=message.get("more_body", False))
             chunks.append(body)
             if not message.get("more_body", False):
                 break
@@ -74,7 +77,14 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _refuse(self, send: Send) -> None:
+    async def _refuse(self, receive: Receive, send: Send, more: bool = True) -> None:
+        drained = 0
+        while more and drained <= DRAIN_MAX_BYTES:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            drained += len(message.get("body", b""))
+            more = message.get("more_body", False)
         await send_json(send, 413, error_body(
             f"the request body is over this server's limit of {self.limit} bytes (--max-body-bytes)",
             code="request_too_large"))
