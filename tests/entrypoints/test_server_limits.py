@@ -281,5 +281,6 @@ def test_openapi_declares_the_errors_each_route_sends(server):
         responses = schema["paths"][path]["post"]["responses"]
         assert {"200", "400", "401", "404", "413", "429", "500", "503"} <= set(responses), path
         assert responses["413"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+        assert "text/event-stream" in responses["200"]["content"]
     assert "401" in schema["paths"]["/v1/models"]["get"]["responses"]
     assert "503" in schema["paths"]["/health"]["get"]["responses"]

@@ -58,8 +58,16 @@ ERROR_STATUSES = {
 }
 
 
-def _errors(*statuses: int) -> dict:
-    return {s: {"model": p.ErrorResponse, "description": ERROR_STATUSES[s]} for s in statuses}
+def _errors(*statuses: int, plain_503: bool = False) -> dict:
+    out = {s: {"model": p.ErrorResponse, "description": ERROR_STATUSES[s]} for s in statuses}
+    if plain_503 and 503 in out:  # uvicorn's own answer beyond --max-concurrency
+        out[503]["content"] = {"text/plain": {"schema": {"type": "string", "example": "Service Unavailable"}}}
+    return out
+
+
+STREAM_200 = {200: {"description": "The whole response, or with `stream: true` server-sent events (one JSON chunk "
+                                   "per `data:` line, `data: [DONE]` last)",
+                    "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, model_name: str,
@@ -128,7 +136,8 @@ def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, mode
     async def models() -> p.ModelList:
         return serving.models()
 
-    generation_errors = _errors(400, *key_errors, 404, 413, 429, 500, 503)
+    generation_errors = {**STREAM_200, **_errors(400, *key_errors, 404, 413, 429, 500, 503,
+                                                 plain_503=options.max_concurrency is not None)}
 
     @app.post("/v1/completions", response_model=p.CompletionResponse, responses=generation_errors)
     async def completions(body: p.CompletionRequest, request: Request):
