@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=1024,
                    help="requests waiting for the pipeline beyond which new ones get HTTP 429 (default 1024)")
     s.add_argument("--max-concurrency", type=int, default=None,
-                   help="connections and requests served at once (uvicorn's limit_concurrency); beyond it, "
+                   help="connections served at once (through uvicorn's limit_concurrency); beyond them, "
                         "HTTP 503 (default: no limit)")
     s.add_argument("--max-body-bytes", default="1MiB",
                    help="request bodies larger than this get HTTP 413 before they are parsed (default 1MiB)")

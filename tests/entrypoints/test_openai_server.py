@@ -319,3 +319,22 @@ def test_full_queue_429_then_dead_stage_fails_requests_and_health(model):
         assert r.status_code == 503 and "stage 2" in r.json()["error"]["message"]
     finally:
         s.stop()
+
+
+def test_max_concurrency_bounds_open_requests(model):
+    """--max-concurrency reaches uvicorn (limit_concurrency): beyond it a request gets 503."""
+    s = Server(model, "--mode", "pp-cb", "--max-concurrency", "2", "--kv-memory", "16MiB", "--max-context", "1024")
+    try:
+        body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 900, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.Client(timeout=60) as c1, httpx.Client(timeout=60) as c2:
+            with c1.stream("POST", s.url + "/v1/completions", json=body) as r1, \
+                    c2.stream("POST", s.url + "/v1/completions", json=body) as r2:
+                assert (r1.status_code, r2.status_code) == (200, 200)
+                assert s.post("/v1/completions", json={**body, "stream": False}).status_code == 503
+        deadline = time.monotonic() + 30
+        while s.get("/health").status_code != 200:  # the two streams' connections are closed again
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        s.stop()

@@ -243,8 +243,11 @@ def serve(config, host: str, port: int, options: ServerOptions, model_name: Opti
         bound_host, bound_port = sock.getsockname()[:2]
         say(f"serving {name!r} ({config.mode}, {config.stages} stage{'s' if config.stages > 1 else ''}) "
             f"on http://{bound_host}:{bound_port}")
+        # uvicorn counts the arriving connection itself against limit_concurrency: + 1, so that
+        # --max-concurrency N serves N connections at once.
+        limit = options.max_concurrency + 1 if options.max_concurrency is not None else None
         server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=10,
-                                               limit_concurrency=options.max_concurrency))
+                                               limit_concurrency=limit))
         # uvicorn stops on Ctrl-C or SIGTERM and then raises the signal again; as KeyboardInterrupt
         # both end here, so the stages are shut down instead of the process dying on the spot.
         signal.signal(signal.SIGTERM, _interrupt)
