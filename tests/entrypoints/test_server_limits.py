@@ -272,6 +272,40 @@ def test_a_client_that_leaves_before_the_first_event_ends_its_request(server):
     idle(server)
 
 
+def test_an_event_stream_cancels_its_request_even_if_its_generator_never_ran():
+    """Starlette cancels a streaming response when the client leaves; if that happens while it
+    sends the headers, the events' generator never starts and its `finally` (which cancelled the
+    request) never runs. The response itself must cancel the request."""
+    from specpipe.entrypoints.openai.api_server import _EventStream
+
+    class Stream:
+        cancelled = False
+
+        def cancel(self):
+            self.cancelled = True
+
+    async def main():
+        stream = Stream()
+
+        async def events():
+            try:
+                await asyncio.sleep(10)
+                yield "data: x\n\n"
+            finally:
+                stream.cancel()
+
+        async def receive():
+            return {"type": "http.disconnect"}  # the client is already gone
+
+        async def send(_message):
+            await asyncio.sleep(0)  # a send that yields, as one through a middleware does
+
+        await _EventStream(stream, events())({"type": "http", "asgi": {"spec_version": "2.3"}}, receive, send)
+        return stream.cancelled
+
+    assert asyncio.run(main())
+
+
 # -- the published schema ------------------------------------------------------------------------------
 
 def test_openapi_declares_the_errors_each_route_sends(server):
