@@ -263,7 +263,13 @@ def test_disconnect_mid_stream_frees_the_kv(server):
         assert any(line.startswith("data: {") for line in got)
         during = server.metrics()
         assert during[("specpipe:num_requests_running", ())] == 1
-        assert all(during[k] > before[k] for k in KV)
+        # The stages report on ordinary steps, at most once a second: wait for a report that
+        # shows the request's KV at every stage.
+        deadline = time.monotonic() + 10
+        while not all(during[k] > before[k] for k in KV):
+            assert time.monotonic() < deadline, {k: during[k] for k in KV}
+            time.sleep(0.2)
+            during = server.metrics()
     # The connection is closed: the request is cancelled and every stage frees its KV.
     now = wait_kv_back(server, before, KV)
     assert now[ABORTED] - before.get(ABORTED, 0.0) == 1
