@@ -256,7 +256,7 @@ def test_a_client_that_leaves_before_the_first_event_ends_its_request(server):
     before = aborted._value.get()
 
     async def leave_at_once():
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        _reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         body = b'{"model": "tiny", "prompt": "the cat", "max_tokens": 900, "ignore_eos": true, "stream": true}'
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer key-a\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
