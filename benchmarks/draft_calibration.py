@@ -86,7 +86,7 @@ def main() -> int:
             refs = offline._references(engine, prompts, sampling, bar)
             by_group: dict[str, list] = {}
             for prompt, ref in zip(prompts, refs):
-                req = engine.make_request(prompt["text"], sampling)
+                req = engine.prompts.make_request(prompt["text"], sampling)
                 by_group.setdefault(prompt["group"], []).extend(
                     positions(source, req.request_id, req.prompt_ids, ref, args.top_k))
                 bar.update(1)

@@ -221,8 +221,8 @@ class EngineConfig:
         if self.mode in BUDGETED_MODES and self.max_step_rows < self.max_num_seqs:
             raise ConfigError(f"--max-step-rows ({self.max_step_rows}) must be at least --max-num-seqs "
                               f"({self.max_num_seqs}): every running request sends a row in every step")
-        if self.max_waiting < 0:
-            raise ConfigError(f"--max-waiting must be >= 0, got {self.max_waiting}")
+        if self.max_waiting < 1:  # with no room to wait, every request is refused
+            raise ConfigError(f"--max-queue (max_waiting) must be at least 1, got {self.max_waiting}")
         if self.block_size < 1:
             raise ConfigError(f"--block-size must be at least 1, got {self.block_size}")
         if not 0 < self.kv_memory_fraction <= 1:

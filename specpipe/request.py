@@ -50,6 +50,7 @@ class Request:
     stop_ids: frozenset[int]
     detokenizer: Optional[Detokenizer] = None
     on_text: Optional[TextCallback] = None
+    client: Optional[str] = None  # who sent it (a server's API key tag or address): fair admission
     arrival: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)

@@ -239,7 +239,7 @@ def _real(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
                 t0 = time.perf_counter()
                 batches = ([prompts] if args.concurrency > 1 else [[p] for p in prompts])
                 for batch in batches:
-                    reqs = [engine.make_request(p["text"], sampling) for p in batch]
+                    reqs = [engine.prompts.make_request(p["text"], sampling) for p in batch]
                     # Each finished request asks for the stages' reports: they carry the stages'
                     # compute spans into the trace.
                     engine.run(reqs, core, on_finish=lambda _r: (bar.update(), core.request_stage_stats()))
@@ -268,14 +268,14 @@ def _oracle(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
         results = []
         for S in stage_counts:
             for run in runs:
-                reqs = [engine.make_request(p["text"], sampling) for p in prompts]
+                reqs = [engine.prompts.make_request(p["text"], sampling) for p in prompts]
                 seqs = {r.request_id: r.prompt_ids + ref for r, ref in zip(reqs, refs)}
                 by_pid: dict[int, list[int]] = {}
                 mode, width, depth, layers = _core_args(args, run)
                 source = engine.source if mode in SPECULATIVE_MODES else None
                 core = EngineCore(OraclePipeline(S, lambda pid: by_pid.get(pid, [])), mode, source, width=width,
                                   depth=depth, layers=layers, max_num_seqs=max(1, args.concurrency),
-                                  step_rows=args.max_step_rows, max_waiting=len(reqs),
+                                  step_rows=args.max_step_rows, max_waiting=max(1, len(reqs)),
                                   cost_profile=engine.cost_profile)
                 source = core.source.name if core.source is not None else None
                 core.observer = _tracer(args, run, S, False, source)

@@ -23,9 +23,20 @@ from specpipe.engine.core import EngineCore
 from specpipe.request import Request
 from specpipe.sched.scheduler import QueueFull
 
+STAGE_REPORT_EVERY_S = 1.0  # the stages' counters ride on an ordinary step at most this often
+HEALTH_FRESH_S = 1.0  # a step that ended this recently proves that every stage answers
+
 
 class EngineDead(RuntimeError):
     """The pipeline failed; the message names the stage. No request can be served any more."""
+
+
+class AdmitFailed(RuntimeError):
+    """Taking this one request in failed inside the engine (a bug); the engine serves on."""
+
+
+class EngineStalled(RuntimeError):
+    """The engine thread did not take the request in time (a step that does not end)."""
 
 
 @dataclass
@@ -102,8 +113,13 @@ class RequestStream:
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, observer: Optional[Observer] = None) -> None:
+    def __init__(self, core: EngineCore, observer: Optional[Observer] = None, admit_timeout_s: float = 60.0) -> None:
+        """`admit_timeout_s`: how long `add` waits for the engine thread to take a request; it
+        should outlast the longest healthy step (the stage timeout)."""
         self.core = core
+        self.admit_timeout_s = admit_timeout_s
+        self.last_step_end: Optional[float] = None  # time.monotonic() of the last completed step
+        self._last_report = float("-inf")
         self.observer = observer
         self.dead: Optional[str] = None
         self.snapshot = EngineSnapshot(kv_blocks=core.scheduler.blocks.num_blocks)
@@ -118,8 +134,8 @@ class AsyncEngine:
     # -- the asyncio side -------------------------------------------------------------------------
     async def add(self, req: Request) -> RequestStream:
         """Queue `req`; returns its stream once the engine has taken it. Raises QueueFull (the
-        waiting queue is at --max-queue), ConfigError (it can never fit the KV pool) or
-        EngineDead."""
+        waiting queue is at --max-queue), ConfigError (it can never fit the KV pool),
+        EngineDead, AdmitFailed or EngineStalled."""
         loop = asyncio.get_running_loop()
         admitted: asyncio.Future = loop.create_future()
         queue: asyncio.Queue = asyncio.Queue()
@@ -127,7 +143,10 @@ class AsyncEngine:
         req.on_text = stream.pending.append  # called on the engine thread as tokens commit
         self._post(("add", stream, admitted))
         try:
-            await admitted
+            await asyncio.wait_for(admitted, self.admit_timeout_s)
+        except asyncio.TimeoutError:
+            self.abort(req.request_id)  # in case the thread takes it after all
+            raise EngineStalled(f"the engine did not take the request within {self.admit_timeout_s:g} s") from None
         except asyncio.CancelledError:
             self.abort(req.request_id)  # the client left while it was being admitted
             raise
@@ -147,6 +166,32 @@ class AsyncEngine:
                 return await asyncio.wait_for(fut, timeout_s)
             except asyncio.TimeoutError:
                 pass
+        return self.core.stage_stats
+
+    async def check(self, timeout_s: float = 5.0) -> Optional[str]:
+        """None while the engine serves, else why not; answers within `timeout_s`. A step that
+        ended in the last HEALTH_FRESH_S proves every stage answers; otherwise one is asked for,
+        shared by every caller asking at the same time (so polling makes at most about one step a
+        second). No step within `timeout_s` is a wedged engine, not a healthy one."""
+        if self.dead is not None:
+            return self.dead
+        if not self._thread.is_alive():
+            return "the engine thread has stopped"
+        if self.last_step_end is not None and time.monotonic() - self.last_step_end < HEALTH_FRESH_S:
+            return None
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+        self._post(("report", loop, fut))
+        try:
+            await asyncio.wait_for(fut, timeout_s)
+        except asyncio.TimeoutError:
+            return self.dead or f"no pipeline step completed within {timeout_s:g} s"
+        return self.dead
+
+    @property
+    def latest_stage_stats(self) -> Optional[list[dict]]:
+        """The stages' last report: refreshed on ordinary steps (at most every
+        STAGE_REPORT_EVERY_S, and when the engine goes idle), never at a reader's request."""
         return self.core.stage_stats
 
     def shutdown(self, timeout_s: float = 30.0) -> None:
@@ -169,9 +214,9 @@ class AsyncEngine:
                     self._cond.wait()
                 items, self._inbox = self._inbox, []
                 stopping = self._stopping
+            for item in items:
+                self._handle_one(item)
             try:
-                for item in items:
-                    self._handle(item)
                 if stopping:
                     self._end_all("abort", "the server is shutting down")
                     self._emit()
@@ -183,6 +228,24 @@ class AsyncEngine:
                 traceback.print_exc()
                 self._die(f"internal error in the engine loop: {e!r}")
                 self._emit()
+
+    def _handle_one(self, item: tuple) -> None:
+        """One inbox item. An error fails that item alone and its caller hears of it: the rest of
+        the batch is still handled, so no caller is left waiting on a future nobody resolves."""
+        try:
+            self._handle(item)
+        except Exception as e:  # noqa: BLE001  (a bug in one request must not take the others down)
+            traceback.print_exc()
+            if item[0] == "add":
+                _, stream, admitted = item
+                rid = stream.req.request_id
+                if self._streams.get(rid) is stream:
+                    del self._streams[rid]
+                self.core.abort(rid, "error", f"internal error: {e!r}")  # a no-op unless it got in
+                _call_soon(stream.loop, _resolve, admitted, AdmitFailed(f"internal error admitting the request: {e!r}"))
+            elif item[0] == "report":
+                _, loop, fut = item
+                _call_soon(loop, _resolve, fut, None, self.core.stage_stats)
 
     def _handle(self, item: tuple) -> None:
         kind = item[0]
@@ -210,12 +273,20 @@ class AsyncEngine:
                 self._report_waiters.append((loop, fut))
 
     def _step(self) -> None:
+        now = time.monotonic()
+        # Stage counters for /metrics ride on a step that runs anyway: at most every
+        # STAGE_REPORT_EVERY_S, and on the step that delivers the last releases (so an idle
+        # engine shows its KV freed). A scrape never costs a step.
+        if now - self._last_report >= STAGE_REPORT_EVERY_S or not self.core.scheduler.has_work():
+            self.core.request_stage_stats()
+            self._last_report = now
         t0 = time.perf_counter()
         try:
             self.core.step()
         except Exception as e:  # noqa: BLE001  (the pipeline is gone: fail everyone, stay up to refuse)
             self._die(str(e) or type(e).__name__)
         else:
+            self.last_step_end = time.monotonic()
             if self.observer is not None:
                 self.observer.on_step(time.perf_counter() - t0)
         sched = self.core.scheduler

@@ -82,16 +82,27 @@ class EngineCore:
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id} is already in use")
+        if not req.prompt_ids:
+            raise ValueError(f"request {req.request_id}: the prompt is empty")
         need = len(req.prompt_ids) + req.sampling.max_tokens + self.spec_reserve()
-        pool = self.scheduler.blocks.capacity
+        # What admission can grant, not the whole pool: admission keeps a watermark free, so a
+        # request between the two would wait at the head of the queue forever (and all behind it).
+        pool = self.scheduler.admissible_tokens
         if need > pool:
             raise ConfigError(
                 f"request {req.request_id} needs up to {need} KV slots (prompt {len(req.prompt_ids)} + max tokens "
-                f"{req.sampling.max_tokens} + speculative tree {self.spec_reserve()}), but the KV pool holds {pool}; "
+                f"{req.sampling.max_tokens} + speculative tree {self.spec_reserve()}), but the KV pool admits {pool}; "
                 f"shorten it, lower --tree-width, or give the KV cache more memory (--kv-memory)")
-        self.scheduler.add(req.request_id)  # QueueFull when the waiting queue is at its bound
+        # Build its state before the scheduler or the tables know it: if that fails, nothing refers
+        # to a request without a state (the next schedule would die on it).
+        state = self._new_state(req)
+        try:
+            self.scheduler.add(req.request_id, req.client)  # QueueFull when the waiting queue is at its bound
+        except BaseException:
+            state.finish()
+            raise
         self.requests[req.request_id] = req
-        self.states[req.request_id] = self._new_state(req)
+        self.states[req.request_id] = state
         self.observer.added(req)
 
     def spec_reserve(self) -> int:

@@ -64,10 +64,6 @@ class Engine:
         self._pids = itertools.count()  # shared by every core: the stages see one id space
         self._cores: dict[tuple, EngineCore] = {}
         self._stage_before: list[dict] = []  # the stages' counters when the last generate() began
-        # Prompts and requests: see engine/prompts.py.
-        self.encode_prompt = self.prompts.encode_prompt
-        self.encode_chat = self.prompts.encode_chat
-        self.make_request = self.prompts.make_request
 
     def _source(self) -> TokenSource:
         if self.source is None:
@@ -108,7 +104,7 @@ class Engine:
         """Decode one request. `mode`, `tree_width`, `tree_depth` and `layers_per_step` override the
         config for this request (so one set of stage processes can serve every mode, e.g. in
         benchmarks)."""
-        req = self.make_request(prompt, sampling, chat, on_text)
+        req = self.prompts.make_request(prompt, sampling, chat, on_text)
         core = self.core(mode, tree_width, tree_depth, layers_per_step)
         # The stages' counters ride on the step that delivers the release: no extra step.
         self.run([req], core, on_finish=lambda _req: core.request_stage_stats())

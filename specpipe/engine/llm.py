@@ -53,7 +53,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt, as text or as token ids
         prompts = list(prompts)
-        ids = [self.engine.encode_prompt(p, chat) if isinstance(p, str) else list(p) for p in prompts]
+        ids = [self.engine.prompts.encode_prompt(p, chat) if isinstance(p, str) else list(p) for p in prompts]
         return self._run(ids, [p if isinstance(p, str) else None for p in prompts], sampling_params, use_tqdm)
 
     def chat(self, messages: Union[Sequence[Message], Sequence[Sequence[Message]]],
@@ -61,13 +61,13 @@ class LLM:
              use_tqdm: bool = True) -> list[RequestOutput]:
         """Answer one conversation (a list of messages) or several (a list of such lists)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        ids = [self.engine.encode_chat(list(conv)) for conv in conversations]
+        ids = [self.engine.prompts.encode_chat(list(conv)) for conv in conversations]
         return self._run(ids, [None] * len(ids), sampling_params, use_tqdm)
 
     def _run(self, prompt_ids: list[list[int]], texts: list[Optional[str]], sampling_params,
              use_tqdm: bool) -> list[RequestOutput]:
         params = _per_prompt(sampling_params, len(prompt_ids))
-        reqs = [self.engine.make_request(ids, p) for ids, p in zip(prompt_ids, params)]
+        reqs = [self.engine.prompts.make_request(ids, p) for ids, p in zip(prompt_ids, params)]
         bar = _progress(len(reqs)) if use_tqdm and len(reqs) > 1 else None
         try:
             self.engine.run(reqs, on_finish=(lambda _r: bar.update(1)) if bar is not None else None)

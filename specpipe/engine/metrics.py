@@ -2,7 +2,8 @@
 
 Request-level figures are observed on the engine thread as tokens are delivered (the Observer
 hooks of AsyncEngine); levels (running and waiting requests, KV use, per-stage counters) are read
-when /metrics is scraped, from the step loop's snapshot and a fresh stage report. Definitions as in
+when /metrics is scraped, from the step loop's snapshot and the stages' last report (it rides on
+ordinary steps, at most once a second: a scrape costs no step). Definitions as in
 SPEC §7: TTFT from arrival to the first token, ITL per delivered chunk, TBT (time per output token)
 per request after the first token.
 """
@@ -134,7 +135,7 @@ class _LevelCollector:
         blocks = GaugeMetricFamily("specpipe:kv_cache_blocks_in_use", "KV blocks a stage holds for requests.",
                                    labels=labels)
         step_time = GaugeMetricFamily("specpipe:stage_step_time_seconds",
-                                      "A stage's mean compute time per step since the previous scrape.",
+                                      "A stage's mean compute time per step between its last two reports.",
                                       labels=labels)
         counters = {k: CounterMetricFamily(f"specpipe:stage_{k}", doc, labels=labels) for k, doc in (
             ("steps", "Steps a stage ran."), ("compute_seconds", "Time a stage spent in forward passes."),

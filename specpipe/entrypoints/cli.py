@@ -53,10 +53,18 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     s.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 = any free port)")
-    s.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: env SPECPIPE_API_KEY, else none)")
+    s.add_argument("--api-key", action="append", default=None,
+                   help="require 'Authorization: Bearer KEY' on every /v1 route; repeat for several keys, each "
+                        "a client with a fair share (default: env SPECPIPE_API_KEY, comma-separated, else none)")
+    s.add_argument("--metrics-need-key", action="store_true",
+                   help="with --api-key, /health and /metrics want the key too")
     s.add_argument("--max-queue", type=int, default=1024,
                    help="requests waiting for the pipeline beyond which new ones get HTTP 429 (default 1024)")
+    s.add_argument("--max-concurrency", type=int, default=None,
+                   help="connections served at once (through uvicorn's limit_concurrency); beyond them, "
+                        "HTTP 503 (default: no limit)")
+    s.add_argument("--max-body-bytes", default="1MiB",
+                   help="request bodies larger than this get HTTP 413 before they are parsed (default 1MiB)")
     s.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model file's name)")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level (default info: one line per request)")
@@ -174,18 +182,38 @@ def _serve(args: argparse.Namespace) -> int:
     from specpipe.config import ConfigError
     from specpipe.distributed.ranks import RankEnv
 
-    if args.max_queue < 0:
-        raise ConfigError(f"--max-queue must be >= 0, got {args.max_queue}")
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     config = _engine_config(args, max_waiting=args.max_queue)
+    options = _server_options(args, os.environ.get("SPECPIPE_API_KEY"))  # refused here, before anything loads
     rank_env = RankEnv.from_environ()
     if rank_env is not None and rank_env.rank > 0:
         return _serve_stage(config, rank_env)
     from specpipe.entrypoints.openai.api_server import serve
 
-    return serve(config, args.host, args.port, args.api_key or os.environ.get("SPECPIPE_API_KEY"),
-                 args.served_model_name, args.log_level, rank_env)
+    return serve(config, args.host, args.port, options, args.served_model_name, args.log_level, rank_env)
+
+
+MIN_BODY_BYTES = 1024  # below this even a short request does not fit
+
+
+def _server_options(args: argparse.Namespace, env_keys: Optional[str]):
+    from specpipe.config import ConfigError, parse_bytes
+    from specpipe.entrypoints.openai.api_server import ServerOptions
+
+    keys = tuple(k for k in (args.api_key or (env_keys or "").split(",")) if k)
+    if args.metrics_need_key and not keys:
+        raise ConfigError("--metrics-need-key needs --api-key (or SPECPIPE_API_KEY)")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ConfigError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
+    try:
+        body = parse_bytes(args.max_body_bytes)
+    except ConfigError:
+        body = 0
+    if body < MIN_BODY_BYTES:
+        raise ConfigError(f"--max-body-bytes must be a size of at least {MIN_BODY_BYTES} bytes (e.g. 1MiB), "
+                          f"got {args.max_body_bytes!r}")
+    return ServerOptions(keys, args.metrics_need_key, body, args.max_concurrency)
 
 
 def _serve_stage(config, env) -> int:

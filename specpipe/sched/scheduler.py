@@ -19,8 +19,13 @@ Row budget (`step_rows`): rows entering stage 1 per step, which bounds every sta
 step (rows only shrink on the way down). None = no budget (the single-request modes: exactly
 the rows the mode asks for).
 
+Fair admission: each request may carry a client tag (a server's API key or client address).
+The next request admitted is the oldest waiting one of the client holding the fewest running
+slots, so while another client waits no client holds more than its share (round-robin across
+clients; with one client, or none, plain FIFO).
+
 KV: the `BlockManager` holds, per request, blocks for everything sent and not pruned. A request
-is admitted (FIFO, never overtaken) only while blocks remain above a small watermark; when a
+is admitted (in that order, never overtaken) only while blocks remain above a small watermark; when a
 running request's must rows do not fit, the newest running request is preempted (its KV freed at
 every stage, recomputed later from its prompt and the tokens it already has) and goes back to the
 front of the queue. Requests never share or corrupt each other's KV.
@@ -28,9 +33,9 @@ front of the queue. Requests never share or corrupt each other's KV.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Hashable, Optional
 
 from specpipe.sched.block_manager import BlockManager
 
@@ -71,6 +76,9 @@ class Scheduler:
                  max_waiting: int = 1024, watermark: float = 0.01) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        if max_waiting < 1:
+            # No request could ever join: callers that retry on QueueFull would spin forever.
+            raise ValueError(f"max_waiting must be at least 1, got {max_waiting}")
         if step_rows is not None and step_rows < max_num_seqs:
             # Every running request must be able to send its one committed row in every step.
             raise ValueError(f"the row budget per step ({step_rows}) must be at least max_num_seqs ({max_num_seqs})")
@@ -78,14 +86,22 @@ class Scheduler:
         self.max_num_seqs, self.step_rows, self.max_waiting = max_num_seqs, step_rows, max_waiting
         self.watermark = max(1, int(watermark * blocks.num_blocks)) if blocks.num_blocks > 1 else 0
         self.waiting: deque[int] = deque()
+        self.client: dict[int, Optional[Hashable]] = {}  # request -> its client tag (None: anonymous)
         self.running: list[int] = []  # admission order: the oldest first, preemption takes the last
         self._turn = 0  # rotates who gets the leftover speculative rows
 
+    @property
+    def admissible_tokens(self) -> int:
+        """The most KV slots a request can ever be admitted with: the pool above the watermark.
+        Refuse anything larger up front, or it waits at the head of the queue forever."""
+        return (self.blocks.num_blocks - self.watermark) * self.blocks.block_size
+
     # -- queue ------------------------------------------------------------------------------------
-    def add(self, rid: int) -> None:
+    def add(self, rid: int, client: Optional[Hashable] = None) -> None:
         if len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests are already waiting (the limit); try again later")
         self.waiting.append(rid)
+        self.client[rid] = client
 
     def remove(self, rid: int) -> None:
         """A request finished or was aborted: it leaves the queues and its blocks are free."""
@@ -93,6 +109,7 @@ class Scheduler:
             self.running.remove(rid)
         elif rid in self.waiting:
             self.waiting.remove(rid)
+        self.client.pop(rid, None)
         self.blocks.free(rid)
 
     def requeue(self, rid: int) -> None:
@@ -164,23 +181,38 @@ class Scheduler:
 
     def _admit(self, plan: StepPlan, want_of: Callable[[int], Want], wants: dict[int, Want],
                musts: dict[int, int], budget: float) -> int:
-        """FIFO admission while there is room for a request's first rows, a row budget left and KV
-        above the watermark (headroom for the running requests' growth). Returns the rows granted."""
+        """Admission in fair order (see `_next_waiting`) while there is room for a request's first
+        rows, a row budget left and KV above the watermark (headroom for the running requests'
+        growth). Returns the rows granted."""
         while self.waiting and len(self.running) < self.max_num_seqs and budget >= 1:
-            rid = self.waiting[0]
+            rid = self._next_waiting()
             if rid in plan.preempted:
                 break  # it comes back next step, with its state rebuilt for recomputation
             w = wants[rid] = want_of(rid)
             m = self._must(w, budget)
             if not m or self.blocks.extra_for(rid, w.held + m) > self.blocks.num_free() - self.watermark:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(rid)
             self.running.append(rid)
             self.blocks.reserve(rid, w.held + m)
             musts[rid] = m
             budget -= m
             plan.admitted.append(rid)
         return sum(musts[r] for r in plan.admitted)
+
+    def _next_waiting(self) -> int:
+        """The oldest waiting request of the client with the fewest running requests. When it does
+        not fit, admission stops rather than let a smaller one pass it: a big request is never
+        starved by a stream of small ones."""
+        running = Counter(self.client.get(r) for r in self.running)
+        best, fewest = self.waiting[0], running[self.client.get(self.waiting[0])]
+        for rid in self.waiting:
+            if fewest == 0:
+                break
+            n = running[self.client.get(rid)]
+            if n < fewest:
+                best, fewest = rid, n
+        return best
 
     def _share_spec(self, wants: dict[int, Want], musts: dict[int, int], slack: float) -> dict[int, int]:
         """Water-fill the slack among the requests that want speculative rows; each grant is also

@@ -303,6 +303,10 @@ class Tokenizer:
         """
         if not isinstance(text, str):
             raise TokenizerError(f"can only encode text, not {type(text).__name__}")
+        if len(text) > 4096:
+            # encode_batch releases the GIL while the Rust side works (encode does not), so a long
+            # prompt tokenized in a server's worker thread does not stall its event loop.
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -147,3 +147,19 @@ def test_default_model_end_to_end():
     assert p.returncode == 0, p.stderr
     d = last_json(p.stdout)
     assert "Paris" in d["text"]
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--max-queue", "0"], ["--max-queue", "at least 1"]),
+    (["--max-queue", "-3"], ["--max-queue"]),
+    (["--max-concurrency", "0"], ["--max-concurrency", "at least 1"]),
+    (["--max-body-bytes", "10"], ["--max-body-bytes", "1024"]),
+    (["--max-body-bytes", "lots"], ["--max-body-bytes"]),
+    (["--metrics-need-key"], ["--metrics-need-key", "--api-key"]),
+])
+def test_serve_refuses_limits_that_cannot_serve_in_one_line(capsys, tiny_llama_dir, argv, words):
+    """--max-queue 0 was accepted: every request got 429 (and EngineCore.run spun forever). Each
+    is refused in one line before the model loads or the port is taken."""
+    code, _, err = run_cli(capsys, "serve", "--model", str(tiny_llama_dir), "--port", "0", *argv)
+    assert_user_error(code, err, *words)
+    assert err.strip().count("\n") == 0, err

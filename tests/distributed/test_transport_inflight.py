@@ -14,7 +14,7 @@ def test_sends_in_flight_stay_bounded(tiny_model_dir):
                                  max_context=1024))
     try:
         t = engine.pipeline.t
-        req = engine.make_request("hello", SamplingParams(max_tokens=300), chat=False, ignore_eos=True)
+        req = engine.prompts.make_request("hello", SamplingParams(max_tokens=300), chat=False, ignore_eos=True)
         engine.run([req])
         assert req.stats.pipeline_steps >= 600  # S = 2 steps per token in pp
         held = sum(len(step) for step in t._inflight)

@@ -8,7 +8,7 @@ import pytest
 
 from specpipe.config import EngineConfig
 from specpipe.distributed.remote_pipeline import PipelineError
-from specpipe.engine.async_engine import AsyncEngine, EngineDead
+from specpipe.engine.async_engine import AdmitFailed, AsyncEngine, EngineDead, EngineStalled
 from specpipe.engine.core import EngineCore
 from specpipe.engine.engine import Engine
 from specpipe.sampling import SamplingParams
@@ -64,9 +64,9 @@ def test_streams_equal_alone_and_abort_frees_kv(engine):
     aengine = AsyncEngine(engine.core())
 
     async def main():
-        streams = [await aengine.add(engine.make_request(p, SamplingParams(max_tokens=5 + 3 * i), chat=False))
+        streams = [await aengine.add(engine.prompts.make_request(p, SamplingParams(max_tokens=5 + 3 * i), chat=False))
                    for i, p in enumerate(PROMPTS)]
-        victim = await aengine.add(engine.make_request(PROMPTS[0], SamplingParams(max_tokens=200), chat=False))
+        victim = await aengine.add(engine.prompts.make_request(PROMPTS[0], SamplingParams(max_tokens=200), chat=False))
         outs = await asyncio.gather(*[collect(s) for s in streams])
         first = await victim.__anext__()
         victim.cancel()  # the client went away
@@ -90,13 +90,13 @@ def test_queue_full_and_too_big(engine):
     aengine = AsyncEngine(core)
 
     async def main():
-        params = SamplingParams(max_tokens=100)
-        first = await aengine.add(engine.make_request(PROMPTS[0], params, chat=False, ignore_eos=True))
-        second = await aengine.add(engine.make_request(PROMPTS[1], params, chat=False, ignore_eos=True))
+        params = SamplingParams(max_tokens=80)  # fits what admission can grant (the pool above its watermark)
+        first = await aengine.add(engine.prompts.make_request(PROMPTS[0], params, chat=False, ignore_eos=True))
+        second = await aengine.add(engine.prompts.make_request(PROMPTS[1], params, chat=False, ignore_eos=True))
         with pytest.raises(QueueFull):
-            await aengine.add(engine.make_request(PROMPTS[2], params, chat=False))
+            await aengine.add(engine.prompts.make_request(PROMPTS[2], params, chat=False))
         with pytest.raises(ValueError, match="KV pool"):
-            await aengine.add(engine.make_request(PROMPTS[2], SamplingParams(max_tokens=200), chat=False))
+            await aengine.add(engine.prompts.make_request(PROMPTS[2], SamplingParams(max_tokens=200), chat=False))
         first.cancel()
         second.cancel()
         await aengine.stage_stats()  # the releases have reached the stages
@@ -115,11 +115,11 @@ def test_a_failed_pipeline_ends_every_request_and_refuses_new_ones(tiny_model_di
     aengine = AsyncEngine(core)
 
     async def main():
-        streams = [await aengine.add(engine.make_request(p, SamplingParams(max_tokens=50), chat=False, ignore_eos=True))
+        streams = [await aengine.add(engine.prompts.make_request(p, SamplingParams(max_tokens=50), chat=False, ignore_eos=True))
                    for p in PROMPTS[:3]]
         outs = await asyncio.wait_for(asyncio.gather(*[collect(s) for s in streams]), 30)
         with pytest.raises(EngineDead, match="stage 2"):
-            await aengine.add(engine.make_request(PROMPTS[0], SamplingParams(max_tokens=5), chat=False))
+            await aengine.add(engine.prompts.make_request(PROMPTS[0], SamplingParams(max_tokens=5), chat=False))
         return outs, [s.req.error for s in streams]
 
     try:
@@ -130,3 +130,56 @@ def test_a_failed_pipeline_ends_every_request_and_refuses_new_ones(tiny_model_di
     assert [reason for _, _, reason in outs] == ["error"] * 3
     assert all("stage 2" in e for e in errors)
     assert aengine.dead is not None and "stage 2" in aengine.dead
+
+
+def test_an_error_admitting_one_request_fails_it_alone(engine):
+    """An error while handling one inbox item used to drop the rest of that batch: their callers
+    waited forever on futures nobody resolved (and the engine died)."""
+    core = engine.core()
+    aengine = AsyncEngine(core)
+    real_add = core.add_request
+
+    def add_request(req):
+        if req.sampling.max_tokens == 3:
+            raise RuntimeError("a bug while adding")
+        real_add(req)
+
+    core.add_request = add_request  # instance attribute: only this core, only this test
+
+    async def main():
+        bad = engine.prompts.make_request(PROMPTS[0], SamplingParams(max_tokens=3), chat=False)
+        good = engine.prompts.make_request(PROMPTS[1], SamplingParams(max_tokens=5), chat=False)
+        with aengine._cond:  # hold the engine thread off: both land in one inbox batch
+            tasks = [asyncio.ensure_future(aengine.add(r)) for r in (bad, good)]
+            await asyncio.sleep(0.05)
+        done = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+        assert isinstance(done[0], AdmitFailed) and "a bug while adding" in str(done[0])
+        out = await asyncio.wait_for(collect(done[1]), 30)
+        await aengine.stage_stats()  # the release has reached the stages
+        return out
+
+    try:
+        text, ids, reason = asyncio.run(main())
+    finally:
+        del core.add_request
+        aengine.shutdown()
+    assert aengine.dead is None and len(ids) == 5 and reason == "length"
+    assert not core.has_work()
+
+
+def test_add_gives_up_when_the_engine_thread_does_not_answer(engine):
+    """`await admitted` had no timeout: with the engine thread stuck, the caller hung forever."""
+    core = EngineCore(engine.pipeline, "pp", kv_blocks=64, block_size=16, pids=engine._pids)
+    aengine = AsyncEngine(core, admit_timeout_s=0.5)
+
+    async def main():
+        with aengine._cond:  # the engine thread cannot take anything from its inbox meanwhile
+            with pytest.raises(EngineStalled):
+                await asyncio.wait_for(aengine.add(engine.prompts.make_request(PROMPTS[0], SamplingParams(max_tokens=2),
+                                                                       chat=False)), 10)
+
+    try:
+        asyncio.run(main())
+    finally:
+        aengine.shutdown()
+    assert not core.has_work()  # the abort that followed the timeout reached it

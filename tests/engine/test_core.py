@@ -78,3 +78,49 @@ def test_an_engine_error_ends_every_request_and_frees_the_core(ckpt):
         core.run(reqs)
     assert [r.finish_reason for r in reqs] == ["error"] * 3 and "draft device lost" in reqs[0].error
     assert not core.scheduler.has_work() and not core.requests
+
+
+@pytest.mark.parametrize("mode", ["pp", "specpipe"])
+def test_a_request_refused_by_add_request_leaves_the_core_serving(ckpt, mode):
+    """An empty prompt reaching the core directly (the server refuses it before) used to be
+    registered before its state was built: the state failed, and the next step died on a
+    request without one."""
+    pipe = pipeline(ckpt, 2)
+    core = EngineCore(pipe, mode, NgramSource() if mode != "pp" else None, width=4, kv_blocks=32, block_size=16)
+    with pytest.raises(ValueError):
+        core.add_request(Request(0, [], SamplingParams(max_tokens=4), frozenset()))
+    ok = Request(1, PROMPT, SamplingParams(max_tokens=4), frozenset())
+    core.add_request(ok)
+    while core.has_work():
+        core.step()
+    assert len(ok.output_ids) == 4
+    assert all(w.slots.total_in_use() == 0 for w in pipe.workers)
+
+
+def test_a_state_that_fails_to_build_is_never_registered(ckpt, monkeypatch):
+    core = EngineCore(pipeline(ckpt, 2), "pp", kv_blocks=32, block_size=16)
+
+    def broken(req):
+        raise RuntimeError("state")
+
+    monkeypatch.setattr(core, "_new_state", broken)
+    with pytest.raises(RuntimeError):
+        core.add_request(Request(0, PROMPT, SamplingParams(max_tokens=4), frozenset()))
+    assert not core.has_work() and not core.requests
+
+
+def test_what_add_request_accepts_can_be_admitted(ckpt):
+    """The size check used the whole pool, admission the pool minus its watermark: a request in
+    between was accepted and then waited at the head of the queue forever."""
+    core = EngineCore(pipeline(ckpt, 2), "pp", kv_blocks=8, block_size=16)  # 128 slots, watermark 1 block
+    assert core.scheduler.admissible_tokens == 112
+    with pytest.raises(ConfigError, match="KV pool admits 112"):
+        core.add_request(Request(0, list(range(1, 101)), SamplingParams(max_tokens=20), frozenset()))
+    assert not core.has_work()
+    fits = Request(1, list(range(1, 101)), SamplingParams(max_tokens=12), frozenset())
+    core.add_request(fits)
+    for _ in range(100):
+        if not core.has_work():
+            break
+        core.step()
+    assert fits.finish_reason == "length" and len(fits.output_ids) == 12

@@ -58,7 +58,7 @@ def test_generate_and_chat_across_stage_processes(model, tmp_path):
             alone = engine.generate(prompt, p, chat=False)
             assert (ids, text, reason) == (alone.token_ids, alone.text, alone.finish_reason)
             assert tps > 0
-        chat = engine.generate(engine.encode_chat([{"role": "user", "content": "hi"}]), SamplingParams(max_tokens=5))
+        chat = engine.generate(engine.prompts.encode_chat([{"role": "user", "content": "hi"}]), SamplingParams(max_tokens=5))
         assert got["chat"] == chat.token_ids
     finally:
         engine.close()

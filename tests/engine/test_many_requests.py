@@ -63,7 +63,7 @@ def reference(model):
 
 
 def run_together(engine: Engine, cases) -> list:
-    reqs = [engine.make_request(prompt, params) for prompt, params, _ in cases]
+    reqs = [engine.prompts.make_request(prompt, params) for prompt, params, _ in cases]
     engine.run(reqs)
     return reqs
 
@@ -111,12 +111,12 @@ def test_abort_mid_flight_frees_kv_at_every_stage(model, reference, mode):
     engine = make_engine(model, mode, 4)
     try:
         core = engine.core()
-        keep = engine.make_request(reference[0][0], SamplingParams(max_tokens=40))
+        keep = engine.prompts.make_request(reference[0][0], SamplingParams(max_tokens=40))
         core.add_request(keep)
         for _ in range(6):
             core.step()
         before = stage_usage(engine)
-        victim = engine.make_request(reference[4][0], SamplingParams(max_tokens=40))
+        victim = engine.prompts.make_request(reference[4][0], SamplingParams(max_tokens=40))
         core.add_request(victim)
         for _ in range(7):  # its prompt and tree are in flight at every stage now
             core.step()
@@ -155,12 +155,12 @@ def test_long_prompt_is_prefilled_in_chunks_while_others_decode(model):
     try:
         alone = engine.generate(list(range(3, 203)), SamplingParams(max_tokens=4), mode="pp")
         core = engine.core()
-        short = [engine.make_request([7, 8, 9, 7, 8], SamplingParams(max_tokens=30)) for _ in range(3)]
+        short = [engine.prompts.make_request([7, 8, 9, 7, 8], SamplingParams(max_tokens=30)) for _ in range(3)]
         for r in short:
             core.add_request(r)
         for _ in range(6):
             core.step()
-        long = engine.make_request(list(range(3, 203)), SamplingParams(max_tokens=4))  # 200 tokens, 40-row budget
+        long = engine.prompts.make_request(list(range(3, 203)), SamplingParams(max_tokens=4))  # 200 tokens, 40-row budget
         core.add_request(long)
         counts = []
         while not long.output_ids:

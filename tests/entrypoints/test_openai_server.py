@@ -91,7 +91,7 @@ def alone(model):
         if key not in cache:
             params = SamplingParams(max_tokens=max_tokens, **sampling)
             if chat:
-                req = engine.make_request(engine.encode_chat(prompt), params)
+                req = engine.prompts.make_request(engine.prompts.encode_chat(prompt), params)
                 engine.run([req])
                 cache[key] = (req.text, len(req.prompt_ids), len(req.output_ids), req.finish_reason)
             else:
@@ -263,7 +263,13 @@ def test_disconnect_mid_stream_frees_the_kv(server):
         assert any(line.startswith("data: {") for line in got)
         during = server.metrics()
         assert during[("specpipe:num_requests_running", ())] == 1
-        assert all(during[k] > before[k] for k in KV)
+        # The stages report on ordinary steps, at most once a second: wait for a report that
+        # shows the request's KV at every stage.
+        deadline = time.monotonic() + 10
+        while not all(during[k] > before[k] for k in KV):
+            assert time.monotonic() < deadline, {k: during[k] for k in KV}
+            time.sleep(0.2)
+            during = server.metrics()
     # The connection is closed: the request is cancelled and every stage frees its KV.
     now = wait_kv_back(server, before, KV)
     assert now[ABORTED] - before.get(ABORTED, 0.0) == 1
@@ -317,5 +323,24 @@ def test_full_queue_429_then_dead_stage_fails_requests_and_health(model):
         assert health.status_code == 503 and "stage 2" in health.json()["error"]
         r = s.post("/v1/completions", json={**long, "max_tokens": 2})
         assert r.status_code == 503 and "stage 2" in r.json()["error"]["message"]
+    finally:
+        s.stop()
+
+
+def test_max_concurrency_bounds_open_requests(model):
+    """--max-concurrency reaches uvicorn (limit_concurrency): beyond it a request gets 503."""
+    s = Server(model, "--mode", "pp-cb", "--max-concurrency", "2", "--kv-memory", "16MiB", "--max-context", "1024")
+    try:
+        body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 900, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.Client(timeout=60) as c1, httpx.Client(timeout=60) as c2:
+            with c1.stream("POST", s.url + "/v1/completions", json=body) as r1, \
+                    c2.stream("POST", s.url + "/v1/completions", json=body) as r2:
+                assert (r1.status_code, r2.status_code) == (200, 200)
+                assert s.post("/v1/completions", json={**body, "stream": False}).status_code == 503
+        deadline = time.monotonic() + 30
+        while s.get("/health").status_code != 200:  # the two streams' connections are closed again
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
     finally:
         s.stop()

@@ -170,3 +170,16 @@ def test_a_prompt_streaming_in_does_not_cut_the_running_trees():
     wants[32] = Want(must=100, chunkable=True, held=1)
     plan = many.schedule(wants.get)
     assert plan.grants[32].must >= 4  # (40 - 32 single rows) / 2
+
+
+@pytest.mark.parametrize("num_blocks, block_size", [(2, 1), (8, 16), (300, 4)])
+def test_a_request_of_admissible_size_is_admitted_on_an_empty_pool(num_blocks, block_size):
+    sched = Scheduler(BlockManager(num_blocks, block_size), 4)
+    sched.add(0)
+    plan = sched.schedule(lambda rid: Want(must=sched.admissible_tokens))
+    assert plan.admitted == [0]
+
+
+def test_a_waiting_queue_without_room_is_refused():
+    with pytest.raises(ValueError, match="max_waiting"):
+        Scheduler(BlockManager(8, 16), 4, max_waiting=0)

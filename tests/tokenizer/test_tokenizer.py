@@ -387,3 +387,24 @@ def test_qwen2_gguf():
     assert qwen.encode("A\u0301 e\u0301") == qwen.encode("\u00c1 \u00e9") == [43701, 3958]
     for text in TEXTS:
         assert qwen.decode(qwen.encode(text), skip_special_tokens=False) == text
+
+
+def test_a_long_encode_lets_other_threads_run(smol):
+    """The server tokenizes in worker threads; Rust's single `encode` held the GIL throughout, so
+    its event loop stalled anyway. The long-text path must give the same ids and let others run."""
+    import threading
+
+    text = "The quick brown fox jumps over the lazy dog; 1234 naive cafe. " * 4000  # 250 KB
+    assert smol.encode(text) == smol._backend.encode(text).ids
+    gaps, done = [], threading.Event()
+    worker = threading.Thread(target=lambda: (smol.encode(text * 2), done.set()))
+    t0 = last = time.perf_counter()
+    worker.start()
+    while not done.is_set():
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+        time.sleep(0.001)
+    worker.join()
+    took = time.perf_counter() - t0
+    assert max(gaps) < 0.5 * took, (max(gaps), took)

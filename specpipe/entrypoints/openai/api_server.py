@@ -1,24 +1,27 @@
 """`specpipe serve`: the OpenAI-compatible HTTP server.
 
-    uvicorn (event loop) --routes--> OpenAIServing --add/abort--> AsyncEngine (engine thread)
-                                                                   --step()--> stages
+    uvicorn (event loop) --BodyLimit, API key--> routes --> OpenAIServing --add/abort--> AsyncEngine
+                                                             (engine thread) --step()--> stages
 
 Routes: /v1/completions, /v1/chat/completions (streaming as server-sent events), /v1/models,
-/health, /metrics (Prometheus). With --api-key every /v1 route wants `Authorization: Bearer KEY`.
+/health, /metrics (Prometheus). With --api-key every /v1 route wants `Authorization: Bearer KEY`
+(and /health and /metrics too with --metrics-need-key). Every error has OpenAI's body, and the
+OpenAPI schema declares, per route, the statuses it can answer with.
 """
 
 from __future__ import annotations
 
 import asyncio
-import secrets
 import signal
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -28,25 +31,71 @@ from specpipe.engine.async_engine import AsyncEngine
 from specpipe.engine.engine import Engine
 from specpipe.engine.metrics import EngineMetrics
 from specpipe.entrypoints.openai import protocol as p
+from specpipe.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, BodyLimit, key_index
 from specpipe.entrypoints.openai.serving import ApiError, OpenAIServing
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+HEALTH_TIMEOUT_S = 5.0  # /health answers within this: a pipeline that does not step by then is unhealthy
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    api_keys: tuple[str, ...] = ()  # any of them opens /v1; each key is one client for fair admission
+    metrics_need_key: bool = False  # the keys guard /health and /metrics too
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger bodies get 413 before they are parsed
+    max_concurrency: Optional[int] = None  # uvicorn's limit_concurrency: beyond it, a bare 503
+
+
+ERROR_STATUSES = {
+    400: "Malformed body, wrong type, out-of-range or unsupported value, or over a limit (the field is `param`)",
+    401: "Missing or wrong API key",
+    404: "Unknown model",
+    413: "Request body over --max-body-bytes",
+    429: "The waiting queue is full (--max-queue)",
+    500: "The request failed inside the engine",
+    503: "The engine cannot serve (a stage failed, or it stalled); beyond --max-concurrency uvicorn answers "
+         "a bare text/plain 503",
+}
+
+
+def _errors(*statuses: int, plain_503: bool = False) -> dict:
+    out = {s: {"model": p.ErrorResponse, "description": ERROR_STATUSES[s]} for s in statuses}
+    if plain_503 and 503 in out:  # uvicorn's own answer beyond --max-concurrency
+        out[503]["content"] = {"text/plain": {"schema": {"type": "string", "example": "Service Unavailable"}}}
+    return out
+
+
+STREAM_200 = {200: {"description": "The whole response, or with `stream: true` server-sent events (one JSON chunk "
+                                   "per `data:` line, `data: [DONE]` last)",
+                    "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 
 
 def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, model_name: str,
-              api_key: Optional[str] = None) -> FastAPI:
+              options: ServerOptions = ServerOptions()) -> FastAPI:
     app = FastAPI(title="SpecPipe", version=__version__, docs_url=None, redoc_url=None)
     serving = OpenAIServing(engine, aengine, model_name)
-    health_timeout = engine.config.stage_timeout_s + 5.0
+    app.state.serving = serving  # serve() closes its tokenizer threads
+    keys = options.api_keys
+    guarded = ("/v1", "/health", "/metrics") if options.metrics_need_key else ("/v1",)
+    key_errors = (401,) if keys else ()
+    status_key_errors = key_errors if options.metrics_need_key else ()
 
-    @app.middleware("http")
+    app.add_middleware(BodyLimit, limit=options.max_body_bytes)
+
+    @app.middleware("http")  # added last, so it runs first: no body is read for a request without a key
     async def check_api_key(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+        if keys and request.url.path.startswith(guarded):
+            if key_index(request.headers.get("authorization", ""), keys) is None:
                 return _error(ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
                                        code="invalid_api_key"))
         return await call_next(request)
+
+    def client_of(request: Request) -> str:
+        """Who a request counts against for fair admission: its API key, else its address."""
+        i = key_index(request.headers.get("authorization", ""), keys) if keys else None
+        if i is not None:
+            return f"key:{i}"
+        return f"addr:{request.client.host}" if request.client else "addr:?"
 
     @app.exception_handler(ApiError)
     async def api_error(_request: Request, e: ApiError):
@@ -54,53 +103,90 @@ def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, mode
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_request: Request, e: RequestValidationError):
-        return _error(_validation_error(e))
+        return _error(_validation_error(e))  # FastAPI's 422 becomes OpenAI's 400
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, e: StarletteHTTPException):
         return _error(ApiError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None))
 
-    @app.get("/health")
+    @app.get("/health", response_model=p.HealthResponse, response_model_exclude_none=True,
+             responses={503: {"model": p.HealthResponse, "description": "The engine cannot serve: `error` says why"},
+                        **_errors(*status_key_errors)})
     async def health():
-        # A round trip through every stage (a report rides on the next step), so a stage that died
-        # while the server was idle is noticed here too.
-        await aengine.stage_stats(health_timeout)
-        if aengine.dead is not None:
-            return JSONResponse({"status": "unhealthy", "error": aengine.dead}, status_code=503)
+        # The truth within HEALTH_TIMEOUT_S: a stage that died while the server was idle, or a
+        # pipeline that stopped stepping, is unhealthy; it costs at most about a step a second.
+        problem = await aengine.check(HEALTH_TIMEOUT_S)
+        if problem is not None:
+            return JSONResponse({"status": "unhealthy", "error": problem}, status_code=503)
         return {"status": "ok"}
 
     @app.get("/version")
     async def version():
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={
+        200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text format"},
+        **_errors(*status_key_errors)})
     async def prometheus_metrics():
-        metrics.set_stages(await aengine.stage_stats(health_timeout))
+        # The stages' last report (refreshed on ordinary steps): a scrape never costs a step.
+        metrics.set_stages(aengine.latest_stage_stats)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=_errors(*key_errors))
     async def models() -> p.ModelList:
         return serving.models()
 
-    @app.post("/v1/completions")
+    generation_errors = {**STREAM_200, **_errors(400, *key_errors, 404, 413, 429, 500, 503,
+                                                 plain_503=options.max_concurrency is not None)}
+
+    @app.post("/v1/completions", response_model=p.CompletionResponse, responses=generation_errors)
     async def completions(body: p.CompletionRequest, request: Request):
-        stream = await serving.completion_stream(body)
+        stream = await serving.completion_stream(body, client_of(request))
         return await _respond(request, body, stream, serving.completion_events, serving.completion)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=p.ChatCompletionResponse, responses=generation_errors)
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
-        stream = await serving.chat_stream(body)
+        stream = await serving.chat_stream(body, client_of(request))
         return await _respond(request, body, stream, serving.chat_events, serving.chat)
 
+    def openapi() -> dict:
+        """FastAPI's schema, less the 422 it adds to every route with a body: this server answers
+        a body it cannot validate with a 400 (declared on each route)."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for path in schema["paths"].values():
+                for operation in path.values():
+                    operation["responses"].pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 
 async def _respond(request: Request, body: p.SamplingFields, stream, events, whole):
     """Server-sent events for `stream: true`, else the whole response once it is done."""
     if body.stream:
-        return StreamingResponse(events(stream, body.include_usage), media_type="text/event-stream",
-                                 headers=SSE_HEADERS)
+        return _EventStream(stream, events(stream, body.include_usage))
     return await _unless_disconnected(request, whole(stream), stream)
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that cancel their request however the response ends. The events'
+    generator cancels it too, but only once it has started: a client that leaves before the first
+    event may stop the response before the generator ever runs."""
+
+    def __init__(self, stream, events) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._stream = stream
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.cancel()
 
 
 async def _unless_disconnected(request: Request, work, stream):
@@ -138,7 +224,7 @@ def _validation_error(e: RequestValidationError) -> ApiError:
 
 
 # -- the command ------------------------------------------------------------------------------------
-def serve(config, host: str, port: int, api_key: Optional[str], model_name: Optional[str],
+def serve(config, host: str, port: int, options: ServerOptions, model_name: Optional[str],
           log_level: str = "info", rank_env=None) -> int:
     """Bind the port, load the model and bring up the stages, then serve until Ctrl-C / SIGTERM."""
     import uvicorn
@@ -148,14 +234,20 @@ def serve(config, host: str, port: int, api_key: Optional[str], model_name: Opti
     engine = Engine(config, rank_env=rank_env, progress=say)
     name = model_name or _default_name(engine.model_path)
     aengine: Optional[AsyncEngine] = None
+    app: Optional[FastAPI] = None
     try:
         metrics = EngineMetrics(lambda: aengine.snapshot, lambda: aengine.dead is None, name)
-        aengine = AsyncEngine(engine.core(), observer=metrics)
-        app = build_app(engine, aengine, metrics, name, api_key)
+        # A healthy step may take up to the stage timeout: only a longer wait is a stalled engine.
+        aengine = AsyncEngine(engine.core(), observer=metrics, admit_timeout_s=config.stage_timeout_s + 10.0)
+        app = build_app(engine, aengine, metrics, name, options)
         bound_host, bound_port = sock.getsockname()[:2]
         say(f"serving {name!r} ({config.mode}, {config.stages} stage{'s' if config.stages > 1 else ''}) "
             f"on http://{bound_host}:{bound_port}")
-        server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=10))
+        # uvicorn counts the arriving connection itself against limit_concurrency: + 1, so that
+        # --max-concurrency N serves N connections at once.
+        limit = options.max_concurrency + 1 if options.max_concurrency is not None else None
+        server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=10,
+                                               limit_concurrency=limit))
         # uvicorn stops on Ctrl-C or SIGTERM and then raises the signal again; as KeyboardInterrupt
         # both end here, so the stages are shut down instead of the process dying on the spot.
         signal.signal(signal.SIGTERM, _interrupt)
@@ -165,6 +257,8 @@ def serve(config, host: str, port: int, api_key: Optional[str], model_name: Opti
             pass
         say("server stopped")
     finally:
+        if app is not None:
+            app.state.serving.close()
         if aengine is not None:
             aengine.shutdown()
         engine.close()

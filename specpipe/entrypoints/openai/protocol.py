@@ -13,6 +13,12 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+# Stop strings are matched on the engine thread after every token of the request, so their number
+# and length are bounded: 4 as OpenAI allows, and 256 characters (longer than any useful stop,
+# short enough that the tail scanned per token stays small).
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
+
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -50,6 +56,10 @@ class SamplingFields(OpenAIModel):
         stops = [v] if isinstance(v, str) else (v or [])
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
         return stops
 
     def unsupported(self) -> Optional[tuple[str, str]]:
@@ -227,3 +237,8 @@ class ErrorInfo(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorInfo
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok", "unhealthy"]
+    error: Optional[str] = None  # why it cannot serve (unhealthy only)

@@ -9,10 +9,12 @@ request reaches the engine; what goes wrong inside it (a stage failed) becomes a
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, Callable, Optional, Union
 
 from specpipe.config import ConfigError
-from specpipe.engine.async_engine import AsyncEngine, Delta, EngineDead, RequestStream
+from specpipe.engine.async_engine import AdmitFailed, AsyncEngine, Delta, EngineDead, EngineStalled, RequestStream
 from specpipe.engine.engine import Engine
 from specpipe.entrypoints.openai import protocol as p
 from specpipe.request import Request
@@ -20,6 +22,7 @@ from specpipe.sampling import SamplingParams
 from specpipe.sched.scheduler import QueueFull
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
+TOKENIZE_THREADS = 2  # prompts tokenized at once, off the event loop (each holds a core while it works)
 
 
 class ApiError(Exception):
@@ -33,39 +36,62 @@ class ApiError(Exception):
 class OpenAIServing:
     def __init__(self, engine: Engine, aengine: AsyncEngine, model_name: str) -> None:
         self.engine, self.aengine, self.model_name = engine, aengine, model_name
+        # Tokenizing and rendering the chat template take time in proportion to the body: on the
+        # event loop, one big prompt would stall every other stream.
+        self._tokenize = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="specpipe-tokenize")
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._tokenize, fn, *args)
+
+    def close(self) -> None:
+        self._tokenize.shutdown(wait=False, cancel_futures=True)
 
     def models(self) -> p.ModelList:
         return p.ModelList(data=[p.ModelCard(id=self.model_name, max_model_len=self.engine.max_context)])
 
     # -- admission ----------------------------------------------------------------------------------
-    async def completion_stream(self, body: p.CompletionRequest) -> RequestStream:
+    async def completion_stream(self, body: p.CompletionRequest, client: Optional[str] = None) -> RequestStream:
         self._check(body)
         try:
             prompt = body.single_prompt()
-            ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         except ValueError as e:
             raise ApiError(400, str(e), param="prompt") from None
-        return await self._add(ids, body, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS)
+        if isinstance(prompt, str):
+            ids = await self._off_loop(self.engine.tokenizer.encode, prompt)
+        elif len(prompt) > self.engine.max_context:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens, over this model's context of "
+                                f"{self.engine.max_context}", param="prompt", code="context_length_exceeded")
+        else:
+            ids = list(prompt)
+        return await self._add(ids, body, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, client)
 
-    async def chat_stream(self, body: p.ChatCompletionRequest) -> RequestStream:
+    async def chat_stream(self, body: p.ChatCompletionRequest, client: Optional[str] = None) -> RequestStream:
         self._check(body)
         try:
-            ids = self.engine.encode_chat(body.conversation())
+            ids = await self._off_loop(self.engine.prompts.encode_chat, body.conversation())
         except ConfigError as e:
             raise ApiError(400, str(e), param="messages") from None
         # Without a limit a chat answer may use the rest of the context.
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, self.engine.max_context - len(ids))
-        return await self._add(ids, body, max_tokens)
+        return await self._add(ids, body, max_tokens, client)
 
     def _check(self, body: p.SamplingFields) -> None:
+        """What can be refused before any tokenizing."""
         if body.model != self.model_name:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
         bad = body.unsupported()
         if bad is not None:
             raise ApiError(400, bad[1], param=bad[0], code="unsupported_parameter")
+        context = self.engine.max_context
+        for name in ("max_tokens", "max_completion_tokens"):
+            n = getattr(body, name, None)
+            if n is not None and n > context:
+                raise ApiError(400, f"{name} is {n}, over this model's context of {context} tokens", param=name,
+                               code="context_length_exceeded")
 
-    async def _add(self, prompt_ids: list[int], body: p.SamplingFields, max_tokens: int) -> RequestStream:
+    async def _add(self, prompt_ids: list[int], body: p.SamplingFields, max_tokens: int,
+                   client: Optional[str]) -> RequestStream:
         if self.aengine.dead is not None:
             raise ApiError(503, f"the engine cannot serve: {self.aengine.dead}", "server_error", code="engine_dead")
         context = self.engine.max_context
@@ -77,15 +103,20 @@ class OpenAIServing:
         try:
             sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                                       seed=body.seed, max_tokens=max_tokens, stop=tuple(body.stop or ()))
-            req = self.engine.make_request(prompt_ids, sampling, ignore_eos=body.ignore_eos)
+            req = self.engine.prompts.make_request(prompt_ids, sampling, ignore_eos=body.ignore_eos)
         except ValueError as e:  # ConfigError included
             raise ApiError(400, str(e)) from None
+        req.client = client  # fair admission across API keys / client addresses
         try:
             return await self.aengine.add(req)
         except QueueFull as e:
             raise ApiError(429, f"the server is busy: {e}", "rate_limit_error", code="queue_full") from None
         except EngineDead as e:
             raise ApiError(503, f"the engine cannot serve: {e}", "server_error", code="engine_dead") from None
+        except EngineStalled as e:
+            raise ApiError(503, f"the server is not answering: {e}", "server_error", code="engine_stalled") from None
+        except AdmitFailed as e:
+            raise ApiError(500, str(e), "server_error", code="engine_error") from None
         except ValueError as e:
             raise ApiError(400, str(e)) from None
 
