@@ -124,8 +124,10 @@ class StageStats:
     peak_slots: int = 0  # most KV slots in use at once
     blocks_in_use: int = 0  # KV blocks held by requests now
     num_blocks: int = 0  # KV blocks in this stage's pool
-    rss_bytes: int = 0  # resident memory of the stage process (0 in-process: the stages share it)
-    peak_rss_bytes: int = 0
+    rss_bytes: int = 0  # resident memory of the process running the stage (in-process stages share
+    peak_rss_bytes: int = 0  # the driver's process: each reports all of it)
+    weight_bytes: int = 0  # the stage's weights as held (quantized blocks stay packed)
+    kv_bytes: int = 0  # the stage's KV cache
 
     CUMULATIVE: ClassVar[tuple[str, ...]] = (
         "steps", "compute_s", "wait_s", "bytes_sent", "rows_computed", "rows_committed", "requests_failed")

@@ -137,6 +137,11 @@ class _LevelCollector:
         step_time = GaugeMetricFamily("specpipe:stage_step_time_seconds",
                                       "A stage's mean compute time per step between its last two reports.",
                                       labels=labels)
+        memory = {k: GaugeMetricFamily(f"specpipe:stage_{k}", doc, labels=labels) for k, doc in (
+            ("weight_bytes", "Bytes of a stage's weights as held (quantized blocks stay packed)."),
+            ("kv_cache_bytes", "Bytes of a stage's KV cache."),
+            ("resident_memory_bytes", "Resident memory of the process running a stage (in-process stages "
+                                      "share one process)."))}
         counters = {k: CounterMetricFamily(f"specpipe:stage_{k}", doc, labels=labels) for k, doc in (
             ("steps", "Steps a stage ran."), ("compute_seconds", "Time a stage spent in forward passes."),
             ("wait_seconds", "Time a stage waited for its input."),
@@ -148,9 +153,12 @@ class _LevelCollector:
             blocks.add_metric(lab, st["blocks_in_use"])
             d_steps = st["steps"] - b.get("steps", 0)
             step_time.add_metric(lab, (st["compute_s"] - b.get("compute_s", 0.0)) / d_steps if d_steps else 0.0)
+            for k, fam in memory.items():
+                fam.add_metric(lab, st[{"kv_cache_bytes": "kv_bytes", "resident_memory_bytes": "rss_bytes"}.get(k, k)])
             for k, fam in counters.items():
                 fam.add_metric(lab, st[{"compute_seconds": "compute_s", "wait_seconds": "wait_s"}.get(k, k)])
         yield kv
         yield blocks
         yield step_time
+        yield from memory.values()
         yield from counters.values()

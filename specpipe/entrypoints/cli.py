@@ -17,6 +17,8 @@ from typing import Optional, Sequence
 
 from specpipe import __version__
 
+MIB = 1 << 20
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -262,7 +264,9 @@ def _summary(s: dict, n: int) -> str:
         lines.append(f"  mean live tree: {s['mean_live_tree']:.1f} nodes")
     for i, st in enumerate(s.get("stages") or [], 1):
         lines.append(f"  stage {i}: compute {st['compute_ms_per_step']:.1f} ms/step, wait {st['wait_ms_per_step']:.1f} "
-                     f"ms/step, {st['bytes_per_step']:.0f} B/step, occupancy {fmt(st['occupancy'], '.0%')}")
+                     f"ms/step, {st['bytes_per_step']:.0f} B/step, occupancy {fmt(st['occupancy'], '.0%')}, "
+                     f"weights {st['weight_bytes'] / MIB:.0f} MiB, KV {st['kv_bytes'] / MIB:.0f} MiB, "
+                     f"resident {st['rss_bytes'] / MIB:.0f} MiB")
     return "\n".join(lines)
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -18,21 +17,8 @@ from specpipe.distributed.transport import TAG_CONTROL, TAG_REPORT, TAG_RESULTS,
 from specpipe.distributed.wire import decode_control, decode_rows_header, encode_report, encode_results, encode_rows
 from specpipe.loader import open_checkpoint
 from specpipe.model.stage import build_stage
+from specpipe.worker.memory import process_memory
 from specpipe.worker.stage_worker import StageWorker
-
-
-def memory_bytes() -> tuple[int, int]:
-    """(resident, peak resident) memory of this process, from /proc (Linux)."""
-    rss = peak = 0
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                rss = int(line.split()[1]) * 1024
-            elif line.startswith("VmHWM:"):
-                peak = int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return rss, peak
 
 
 def send_rows(t: Transport, dst: int, batch: list) -> None:
@@ -54,10 +40,10 @@ def run_stage(t: Transport, model_path: str, spec: StageSpec, num_blocks: int, b
     except Exception as e:  # reported through the store so the driver can show it
         t.store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         raise
-    rss, peak = memory_bytes()
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    rss, peak = process_memory()
     # The driver sizes its block manager by the smallest pool over the stages.
-    t.store.set(f"ready/{rank}", f"{rss} {peak} {weights} {worker.kv.nbytes()} {num_blocks} {block_size}")
+    t.store.set(f"ready/{rank}", f"{rss} {peak} {worker.stats.weight_bytes} {worker.stats.kv_bytes} {num_blocks} "
+                                 f"{block_size}")
     try:
         t.init_groups()
     except RuntimeError as e:  # typically: gloo bound to an address the other ranks cannot reach
@@ -88,7 +74,7 @@ def run_stage(t: Transport, model_path: str, spec: StageSpec, num_blocks: int, b
             send_rows(t, nxt, out)
         stats.bytes_sent = t.bytes_sent
         if control.report:
-            stats.rss_bytes, stats.peak_rss_bytes = memory_bytes()
+            stats.rss_bytes, stats.peak_rss_bytes = process_memory()
             t.send_ints(0, TAG_REPORT, encode_report(stats, worker.take_spans()))
 
 

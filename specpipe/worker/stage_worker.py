@@ -24,6 +24,7 @@ from specpipe.model.llama import LlamaStage
 from specpipe.sampling import SamplingParams, target_tokens
 from specpipe.kv.packed_forward import run_packed
 from specpipe.kv.slot_table import SlotTable
+from specpipe.worker.memory import process_memory, weight_bytes
 
 
 SPAN_LOG = 1 << 16  # steps of compute spans kept between two reports
@@ -36,7 +37,7 @@ class StageWorker:
         self.slots = SlotTable(num_blocks, block_size)
         self.kv = model.make_kv_cache(self.slots.num_slots)
         self.sampling: dict[int, SamplingParams] = {}
-        self.stats = StageStats(num_blocks=num_blocks)
+        self.stats = StageStats(num_blocks=num_blocks, weight_bytes=weight_bytes(model), kv_bytes=self.kv.nbytes())
         # (step, start, end) of each step that computed rows, perf_counter_ns (CLOCK_MONOTONIC on
         # Linux: one clock for every process of a machine); drained by each report.
         self.spans: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=SPAN_LOG)
@@ -116,4 +117,5 @@ class StageWorker:
     def report(self) -> dict:
         """This stage's StageStats as a dict with the spans since the last report (the in-process
         twin of the stage process's report)."""
+        self.stats.rss_bytes, self.stats.peak_rss_bytes = process_memory()
         return {**self.stats.as_dict(), "spans": self.take_spans()}

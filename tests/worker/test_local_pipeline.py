@@ -100,3 +100,17 @@ def test_reports_ride_on_steps(tiny_llama_dir):
     assert pipe.reported is None
     pipe.step(Control(report=True), [])
     assert [r["blocks_in_use"] for r in pipe.reported] == [0, 0]
+
+
+def test_reports_say_what_each_stage_holds(tiny_llama_dir):
+    """Weights as held (a tied LM head counted once), the KV cache, and the resident memory of the
+    process the stages run in, in-process stages included."""
+    ckpt = open_checkpoint(tiny_llama_dir)
+    pipe = pipeline(ckpt, [8, 8])
+    pipe.step(Control(report=True), [])
+    for worker, rep in zip(pipe.workers, pipe.reported):
+        model = worker.model
+        params = {id(p): p.numel() * p.element_size() for p in [*model.parameters(), *model.buffers()]}
+        assert rep["weight_bytes"] == sum(params.values()) > 0
+        assert rep["kv_bytes"] == worker.kv.nbytes() > 0
+        assert rep["peak_rss_bytes"] >= rep["rss_bytes"] > rep["weight_bytes"]
