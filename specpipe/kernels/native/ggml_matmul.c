@@ -1,0 +1,667 @@
+/*
+ * y (T, N) float32 = x (T, K) float32 @ W(N, K)^T, W given as packed GGUF rows of one type.
+ *
+ * Method (as llama.cpp): each activation row is quantized once per call to int8 blocks with one
+ * float scale per block (per 32 values for the 32-value types, per 256 for the K-quants) and
+ * integer block sums; each weight block is unpacked to small unsigned integers; the products are
+ * integer dot products (exact, so their order does not matter and SIMD may sum them any way); then
+ * one float expression per block folds in the scales, and the blocks are added to the output in a
+ * fixed ascending order by scalar code that is shared by every SIMD path.  Hence:
+ *   - y[t, n] depends only on x[t, :] and W[n, :]: the same bits whatever T, the other rows, the
+ *     thread count or the tile an element falls in (batch invariance);
+ *   - every SIMD path gives the same bits as the portable C path (the library is built with
+ *     -ffp-contract=off so that no path fuses a multiply-add the others do not).
+ *
+ * Block layouts (ggml, little-endian; f16 = IEEE half).  "q" is the stored unsigned integer.
+ *   Q4_0  32 values, 18 bytes: [0:2] f16 d | [2:18] qs[16]: value l = qs[l] & 15, value l+16 =
+ *         qs[l] >> 4 (l < 16).  w = d * (q - 8).
+ *   Q4_1  32 values, 20 bytes: [0:2] f16 d | [2:4] f16 m | [4:20] qs[16] as Q4_0.  w = d*q + m.
+ *   Q5_0  32 values, 22 bytes: [0:2] f16 d | [2:6] u32 qh | [6:22] qs[16]: low 4 bits as Q4_0,
+ *         bit 4 of value i = (qh >> i) & 1.  w = d * (q - 16).
+ *   Q5_1  32 values, 24 bytes: [0:2] f16 d | [2:4] f16 m | [4:8] u32 qh | [8:24] qs[16] as Q5_0.
+ *         w = d*q + m.
+ *   Q8_0  32 values, 34 bytes: [0:2] f16 d | [2:34] int8 qs[32].  w = d * qs.
+ *   Q4_K  256 values, 144 bytes: [0:2] f16 d | [2:4] f16 dmin | [4:16] scales[12]: eight 6-bit
+ *         (scale, min) pairs, j < 4: sc = s[j] & 63, mn = s[j+4] & 63; j >= 4:
+ *         sc = (s[j+4] & 15) | (s[j-4] >> 6) << 4, mn = (s[j+4] >> 4) | (s[j] >> 6) << 4 |
+ *         [16:144] qs[128]: for chunk c < 4, value 64c+l = qs[32c+l] & 15 (sub-block 2c),
+ *         value 64c+32+l = qs[32c+l] >> 4 (sub-block 2c+1), l < 32.
+ *         w = d*sc[i/32]*q - dmin*mn[i/32].
+ *   Q5_K  256 values, 176 bytes: [0:2] d | [2:4] dmin | [4:16] scales[12] as Q4_K | [16:48]
+ *         qh[32] | [48:176] qs[128] as Q4_K; bit 4 of value 64c+l is qh[l] >> 2c & 1, of
+ *         value 64c+32+l is qh[l] >> (2c+1) & 1.  w as Q4_K.
+ *   Q6_K  256 values, 210 bytes: [0:128] ql[128] | [128:192] qh[64] | [192:208] int8 scales[16] |
+ *         [208:210] f16 d.  For half h < 2, l < 32, k < 4: value 128h+32k+l has low 4 bits
+ *         ql[64h + l + 32(k&1)] (& 15 for k < 2, >> 4 for k >= 2) and high 2 bits
+ *         qh[32h+l] >> 2k & 3.  w = d * scales[i/16] * (q - 32).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define SP_X86 1
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
+#include "ggml_matmul.h"
+
+#define SP_INLINE static inline __attribute__((always_inline))
+
+/* ------------------------------------------------------------------------------------------- */
+/* Scalar helpers shared by all paths                                                            */
+
+/* Exact f16 -> f32 by bit manipulation (no F16C needed, same on every CPU). */
+SP_INLINE float f16_to_f32(const uint8_t *p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 31u, man = h & 0x3ffu, bits;
+  if (exp != 0 && exp != 31) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else { /* zero or subnormal: man * 2^-24 is exact in float */
+    float f = (float)man * 5.9604644775390625e-08f;
+    return sign ? -f : f;
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+SP_INLINE uint32_t load_u32(const uint8_t *p) {
+  uint32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Activations: each row quantized once per call, padded with zeros to a multiple of 256 so that  */
+/* every kernel works on whole groups of 256 values.                                            */
+
+typedef struct {
+  int64_t kp;    /* padded row length (multiple of 256) */
+  int8_t *q;     /* T x kp */
+  float *d;      /* T x kp/32: scale of each 32-block (32-value types) or 256-block repeated */
+  float *dsum;   /* T x kp/32: d * sum(q) of each 32-block (the Q4_1/Q5_1 min term) */
+  int32_t *s32;  /* T x kp/32: integer sum of each 32-block */
+  int32_t *s16;  /* T x kp/16: integer sum of each 16-block (Q6_K) */
+} xquant;
+
+/* One row; qb = 32 or 256 values per scale.  Scalar on purpose: one code path for all ISAs. */
+static void quantize_row(const float *x, int64_t k, int64_t kp, int qb, int8_t *q, float *d,
+                         float *dsum, int32_t *s32, int32_t *s16) {
+  for (int64_t b0 = 0; b0 < kp; b0 += qb) {
+    float amax = 0.f;
+    for (int64_t i = b0; i < b0 + qb && i < k; i++) amax = fmaxf(amax, fabsf(x[i]));
+    const float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    for (int64_t i = b0; i < b0 + qb; i++) {
+      float v = i < k ? roundf(x[i] * id) : 0.f;
+      v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
+      q[i] = (int8_t)v;
+    }
+    for (int64_t j = b0 / 32; j < (b0 + qb) / 32; j++) d[j] = dd;
+  }
+  for (int64_t j = 0; j < kp / 16; j++) {
+    int32_t s = 0;
+    for (int i = 0; i < 16; i++) s += q[16 * j + i];
+    s16[j] = s;
+  }
+  for (int64_t j = 0; j < kp / 32; j++) {
+    s32[j] = s16[2 * j] + s16[2 * j + 1];
+    dsum[j] = d[j] * (float)s32[j];
+  }
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Weights: one group of 256 values of one row (8 blocks of a 32-value type or 1 K-quant block)  */
+/* unpacked to unsigned integers q (value order), with the scales it needs.                     */
+
+typedef struct {
+  uint8_t q[256] __attribute__((aligned(64))); /* Q8_0: int8 values stored as bytes */
+  int16_t sc[16]; /* K-quants: sub-block scales (8 for Q4_K/Q5_K, 16 for Q6_K) */
+  int16_t mn[8];  /* Q4_K/Q5_K: sub-block mins */
+  float d[8];     /* 32-value types: per-block d; K-quants: d[0] = d, d[1] = dmin */
+  float m[8];     /* Q4_1/Q5_1: per-block m */
+  int nb;         /* 32-value types: blocks in this group (the last group of a row may be short) */
+} wgroup;
+
+SP_INLINE void unpack_nibbles16(const uint8_t *qs, uint8_t *q) {
+  for (int l = 0; l < 16; l++) {
+    q[l] = qs[l] & 15;
+    q[l + 16] = qs[l] >> 4;
+  }
+}
+
+SP_INLINE void add_high_bits32(uint32_t qh, uint8_t *q) {
+  for (int l = 0; l < 32; l++) q[l] |= (uint8_t)(((qh >> l) & 1u) << 4);
+}
+
+/* 32-value types: blocks 8g .. 8g+nb-1 of a row of nblk blocks; bsz bytes per block. */
+SP_INLINE void unpack_group32(int type, const uint8_t *row, int64_t g, int64_t nblk, wgroup *w) {
+  int64_t b0 = 8 * g;
+  int nb = (int)(nblk - b0 < 8 ? nblk - b0 : 8);
+  w->nb = nb;
+  if (nb < 8) memset(w->q + 32 * nb, 0, 32 * (8 - nb)); /* the padded activations are 0 too */
+  for (int j = 0; j < nb; j++) {
+    uint8_t *q = w->q + 32 * j;
+    if (type == SP_Q4_0) {
+      const uint8_t *b = row + (b0 + j) * 18;
+      w->d[j] = f16_to_f32(b);
+      unpack_nibbles16(b + 2, q);
+    } else if (type == SP_Q4_1) {
+      const uint8_t *b = row + (b0 + j) * 20;
+      w->d[j] = f16_to_f32(b);
+      w->m[j] = f16_to_f32(b + 2);
+      unpack_nibbles16(b + 4, q);
+    } else if (type == SP_Q5_0) {
+      const uint8_t *b = row + (b0 + j) * 22;
+      w->d[j] = f16_to_f32(b);
+      unpack_nibbles16(b + 6, q);
+      add_high_bits32(load_u32(b + 2), q);
+    } else if (type == SP_Q5_1) {
+      const uint8_t *b = row + (b0 + j) * 24;
+      w->d[j] = f16_to_f32(b);
+      w->m[j] = f16_to_f32(b + 2);
+      unpack_nibbles16(b + 8, q);
+      add_high_bits32(load_u32(b + 4), q);
+    } else { /* SP_Q8_0 */
+      const uint8_t *b = row + (b0 + j) * 34;
+      w->d[j] = f16_to_f32(b);
+      memcpy(q, b + 2, 32);
+    }
+  }
+}
+
+SP_INLINE void k4_scales(const uint8_t *s, wgroup *w) {
+  for (int j = 0; j < 4; j++) {
+    w->sc[j] = s[j] & 63;
+    w->mn[j] = s[j + 4] & 63;
+    w->sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
+    w->mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+  }
+}
+
+SP_INLINE void unpack_q4_k(const uint8_t *b, wgroup *w) {
+  w->d[0] = f16_to_f32(b);
+  w->d[1] = f16_to_f32(b + 2);
+  k4_scales(b + 4, w);
+  const uint8_t *qs = b + 16;
+  for (int c = 0; c < 4; c++)
+    for (int l = 0; l < 32; l++) {
+      w->q[64 * c + l] = qs[32 * c + l] & 15;
+      w->q[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+    }
+}
+
+SP_INLINE void unpack_q5_k(const uint8_t *b, wgroup *w) {
+  w->d[0] = f16_to_f32(b);
+  w->d[1] = f16_to_f32(b + 2);
+  k4_scales(b + 4, w);
+  const uint8_t *qh = b + 16, *qs = b + 48;
+  for (int c = 0; c < 4; c++)
+    for (int l = 0; l < 32; l++) {
+      w->q[64 * c + l] = (qs[32 * c + l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4);
+      w->q[64 * c + 32 + l] = (qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4);
+    }
+}
+
+SP_INLINE void unpack_q6_k(const uint8_t *b, wgroup *w) {
+  const uint8_t *ql = b, *qh = b + 128;
+  for (int j = 0; j < 16; j++) w->sc[j] = (int8_t)b[192 + j];
+  w->d[0] = f16_to_f32(b + 208);
+  for (int h = 0; h < 2; h++)
+    for (int l = 0; l < 32; l++) {
+      const uint8_t lo0 = ql[64 * h + l], lo1 = ql[64 * h + l + 32], hi = qh[32 * h + l];
+      uint8_t *q = w->q + 128 * h + l;
+      q[0] = (lo0 & 15) | ((hi & 3) << 4);
+      q[32] = (lo1 & 15) | (((hi >> 2) & 3) << 4);
+      q[64] = (lo0 >> 4) | (((hi >> 4) & 3) << 4);
+      q[96] = (lo1 >> 4) | (((hi >> 6) & 3) << 4);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Per-group float folding: the only float arithmetic on the product path.  Blocks are added in  */
+/* ascending order, one rounding per operation, identical for every ISA.                        */
+
+typedef struct {
+  const int8_t *q;  /* 256 activation values of the group */
+  const float *d, *dsum;
+  const int32_t *s32, *s16;
+} xgroup;
+
+/* 32-value types: dots[j] = sum q*x over block j (q unsigned, or int8 for Q8_0). */
+SP_INLINE float fold_group32(int type, const wgroup *w, const xgroup *x, const int32_t *dots,
+                             float acc) {
+  for (int j = 0; j < w->nb; j++) {
+    const float dd = w->d[j] * x->d[j];
+    if (type == SP_Q4_0)
+      acc += dd * (float)(dots[j] - 8 * x->s32[j]);
+    else if (type == SP_Q5_0)
+      acc += dd * (float)(dots[j] - 16 * x->s32[j]);
+    else if (type == SP_Q4_1 || type == SP_Q5_1)
+      acc += dd * (float)dots[j] + w->m[j] * x->dsum[j];
+    else
+      acc += dd * (float)dots[j];
+  }
+  return acc;
+}
+
+/* Q4_K/Q5_K: sumi = sum_j sc_j * dot_j (computed by the ISA kernel, exact). */
+SP_INLINE float fold_k4(const wgroup *w, const xgroup *x, int32_t sumi, float acc) {
+  int32_t summ = 0;
+  for (int j = 0; j < 8; j++) summ += w->mn[j] * x->s32[j];
+  const float dx = x->d[0];
+  return acc + ((w->d[0] * dx) * (float)sumi - (w->d[1] * dx) * (float)summ);
+}
+
+/* Q6_K: sumi = sum_j sc_j * dot_j over 16-blocks; the -32 offset via the 16-block sums. */
+SP_INLINE float fold_q6_k(const wgroup *w, const xgroup *x, int32_t sumi, float acc) {
+  int32_t off = 0;
+  for (int j = 0; j < 16; j++) off += w->sc[j] * x->s16[j];
+  return acc + (w->d[0] * x->d[0]) * (float)(sumi - 32 * off);
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* The integer kernels, one set per ISA; each computes over one group of 256 values:             */
+/*   dots32_u8 : out[j] = sum_{i<32} q[32j+i] * x[32j+i], j < 8          (q unsigned <= 31)      */
+/*   dots32_s8 : the same with int8 weights                               (Q8_0)                */
+/*   dot_sc32  : sum_j sc[j] * sum_{i<32} q[32j+i] * x[32j+i]           (q <= 31, 0 <= sc < 64)  */
+/*   dot_sc16  : sum_j sc[j] * sum_{i<16} q[16j+i] * x[16j+i], j < 16    (q <= 63, int8 sc)      */
+/* All are exact in int32, so any summation order gives the same integer.                        */
+
+static void dots32_u8_portable(const uint8_t *q, const int8_t *x, int32_t *out) {
+  for (int j = 0; j < 8; j++) {
+    int32_t s = 0;
+    for (int i = 0; i < 32; i++) s += q[32 * j + i] * x[32 * j + i];
+    out[j] = s;
+  }
+}
+static void dots32_s8_portable(const uint8_t *q, const int8_t *x, int32_t *out) {
+  const int8_t *w = (const int8_t *)q;
+  for (int j = 0; j < 8; j++) {
+    int32_t s = 0;
+    for (int i = 0; i < 32; i++) s += w[32 * j + i] * x[32 * j + i];
+    out[j] = s;
+  }
+}
+static int32_t dot_sc32_portable(const uint8_t *q, const int8_t *x, const int16_t *sc) {
+  int32_t out[8], s = 0;
+  dots32_u8_portable(q, x, out);
+  for (int j = 0; j < 8; j++) s += sc[j] * out[j];
+  return s;
+}
+static int32_t dot_sc16_portable(const uint8_t *q, const int8_t *x, const int16_t *sc) {
+  int32_t s = 0;
+  for (int j = 0; j < 16; j++) {
+    int32_t d = 0;
+    for (int i = 0; i < 16; i++) d += q[16 * j + i] * x[16 * j + i];
+    s += sc[j] * d;
+  }
+  return s;
+}
+
+#ifdef SP_X86
+#define SP_AVX2 __attribute__((target("avx2,fma")))
+#define SP_VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+/* Eight vectors of 8 int32 -> one vector of their eight horizontal sums. */
+SP_INLINE SP_AVX2 __m256i hsum8x8_avx2(__m256i p0, __m256i p1, __m256i p2, __m256i p3, __m256i p4,
+                                        __m256i p5, __m256i p6, __m256i p7) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p4, p5), _mm256_hadd_epi32(p6, p7));
+  /* a = [p0..p3 low-half sums | p0..p3 high-half sums], b likewise for p4..p7 */
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                          _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+SP_INLINE SP_AVX2 int32_t hsum_avx2(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+#define LD(p) _mm256_loadu_si256((const __m256i *)(p))
+
+/* maddubs: u8 x s8 -> pairs summed to int16 without saturation here (|q| <= 63 or the sign
+ * trick keeps |pair| <= 2*128*127); madd with 1 widens to int32. */
+SP_INLINE SP_AVX2 __m256i dot32_u8_avx2(const uint8_t *q, const int8_t *x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(LD(q), LD(x)), _mm256_set1_epi16(1));
+}
+static SP_AVX2 void dots32_u8_avx2(const uint8_t *q, const int8_t *x, int32_t *out) {
+  __m256i p[8];
+  for (int j = 0; j < 8; j++) p[j] = dot32_u8_avx2(q + 32 * j, x + 32 * j);
+  _mm256_storeu_si256((__m256i *)out, hsum8x8_avx2(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]));
+}
+static SP_AVX2 void dots32_s8_avx2(const uint8_t *q, const int8_t *x, int32_t *out) {
+  __m256i p[8];
+  for (int j = 0; j < 8; j++) {
+    const __m256i w = LD(q + 32 * j), v = LD(x + 32 * j);
+    /* |w| (as u8) times x with w's sign: the same products, a u8 x s8 form */
+    p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(v, w)),
+                             _mm256_set1_epi16(1));
+  }
+  _mm256_storeu_si256((__m256i *)out, hsum8x8_avx2(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]));
+}
+static SP_AVX2 int32_t dot_sc32_avx2(const uint8_t *q, const int8_t *x, const int16_t *sc) {
+  __m256i acc = _mm256_setzero_si256();
+  for (int j = 0; j < 8; j++) {
+    const __m256i v = _mm256_maddubs_epi16(LD(q + 32 * j), LD(x + 32 * j));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(v, _mm256_set1_epi16(sc[j])));
+  }
+  return hsum_avx2(acc);
+}
+static SP_AVX2 int32_t dot_sc16_avx2(const uint8_t *q, const int8_t *x, const int16_t *sc) {
+  __m256i acc = _mm256_setzero_si256();
+  for (int j = 0; j < 8; j++) { /* 32 bytes = 16-blocks 2j (low lane) and 2j+1 (high lane) */
+    const __m256i s = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * j]), _mm_set1_epi16(sc[2 * j + 1]));
+    const __m256i v = _mm256_maddubs_epi16(LD(q + 32 * j), LD(x + 32 * j));
+    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(v, s));
+  }
+  return hsum_avx2(acc);
+}
+
+#define LDZ(p) _mm512_loadu_si512((const void *)(p))
+
+/* vpdpbusd: u8 x s8, four products summed into each int32 lane, exact. */
+SP_INLINE SP_VNNI __m512i dot64_vnni(__m512i q, __m512i x) {
+  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x);
+}
+static SP_VNNI void dots_split_store_vnni(const __m512i *z, int32_t *out) {
+  __m256i p[8];
+  for (int j = 0; j < 4; j++) {
+    p[2 * j] = _mm512_castsi512_si256(z[j]);
+    p[2 * j + 1] = _mm512_extracti64x4_epi64(z[j], 1);
+  }
+  _mm256_storeu_si256((__m256i *)out, hsum8x8_avx2(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]));
+}
+static SP_VNNI void dots32_u8_vnni(const uint8_t *q, const int8_t *x, int32_t *out) {
+  __m512i z[4];
+  for (int j = 0; j < 4; j++) z[j] = dot64_vnni(LDZ(q + 64 * j), LDZ(x + 64 * j));
+  dots_split_store_vnni(z, out);
+}
+static SP_VNNI void dots32_s8_vnni(const uint8_t *q, const int8_t *x, int32_t *out) {
+  __m512i z[4];
+  for (int j = 0; j < 4; j++) {
+    const __m512i w = LDZ(q + 64 * j), v = LDZ(x + 64 * j);
+    /* negate x where w < 0 so that |w| (u8) times it gives the signed products */
+    const __m512i vs = _mm512_mask_sub_epi8(v, _mm512_movepi8_mask(w), _mm512_setzero_si512(), v);
+    z[j] = dot64_vnni(_mm512_abs_epi8(w), vs);
+  }
+  dots_split_store_vnni(z, out);
+}
+static SP_VNNI int32_t dot_sc32_vnni(const uint8_t *q, const int8_t *x, const int16_t *sc) {
+  __m512i acc = _mm512_setzero_si512();
+  for (int j = 0; j < 4; j++) { /* 64 bytes = 32-blocks 2j (lanes 0-7) and 2j+1 (lanes 8-15) */
+    const __m512i s = _mm512_inserti64x4(_mm512_set1_epi32(sc[2 * j]),
+                                         _mm256_set1_epi32(sc[2 * j + 1]), 1);
+    acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(dot64_vnni(LDZ(q + 64 * j), LDZ(x + 64 * j)), s));
+  }
+  return _mm512_reduce_add_epi32(acc);
+}
+static SP_VNNI int32_t dot_sc16_vnni(const uint8_t *q, const int8_t *x, const int16_t *sc) {
+  const __m512i s16 = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)sc));
+  __m512i acc = _mm512_setzero_si512();
+  for (int j = 0; j < 4; j++) { /* 64 bytes = 16-blocks 4j..4j+3, four lanes each */
+    const __m512i idx = _mm512_setr_epi32(4 * j, 4 * j, 4 * j, 4 * j, 4 * j + 1, 4 * j + 1,
+                                          4 * j + 1, 4 * j + 1, 4 * j + 2, 4 * j + 2, 4 * j + 2,
+                                          4 * j + 2, 4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 3);
+    const __m512i s = _mm512_permutexvar_epi32(idx, s16);
+    acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(dot64_vnni(LDZ(q + 64 * j), LDZ(x + 64 * j)), s));
+  }
+  return _mm512_reduce_add_epi32(acc);
+}
+#endif /* SP_X86 */
+
+#if defined(__aarch64__)
+/* NEON: every weight value here is < 128 (or int8 for Q8_0), so a signed x signed product works
+ * for all types.  vmull_s8 gives exact int16 products (|p| <= 128*127); vpadalq widens to int32. */
+SP_INLINE int32x4_t dot16_neon(int32x4_t acc, const uint8_t *q, const int8_t *x) {
+  const int8x16_t a = vreinterpretq_s8_u8(vld1q_u8(q)), b = vld1q_s8(x);
+#if defined(__ARM_FEATURE_DOTPROD)
+  return vdotq_s32(acc, a, b);
+#else
+  acc = vpadalq_s16(acc, vmull_s8(vget_low_s8(a), vget_low_s8(b)));
+  return vpadalq_s16(acc, vmull_s8(vget_high_s8(a), vget_high_s8(b)));
+#endif
+}
+static void dots32_u8_neon(const uint8_t *q, const int8_t *x, int32_t *out) {
+  for (int j = 0; j < 8; j++) {
+    int32x4_t acc = dot16_neon(vdupq_n_s32(0), q + 32 * j, x + 32 * j);
+    out[j] = vaddvq_s32(dot16_neon(acc, q + 32 * j + 16, x + 32 * j + 16));
+  }
+}
+static void dots32_s8_neon(const uint8_t *q, const int8_t *x, int32_t *out) {
+  dots32_u8_neon(q, x, out); /* the same signed arithmetic */
+}
+static int32_t dot_sc32_neon(const uint8_t *q, const int8_t *x, const int16_t *sc) {
+  int32_t out[8], s = 0;
+  dots32_u8_neon(q, x, out);
+  for (int j = 0; j < 8; j++) s += sc[j] * out[j];
+  return s;
+}
+static int32_t dot_sc16_neon(const uint8_t *q, const int8_t *x, const int16_t *sc) {
+  int32x4_t acc = vdupq_n_s32(0);
+  for (int j = 0; j < 16; j++) {
+    const int32x4_t d = dot16_neon(vdupq_n_s32(0), q + 16 * j, x + 16 * j);
+    acc = vmlaq_n_s32(acc, d, sc[j]);
+  }
+  return vaddvq_s32(acc);
+}
+#endif /* __aarch64__ */
+
+/* ------------------------------------------------------------------------------------------- */
+/* The tile loops, instantiated once per ISA from ggml_matmul_tile.h.                            */
+
+typedef struct {
+  int type;
+  int64_t t, k, n, row_bytes, nblk32; /* nblk32: 32-blocks per row (32-value types) */
+  const uint8_t *w;
+  xquant xq;
+  float *y;
+} job;
+
+typedef void (*tile_fn)(const job *, int64_t, int64_t);
+
+#define SP_NR 4  /* weight rows unpacked together: each activation group is loaded once for 4 */
+#define SP_TB 64 /* activation rows per pass over a weight tile (accumulators on the stack) */
+
+#define SP_ISA portable
+#define SP_ATTR
+#include "ggml_matmul_tile.h"
+#undef SP_ISA
+#undef SP_ATTR
+
+#ifdef SP_X86
+#define SP_ISA avx2
+#define SP_ATTR SP_AVX2
+#include "ggml_matmul_tile.h"
+#undef SP_ISA
+#undef SP_ATTR
+#define SP_ISA vnni
+#define SP_ATTR SP_VNNI
+#include "ggml_matmul_tile.h"
+#undef SP_ISA
+#undef SP_ATTR
+#endif
+
+#if defined(__aarch64__)
+#define SP_ISA neon
+#define SP_ATTR
+#include "ggml_matmul_tile.h"
+#undef SP_ISA
+#undef SP_ATTR
+#endif
+
+/* ------------------------------------------------------------------------------------------- */
+/* Dispatch and entry points                                                                     */
+
+int sp_isa_supported(int isa) {
+  switch (isa) {
+  case SP_ISA_PORTABLE: return 1;
+#ifdef SP_X86
+  case SP_ISA_AVX2:
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  case SP_ISA_AVX512VNNI:
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#endif
+#if defined(__aarch64__)
+  case SP_ISA_NEON: return 1;
+#endif
+  default: return 0;
+  }
+}
+
+int sp_best_isa(void) {
+  const int order[] = {SP_ISA_AVX512VNNI, SP_ISA_AVX2, SP_ISA_NEON};
+  for (int i = 0; i < 3; i++)
+    if (sp_isa_supported(order[i])) return order[i];
+  return SP_ISA_PORTABLE;
+}
+
+int sp_type_supported(int type) {
+  switch (type) {
+  case SP_Q4_0: case SP_Q4_1: case SP_Q5_0: case SP_Q5_1: case SP_Q8_0:
+  case SP_Q4_K: case SP_Q5_K: case SP_Q6_K: return 1;
+  default: return 0;
+  }
+}
+
+static int block_of(int type, int64_t *bytes) {
+  switch (type) {
+  case SP_Q4_0: *bytes = 18; return 32;
+  case SP_Q4_1: *bytes = 20; return 32;
+  case SP_Q5_0: *bytes = 22; return 32;
+  case SP_Q5_1: *bytes = 24; return 32;
+  case SP_Q8_0: *bytes = 34; return 32;
+  case SP_Q4_K: *bytes = 144; return 256;
+  case SP_Q5_K: *bytes = 176; return 256;
+  case SP_Q6_K: *bytes = 210; return 256;
+  default: return 0;
+  }
+}
+
+#define TILE_TABLE(isa)                                                                          \
+  static tile_fn tile_of_##isa(int type) {                                                       \
+    switch (type) {                                                                              \
+    case SP_Q4_0: return tiles_q4_0_##isa;                                                       \
+    case SP_Q4_1: return tiles_q4_1_##isa;                                                       \
+    case SP_Q5_0: return tiles_q5_0_##isa;                                                       \
+    case SP_Q5_1: return tiles_q5_1_##isa;                                                       \
+    case SP_Q8_0: return tiles_q8_0_##isa;                                                       \
+    case SP_Q4_K: return tiles_q4_k_##isa;                                                       \
+    case SP_Q5_K: return tiles_q5_k_##isa;                                                       \
+    case SP_Q6_K: return tiles_q6_k_##isa;                                                       \
+    default: return 0;                                                                           \
+    }                                                                                            \
+  }
+TILE_TABLE(portable)
+#ifdef SP_X86
+TILE_TABLE(avx2)
+TILE_TABLE(vnni)
+#endif
+#if defined(__aarch64__)
+TILE_TABLE(neon)
+#endif
+
+static tile_fn pick(int isa, int type) {
+  switch (isa) {
+#ifdef SP_X86
+  case SP_ISA_AVX2: return tile_of_avx2(type);
+  case SP_ISA_AVX512VNNI: return tile_of_vnni(type);
+#endif
+#if defined(__aarch64__)
+  case SP_ISA_NEON: return tile_of_neon(type);
+#endif
+  default: return tile_of_portable(type);
+  }
+}
+
+/* Split [0, count) into `parts` contiguous ranges; the arithmetic of an element never depends
+ * on which range it falls in. */
+static void part_range(int64_t count, int parts, int id, int64_t *a, int64_t *b) {
+  *a = count * id / parts;
+  *b = count * (id + 1) / parts;
+}
+
+int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, int64_t n,
+              int64_t row_bytes, float *y, int threads, int isa) {
+  int64_t bbytes;
+  const int bs = block_of(type, &bbytes);
+  if (!bs) return SP_ERR_TYPE;
+  if (t < 0 || n < 0 || k <= 0 || k % bs != 0) return SP_ERR_SHAPE;
+  if (row_bytes != k / bs * bbytes) return SP_ERR_SHAPE;
+  if (!sp_isa_supported(isa)) return SP_ERR_ISA;
+  if (t == 0 || n == 0) return SP_OK;
+  if (threads < 1) threads = 1;
+
+  const int64_t kp = (k + 255) / 256 * 256;
+  job jb = {type, t, k, n, row_bytes, k / 32, w, {kp, 0, 0, 0, 0, 0}, y};
+  void *mem = malloc((size_t)(t * kp + t * (kp / 32) * 12 + t * (kp / 16) * 4 + 64));
+  if (!mem) return SP_ERR_MEMORY;
+  /* float and int32 arrays first (4-byte aligned), the int8 values last */
+  jb.xq.d = (float *)mem;
+  jb.xq.dsum = jb.xq.d + t * (kp / 32);
+  jb.xq.s32 = (int32_t *)(jb.xq.dsum + t * (kp / 32));
+  jb.xq.s16 = jb.xq.s32 + t * (kp / 32);
+  jb.xq.q = (int8_t *)(jb.xq.s16 + t * (kp / 16));
+
+  const int64_t ntiles = (n + SP_NR - 1) / SP_NR;
+  const int qthreads = (int)(threads < t ? threads : t), mthreads = (int)(threads < ntiles ? threads : ntiles);
+  const tile_fn fn = pick(isa, type);
+  const xquant *xq = &jb.xq;
+
+#ifdef _OPENMP
+#pragma omp parallel num_threads(qthreads) if (qthreads > 1)
+#endif
+  {
+    int id = 0, parts = 1;
+#ifdef _OPENMP
+    id = omp_get_thread_num();
+    parts = omp_get_num_threads();
+#endif
+    int64_t a, b;
+    part_range(t, parts, id, &a, &b);
+    for (int64_t i = a; i < b; i++)
+      quantize_row(x + i * k, k, kp, bs, xq->q + i * kp, xq->d + i * (kp / 32),
+                   xq->dsum + i * (kp / 32), xq->s32 + i * (kp / 32), xq->s16 + i * (kp / 16));
+  }
+
+#ifdef _OPENMP
+#pragma omp parallel num_threads(mthreads) if (mthreads > 1)
+#endif
+  {
+    int id = 0, parts = 1;
+#ifdef _OPENMP
+    id = omp_get_thread_num();
+    parts = omp_get_num_threads();
+#endif
+    int64_t a, b;
+    part_range(ntiles, parts, id, &a, &b);
+    a *= SP_NR;
+    b = b * SP_NR < n ? b * SP_NR : n;
+    if (a < b) fn(&jb, a, b);
+  }
+  free(mem);
+  return SP_OK;
+}
+
+int sp_has_openmp(void) {
+#ifdef _OPENMP
+  return 1;
+#else
+  return 0;
+#endif
+}
