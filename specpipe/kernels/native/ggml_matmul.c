@@ -102,9 +102,9 @@ static void quantize_row(const float *x, int64_t k, int64_t kp, int qb, int8_t *
     for (int64_t i = b0; i < b0 + qb && i < k; i++) amax = fmaxf(amax, fabsf(x[i]));
     const float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
     for (int64_t i = b0; i < b0 + qb; i++) {
-      float v = i < k ? roundf(x[i] * id) : 0.f;
-      v = v > 127.f ? 127.f : (v < -127.f ? -127.f : v);
-      q[i] = (int8_t)v;
+      /* |x * id| <= 127 up to rounding; lrintf (nearest-even, inlined) then a clamp */
+      const long v = i < k ? lrintf(x[i] * id) : 0;
+      q[i] = (int8_t)(v > 127 ? 127 : (v < -127 ? -127 : v));
     }
     for (int64_t j = b0 / 32; j < (b0 + qb) / 32; j++) d[j] = dd;
   }
@@ -120,106 +120,145 @@ static void quantize_row(const float *x, int64_t k, int64_t kp, int qb, int8_t *
 }
 
 /* ------------------------------------------------------------------------------------------- */
-/* Weights: one group of 256 values of one row (8 blocks of a 32-value type or 1 K-quant block)  */
-/* unpacked to unsigned integers q (value order), with the scales it needs.                     */
+/* Weights: SP_NR rows are processed together.  One group of 256 values of each row (8 blocks of */
+/* a 32-value type, or 1 K-quant block) is unpacked to unsigned integers q in value order, with  */
+/* its scales laid out [block][row] so that the folding below vectorises across rows.           */
+
+#define SP_NR 8  /* weight rows per tile: each activation group is loaded once for 8 rows */
+#define SP_TB 64 /* activation rows per pass over a weight tile (accumulators on the stack) */
 
 typedef struct {
-  uint8_t q[256] __attribute__((aligned(64))); /* Q8_0: int8 values stored as bytes */
-  int16_t sc[16]; /* K-quants: sub-block scales (8 for Q4_K/Q5_K, 16 for Q6_K) */
-  int16_t mn[8];  /* Q4_K/Q5_K: sub-block mins */
-  float d[8];     /* 32-value types: per-block d; K-quants: d[0] = d, d[1] = dmin */
-  float m[8];     /* Q4_1/Q5_1: per-block m */
-  int nb;         /* 32-value types: blocks in this group (the last group of a row may be short) */
-} wgroup;
+  uint8_t q[SP_NR][256] __attribute__((aligned(64))); /* Q8_0: the int8 values as bytes */
+  /* K-quants, x86 kernels: the scale of each byte pair (one int16 lane of maddubs' output) */
+  int16_t scv[SP_NR][128] __attribute__((aligned(64)));
+  int16_t sc[16][SP_NR]; /* K-quants: sub-block scales (8 for Q4_K/Q5_K, 16 for Q6_K) */
+  int16_t mn[8][SP_NR];  /* Q4_K/Q5_K: sub-block mins */
+  float d[8][SP_NR];     /* 32-value types: per-block d; K-quants: d[0] = d, d[1] = dmin */
+  float m[8][SP_NR];     /* Q4_1/Q5_1: per-block m */
+  int nb;                /* 32-value types: blocks in this group (a row's last may be short) */
+} wtile;
 
+SP_INLINE uint64_t load_u64(const uint8_t *p) {
+  uint64_t v;
+  memcpy(&v, p, 8);
+  return v;
+}
+
+/* 16 packed bytes -> 32 values: low nibbles then high nibbles.  Eight bytes at a time in a
+ * 64-bit word (the compiler leaves the plain byte loop scalar). */
 SP_INLINE void unpack_nibbles16(const uint8_t *qs, uint8_t *q) {
-  for (int l = 0; l < 16; l++) {
-    q[l] = qs[l] & 15;
-    q[l + 16] = qs[l] >> 4;
+  const uint64_t m = 0x0f0f0f0f0f0f0f0fULL;
+  for (int h = 0; h < 2; h++) {
+    const uint64_t v = load_u64(qs + 8 * h), lo = v & m, hi = (v >> 4) & m;
+    memcpy(q + 8 * h, &lo, 8);
+    memcpy(q + 16 + 8 * h, &hi, 8);
   }
 }
 
-SP_INLINE void add_high_bits32(uint32_t qh, uint8_t *q) {
-  for (int l = 0; l < 32; l++) q[l] |= (uint8_t)(((qh >> l) & 1u) << 4);
+/* Bit i of b (i < 8) -> 16 in byte i of the result: replicate b to every byte, keep bit i in
+ * byte i, then adding 0x7f carries into bit 7 exactly where the kept bit is set. */
+SP_INLINE uint64_t spread_bits_to_16(uint32_t b) {
+  const uint64_t x = ((uint64_t)(b & 0xffu) * 0x0101010101010101ULL) & 0x8040201008040201ULL;
+  return ((x + 0x7f7f7f7f7f7f7f7fULL) & 0x8080808080808080ULL) >> 3;
 }
 
-/* 32-value types: blocks 8g .. 8g+nb-1 of a row of nblk blocks; bsz bytes per block. */
-SP_INLINE void unpack_group32(int type, const uint8_t *row, int64_t g, int64_t nblk, wgroup *w) {
-  int64_t b0 = 8 * g;
-  int nb = (int)(nblk - b0 < 8 ? nblk - b0 : 8);
+/* Q5_0/Q5_1: bit 4 of value i is bit i of qh. */
+SP_INLINE void add_high_bits32(uint32_t qh, uint8_t *q) {
+  for (int h = 0; h < 4; h++) {
+    const uint64_t v = load_u64(q + 8 * h) | spread_bits_to_16(qh >> (8 * h));
+    memcpy(q + 8 * h, &v, 8);
+  }
+}
+
+/* 32-value types: blocks 8g .. 8g+nb-1 of row r (nblk blocks per row). */
+SP_INLINE void unpack_group32(int type, const uint8_t *row, int64_t g, int64_t nblk, wtile *w,
+                              int r) {
+  const int64_t b0 = 8 * g;
+  const int nb = (int)(nblk - b0 < 8 ? nblk - b0 : 8);
   w->nb = nb;
-  if (nb < 8) memset(w->q + 32 * nb, 0, 32 * (8 - nb)); /* the padded activations are 0 too */
+  if (nb < 8) memset(w->q[r] + 32 * nb, 0, 32 * (8 - nb)); /* the padded activations are 0 too */
   for (int j = 0; j < nb; j++) {
-    uint8_t *q = w->q + 32 * j;
+    uint8_t *q = w->q[r] + 32 * j;
     if (type == SP_Q4_0) {
       const uint8_t *b = row + (b0 + j) * 18;
-      w->d[j] = f16_to_f32(b);
+      w->d[j][r] = f16_to_f32(b);
       unpack_nibbles16(b + 2, q);
     } else if (type == SP_Q4_1) {
       const uint8_t *b = row + (b0 + j) * 20;
-      w->d[j] = f16_to_f32(b);
-      w->m[j] = f16_to_f32(b + 2);
+      w->d[j][r] = f16_to_f32(b);
+      w->m[j][r] = f16_to_f32(b + 2);
       unpack_nibbles16(b + 4, q);
     } else if (type == SP_Q5_0) {
       const uint8_t *b = row + (b0 + j) * 22;
-      w->d[j] = f16_to_f32(b);
+      w->d[j][r] = f16_to_f32(b);
       unpack_nibbles16(b + 6, q);
       add_high_bits32(load_u32(b + 2), q);
     } else if (type == SP_Q5_1) {
       const uint8_t *b = row + (b0 + j) * 24;
-      w->d[j] = f16_to_f32(b);
-      w->m[j] = f16_to_f32(b + 2);
+      w->d[j][r] = f16_to_f32(b);
+      w->m[j][r] = f16_to_f32(b + 2);
       unpack_nibbles16(b + 8, q);
       add_high_bits32(load_u32(b + 4), q);
     } else { /* SP_Q8_0 */
       const uint8_t *b = row + (b0 + j) * 34;
-      w->d[j] = f16_to_f32(b);
+      w->d[j][r] = f16_to_f32(b);
       memcpy(q, b + 2, 32);
     }
   }
 }
 
-SP_INLINE void k4_scales(const uint8_t *s, wgroup *w) {
+/* The 8 (scale, min) pairs of Q4_K/Q5_K, 6 bits each, and the per-byte-pair scales. */
+SP_INLINE void k4_scales(const uint8_t *s, wtile *w, int r) {
+  int16_t sc[8];
   for (int j = 0; j < 4; j++) {
-    w->sc[j] = s[j] & 63;
-    w->mn[j] = s[j + 4] & 63;
-    w->sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
-    w->mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    sc[j] = s[j] & 63;
+    w->mn[j][r] = s[j + 4] & 63;
+    sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
+    w->mn[j + 4][r] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
   }
+  for (int j = 0; j < 8; j++) w->sc[j][r] = sc[j];
+  for (int j = 0; j < 8; j++) /* 16 byte pairs per 32-block (written so that it vectorises) */
+    for (int i = 0; i < 16; i++) w->scv[r][16 * j + i] = sc[j];
 }
 
-SP_INLINE void unpack_q4_k(const uint8_t *b, wgroup *w) {
-  w->d[0] = f16_to_f32(b);
-  w->d[1] = f16_to_f32(b + 2);
-  k4_scales(b + 4, w);
-  const uint8_t *qs = b + 16;
+SP_INLINE void unpack_q4_k(const uint8_t *b, wtile *w, int r) {
+  w->d[0][r] = f16_to_f32(b);
+  w->d[1][r] = f16_to_f32(b + 2);
+  k4_scales(b + 4, w, r);
+  const uint8_t *restrict qs = b + 16;
+  uint8_t *restrict q = w->q[r];
   for (int c = 0; c < 4; c++)
     for (int l = 0; l < 32; l++) {
-      w->q[64 * c + l] = qs[32 * c + l] & 15;
-      w->q[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+      q[64 * c + l] = qs[32 * c + l] & 15;
+      q[64 * c + 32 + l] = qs[32 * c + l] >> 4;
     }
 }
 
-SP_INLINE void unpack_q5_k(const uint8_t *b, wgroup *w) {
-  w->d[0] = f16_to_f32(b);
-  w->d[1] = f16_to_f32(b + 2);
-  k4_scales(b + 4, w);
-  const uint8_t *qh = b + 16, *qs = b + 48;
+SP_INLINE void unpack_q5_k(const uint8_t *b, wtile *w, int r) {
+  w->d[0][r] = f16_to_f32(b);
+  w->d[1][r] = f16_to_f32(b + 2);
+  k4_scales(b + 4, w, r);
+  const uint8_t *restrict qh = b + 16, *restrict qs = b + 48;
+  uint8_t *restrict q = w->q[r];
   for (int c = 0; c < 4; c++)
     for (int l = 0; l < 32; l++) {
-      w->q[64 * c + l] = (qs[32 * c + l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4);
-      w->q[64 * c + 32 + l] = (qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4);
+      q[64 * c + l] = (qs[32 * c + l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4);
+      q[64 * c + 32 + l] = (qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4);
     }
 }
 
-SP_INLINE void unpack_q6_k(const uint8_t *b, wgroup *w) {
-  const uint8_t *ql = b, *qh = b + 128;
-  for (int j = 0; j < 16; j++) w->sc[j] = (int8_t)b[192 + j];
-  w->d[0] = f16_to_f32(b + 208);
+SP_INLINE void unpack_q6_k(const uint8_t *b, wtile *w, int r) {
+  const uint8_t *restrict ql = b, *restrict qh = b + 128;
+  int16_t sc[16];
+  for (int j = 0; j < 16; j++) sc[j] = (int8_t)b[192 + j];
+  for (int j = 0; j < 16; j++) w->sc[j][r] = sc[j];
+  for (int j = 0; j < 16; j++) /* 8 byte pairs per 16-block */
+    for (int i = 0; i < 8; i++) w->scv[r][8 * j + i] = sc[j];
+  w->d[0][r] = f16_to_f32(b + 208);
   for (int h = 0; h < 2; h++)
     for (int l = 0; l < 32; l++) {
       const uint8_t lo0 = ql[64 * h + l], lo1 = ql[64 * h + l + 32], hi = qh[32 * h + l];
-      uint8_t *q = w->q + 128 * h + l;
+      uint8_t *restrict q = w->q[r] + 128 * h + l;
       q[0] = (lo0 & 15) | ((hi & 3) << 4);
       q[32] = (lo1 & 15) | (((hi >> 2) & 3) << 4);
       q[64] = (lo0 >> 4) | (((hi >> 4) & 3) << 4);
@@ -228,8 +267,10 @@ SP_INLINE void unpack_q6_k(const uint8_t *b, wgroup *w) {
 }
 
 /* ------------------------------------------------------------------------------------------- */
-/* Per-group float folding: the only float arithmetic on the product path.  Blocks are added in  */
-/* ascending order, one rounding per operation, identical for every ISA.                        */
+/* Per-group float folding: the only float arithmetic on the product path.  For each output      */
+/* element the blocks are added in ascending order with the same expression, one rounding per    */
+/* operation, whichever ISA computed the integers (the loops over rows r only vectorise          */
+/* independent elements, which does not change any element's bits).                              */
 
 typedef struct {
   const int8_t *q;  /* 256 activation values of the group */
@@ -237,75 +278,80 @@ typedef struct {
   const int32_t *s32, *s16;
 } xgroup;
 
-/* 32-value types: dots[j] = sum q*x over block j (q unsigned, or int8 for Q8_0). */
-SP_INLINE float fold_group32(int type, const wgroup *w, const xgroup *x, const int32_t *dots,
-                             float acc) {
+/* 32-value types: dots[j][r] = sum q*x over block j of row r (q unsigned, or int8 for Q8_0). */
+SP_INLINE void fold_group32(int type, const wtile *w, const xgroup *x,
+                            const int32_t (*dots)[SP_NR], float *acc) {
   for (int j = 0; j < w->nb; j++) {
-    const float dd = w->d[j] * x->d[j];
-    if (type == SP_Q4_0)
-      acc += dd * (float)(dots[j] - 8 * x->s32[j]);
-    else if (type == SP_Q5_0)
-      acc += dd * (float)(dots[j] - 16 * x->s32[j]);
-    else if (type == SP_Q4_1 || type == SP_Q5_1)
-      acc += dd * (float)dots[j] + w->m[j] * x->dsum[j];
-    else
-      acc += dd * (float)dots[j];
+    const float xd = x->d[j], xdsum = x->dsum[j];
+    const int32_t xs = x->s32[j];
+    for (int r = 0; r < SP_NR; r++) {
+      const float dd = w->d[j][r] * xd;
+      if (type == SP_Q4_0)
+        acc[r] += dd * (float)(dots[j][r] - 8 * xs);
+      else if (type == SP_Q5_0)
+        acc[r] += dd * (float)(dots[j][r] - 16 * xs);
+      else if (type == SP_Q4_1 || type == SP_Q5_1)
+        acc[r] += dd * (float)dots[j][r] + w->m[j][r] * xdsum;
+      else
+        acc[r] += dd * (float)dots[j][r];
+    }
   }
-  return acc;
 }
 
-/* Q4_K/Q5_K: sumi = sum_j sc_j * dot_j (computed by the ISA kernel, exact). */
-SP_INLINE float fold_k4(const wgroup *w, const xgroup *x, int32_t sumi, float acc) {
-  int32_t summ = 0;
-  for (int j = 0; j < 8; j++) summ += w->mn[j] * x->s32[j];
+/* Q4_K/Q5_K: sumi[r] = sum_j sc_j * dot_j (the ISA kernel's exact integer). */
+SP_INLINE void fold_k4(const wtile *w, const xgroup *x, const int32_t *sumi, float *acc) {
+  int32_t summ[SP_NR] = {0};
+  for (int j = 0; j < 8; j++)
+    for (int r = 0; r < SP_NR; r++) summ[r] += w->mn[j][r] * x->s32[j];
   const float dx = x->d[0];
-  return acc + ((w->d[0] * dx) * (float)sumi - (w->d[1] * dx) * (float)summ);
+  for (int r = 0; r < SP_NR; r++)
+    acc[r] += (w->d[0][r] * dx) * (float)sumi[r] - (w->d[1][r] * dx) * (float)summ[r];
 }
 
-/* Q6_K: sumi = sum_j sc_j * dot_j over 16-blocks; the -32 offset via the 16-block sums. */
-SP_INLINE float fold_q6_k(const wgroup *w, const xgroup *x, int32_t sumi, float acc) {
-  int32_t off = 0;
-  for (int j = 0; j < 16; j++) off += w->sc[j] * x->s16[j];
-  return acc + (w->d[0] * x->d[0]) * (float)(sumi - 32 * off);
+/* Q6_K: sumi[r] = sum_j sc_j * dot_j over 16-blocks; the -32 offset via the 16-block sums. */
+SP_INLINE void fold_q6_k(const wtile *w, const xgroup *x, const int32_t *sumi, float *acc) {
+  int32_t off[SP_NR] = {0};
+  for (int j = 0; j < 16; j++)
+    for (int r = 0; r < SP_NR; r++) off[r] += w->sc[j][r] * x->s16[j];
+  const float dx = x->d[0];
+  for (int r = 0; r < SP_NR; r++) acc[r] += (w->d[0][r] * dx) * (float)(sumi[r] - 32 * off[r]);
 }
 
 /* ------------------------------------------------------------------------------------------- */
-/* The integer kernels, one set per ISA; each computes over one group of 256 values:             */
-/*   dots32_u8 : out[j] = sum_{i<32} q[32j+i] * x[32j+i], j < 8          (q unsigned <= 31)      */
-/*   dots32_s8 : the same with int8 weights                               (Q8_0)                */
-/*   dot_sc32  : sum_j sc[j] * sum_{i<32} q[32j+i] * x[32j+i]           (q <= 31, 0 <= sc < 64)  */
-/*   dot_sc16  : sum_j sc[j] * sum_{i<16} q[16j+i] * x[16j+i], j < 16    (q <= 63, int8 sc)      */
+/* The integer kernels, one set per ISA; each takes one activation group (256 int8 values) and   */
+/* the SP_NR unpacked weight rows of a tile:                                                      */
+/*   dots32_u8 : out[j][r] = sum_{i<32} q[r][32j+i] * x[32j+i], j < 8    (q unsigned <= 31)      */
+/*   dots32_s8 : the same with int8 weights                               (Q8_0)                 */
+/*   dot_sc    : out[r] = sum_j sc[j][r] * sum_{i<sub} q[r][sub*j+i] * x[sub*j+i]                 */
+/*               (K-quants; sub = 32 for Q4_K/Q5_K, 16 for Q6_K; q <= 63)                         */
 /* All are exact in int32, so any summation order gives the same integer.                        */
 
-static void dots32_u8_portable(const uint8_t *q, const int8_t *x, int32_t *out) {
-  for (int j = 0; j < 8; j++) {
+static void dots32_u8_portable(const wtile *w, const int8_t *x, int32_t (*out)[SP_NR]) {
+  for (int r = 0; r < SP_NR; r++)
+    for (int j = 0; j < 8; j++) {
+      int32_t s = 0;
+      for (int i = 0; i < 32; i++) s += w->q[r][32 * j + i] * x[32 * j + i];
+      out[j][r] = s;
+    }
+}
+static void dots32_s8_portable(const wtile *w, const int8_t *x, int32_t (*out)[SP_NR]) {
+  for (int r = 0; r < SP_NR; r++)
+    for (int j = 0; j < 8; j++) {
+      int32_t s = 0;
+      for (int i = 0; i < 32; i++) s += (int8_t)w->q[r][32 * j + i] * x[32 * j + i];
+      out[j][r] = s;
+    }
+}
+static void dot_sc_portable(const wtile *w, const int8_t *x, int sub, int32_t *out) {
+  for (int r = 0; r < SP_NR; r++) {
     int32_t s = 0;
-    for (int i = 0; i < 32; i++) s += q[32 * j + i] * x[32 * j + i];
-    out[j] = s;
+    for (int j = 0; j < 256 / sub; j++) {
+      int32_t d = 0;
+      for (int i = 0; i < sub; i++) d += w->q[r][sub * j + i] * x[sub * j + i];
+      s += w->sc[j][r] * d;
+    }
+    out[r] = s;
   }
-}
-static void dots32_s8_portable(const uint8_t *q, const int8_t *x, int32_t *out) {
-  const int8_t *w = (const int8_t *)q;
-  for (int j = 0; j < 8; j++) {
-    int32_t s = 0;
-    for (int i = 0; i < 32; i++) s += w[32 * j + i] * x[32 * j + i];
-    out[j] = s;
-  }
-}
-static int32_t dot_sc32_portable(const uint8_t *q, const int8_t *x, const int16_t *sc) {
-  int32_t out[8], s = 0;
-  dots32_u8_portable(q, x, out);
-  for (int j = 0; j < 8; j++) s += sc[j] * out[j];
-  return s;
-}
-static int32_t dot_sc16_portable(const uint8_t *q, const int8_t *x, const int16_t *sc) {
-  int32_t s = 0;
-  for (int j = 0; j < 16; j++) {
-    int32_t d = 0;
-    for (int i = 0; i < 16; i++) d += q[16 * j + i] * x[16 * j + i];
-    s += sc[j] * d;
-  }
-  return s;
 }
 
 #ifdef SP_X86
@@ -313,111 +359,111 @@ static int32_t dot_sc16_portable(const uint8_t *q, const int8_t *x, const int16_
 #define SP_VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
 
 /* Eight vectors of 8 int32 -> one vector of their eight horizontal sums. */
-SP_INLINE SP_AVX2 __m256i hsum8x8_avx2(__m256i p0, __m256i p1, __m256i p2, __m256i p3, __m256i p4,
-                                        __m256i p5, __m256i p6, __m256i p7) {
-  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));
-  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p4, p5), _mm256_hadd_epi32(p6, p7));
+SP_INLINE SP_AVX2 __m256i hsum8x8_avx2(const __m256i *p) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
   /* a = [p0..p3 low-half sums | p0..p3 high-half sums], b likewise for p4..p7 */
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
                           _mm256_permute2x128_si256(a, b, 0x31));
 }
 
-SP_INLINE SP_AVX2 int32_t hsum_avx2(__m256i v) {
-  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-  return _mm_cvtsi128_si32(s);
-}
-
 #define LD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define ST(p, v) _mm256_storeu_si256((__m256i *)(p), v)
 
-/* maddubs: u8 x s8 -> pairs summed to int16 without saturation here (|q| <= 63 or the sign
- * trick keeps |pair| <= 2*128*127); madd with 1 widens to int32. */
-SP_INLINE SP_AVX2 __m256i dot32_u8_avx2(const uint8_t *q, const int8_t *x) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(LD(q), LD(x)), _mm256_set1_epi16(1));
-}
-static SP_AVX2 void dots32_u8_avx2(const uint8_t *q, const int8_t *x, int32_t *out) {
-  __m256i p[8];
-  for (int j = 0; j < 8; j++) p[j] = dot32_u8_avx2(q + 32 * j, x + 32 * j);
-  _mm256_storeu_si256((__m256i *)out, hsum8x8_avx2(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]));
-}
-static SP_AVX2 void dots32_s8_avx2(const uint8_t *q, const int8_t *x, int32_t *out) {
-  __m256i p[8];
+/* maddubs: u8 x s8 -> adjacent pairs summed to int16, exact here (q <= 63, or |w| <= 128 with
+ * the sign trick: |pair| <= 2*128*127 < 2^15); madd with 1 widens to int32. */
+static SP_AVX2 void dots32_u8_avx2(const wtile *w, const int8_t *x, int32_t (*out)[SP_NR]) {
+  const __m256i one = _mm256_set1_epi16(1);
   for (int j = 0; j < 8; j++) {
-    const __m256i w = LD(q + 32 * j), v = LD(x + 32 * j);
-    /* |w| (as u8) times x with w's sign: the same products, a u8 x s8 form */
-    p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(v, w)),
-                             _mm256_set1_epi16(1));
+    const __m256i v = LD(x + 32 * j);
+    __m256i p[SP_NR];
+    for (int r = 0; r < SP_NR; r++)
+      p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(LD(w->q[r] + 32 * j), v), one);
+    ST(out[j], hsum8x8_avx2(p));
   }
-  _mm256_storeu_si256((__m256i *)out, hsum8x8_avx2(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]));
 }
-static SP_AVX2 int32_t dot_sc32_avx2(const uint8_t *q, const int8_t *x, const int16_t *sc) {
-  __m256i acc = _mm256_setzero_si256();
+static SP_AVX2 void dots32_s8_avx2(const wtile *w, const int8_t *x, int32_t (*out)[SP_NR]) {
+  const __m256i one = _mm256_set1_epi16(1);
   for (int j = 0; j < 8; j++) {
-    const __m256i v = _mm256_maddubs_epi16(LD(q + 32 * j), LD(x + 32 * j));
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(v, _mm256_set1_epi16(sc[j])));
+    const __m256i v = LD(x + 32 * j);
+    __m256i p[SP_NR];
+    for (int r = 0; r < SP_NR; r++) {
+      const __m256i q = LD(w->q[r] + 32 * j);
+      /* |w| (as u8) times x with w's sign: the same products in u8 x s8 form */
+      p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(v, q)),
+                               one);
+    }
+    ST(out[j], hsum8x8_avx2(p));
   }
-  return hsum_avx2(acc);
 }
-static SP_AVX2 int32_t dot_sc16_avx2(const uint8_t *q, const int8_t *x, const int16_t *sc) {
-  __m256i acc = _mm256_setzero_si256();
-  for (int j = 0; j < 8; j++) { /* 32 bytes = 16-blocks 2j (low lane) and 2j+1 (high lane) */
-    const __m256i s = _mm256_setr_m128i(_mm_set1_epi16(sc[2 * j]), _mm_set1_epi16(sc[2 * j + 1]));
-    const __m256i v = _mm256_maddubs_epi16(LD(q + 32 * j), LD(x + 32 * j));
-    acc = _mm256_add_epi32(acc, _mm256_madd_epi16(v, s));
+/* K-quants: madd of maddubs' pairs with the per-pair scales scv gives sc * (pair sum) in int32
+ * (|.| <= 2 * 16002 * 128 per lane per chunk: exact). */
+static SP_AVX2 void dot_sc_avx2(const wtile *w, const int8_t *x, int sub, int32_t *out) {
+  (void)sub; /* scv already spreads the scales over the byte pairs */
+  __m256i acc[SP_NR];
+  for (int r = 0; r < SP_NR; r++) acc[r] = _mm256_setzero_si256();
+  for (int c = 0; c < 8; c++) {
+    const __m256i v = LD(x + 32 * c);
+    for (int r = 0; r < SP_NR; r++)
+      acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(LD(w->q[r] + 32 * c), v),
+                                                          LD(w->scv[r] + 16 * c)));
   }
-  return hsum_avx2(acc);
+  ST(out, hsum8x8_avx2(acc));
 }
 
 #define LDZ(p) _mm512_loadu_si512((const void *)(p))
 
-/* vpdpbusd: u8 x s8, four products summed into each int32 lane, exact. */
-SP_INLINE SP_VNNI __m512i dot64_vnni(__m512i q, __m512i x) {
-  return _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x);
+/* Four int32 halves of 512-bit vectors -> the 8 row sums (two 256-bit halves added first). */
+SP_INLINE SP_VNNI __m256i hsum8x16_vnni(const __m512i *z) {
+  __m256i p[SP_NR];
+  for (int r = 0; r < SP_NR; r++)
+    p[r] = _mm256_add_epi32(_mm512_castsi512_si256(z[r]), _mm512_extracti64x4_epi64(z[r], 1));
+  return hsum8x8_avx2(p);
 }
-static SP_VNNI void dots_split_store_vnni(const __m512i *z, int32_t *out) {
-  __m256i p[8];
-  for (int j = 0; j < 4; j++) {
-    p[2 * j] = _mm512_castsi512_si256(z[j]);
-    p[2 * j + 1] = _mm512_extracti64x4_epi64(z[j], 1);
+
+/* vpdpbusd: u8 x s8, four products summed into each int32 lane, exact. 64 bytes = the 32-blocks
+ * 2c (lanes 0-7) and 2c+1 (lanes 8-15). */
+static SP_VNNI void dots32_u8_vnni(const wtile *w, const int8_t *x, int32_t (*out)[SP_NR]) {
+  for (int c = 0; c < 4; c++) {
+    const __m512i v = LDZ(x + 64 * c);
+    __m256i lo[SP_NR], hi[SP_NR];
+    for (int r = 0; r < SP_NR; r++) {
+      const __m512i z = _mm512_dpbusd_epi32(_mm512_setzero_si512(), LDZ(w->q[r] + 64 * c), v);
+      lo[r] = _mm512_castsi512_si256(z);
+      hi[r] = _mm512_extracti64x4_epi64(z, 1);
+    }
+    ST(out[2 * c], hsum8x8_avx2(lo));
+    ST(out[2 * c + 1], hsum8x8_avx2(hi));
   }
-  _mm256_storeu_si256((__m256i *)out, hsum8x8_avx2(p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7]));
 }
-static SP_VNNI void dots32_u8_vnni(const uint8_t *q, const int8_t *x, int32_t *out) {
-  __m512i z[4];
-  for (int j = 0; j < 4; j++) z[j] = dot64_vnni(LDZ(q + 64 * j), LDZ(x + 64 * j));
-  dots_split_store_vnni(z, out);
-}
-static SP_VNNI void dots32_s8_vnni(const uint8_t *q, const int8_t *x, int32_t *out) {
-  __m512i z[4];
-  for (int j = 0; j < 4; j++) {
-    const __m512i w = LDZ(q + 64 * j), v = LDZ(x + 64 * j);
-    /* negate x where w < 0 so that |w| (u8) times it gives the signed products */
-    const __m512i vs = _mm512_mask_sub_epi8(v, _mm512_movepi8_mask(w), _mm512_setzero_si512(), v);
-    z[j] = dot64_vnni(_mm512_abs_epi8(w), vs);
+static SP_VNNI void dots32_s8_vnni(const wtile *w, const int8_t *x, int32_t (*out)[SP_NR]) {
+  for (int c = 0; c < 4; c++) {
+    const __m512i v = LDZ(x + 64 * c);
+    __m256i lo[SP_NR], hi[SP_NR];
+    for (int r = 0; r < SP_NR; r++) {
+      const __m512i q = LDZ(w->q[r] + 64 * c);
+      /* negate x where w < 0 so that |w| (u8) times it gives the signed products */
+      const __m512i vs = _mm512_mask_sub_epi8(v, _mm512_movepi8_mask(q), _mm512_setzero_si512(), v);
+      const __m512i z = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(q), vs);
+      lo[r] = _mm512_castsi512_si256(z);
+      hi[r] = _mm512_extracti64x4_epi64(z, 1);
+    }
+    ST(out[2 * c], hsum8x8_avx2(lo));
+    ST(out[2 * c + 1], hsum8x8_avx2(hi));
   }
-  dots_split_store_vnni(z, out);
 }
-static SP_VNNI int32_t dot_sc32_vnni(const uint8_t *q, const int8_t *x, const int16_t *sc) {
-  __m512i acc = _mm512_setzero_si512();
-  for (int j = 0; j < 4; j++) { /* 64 bytes = 32-blocks 2j (lanes 0-7) and 2j+1 (lanes 8-15) */
-    const __m512i s = _mm512_inserti64x4(_mm512_set1_epi32(sc[2 * j]),
-                                         _mm256_set1_epi32(sc[2 * j + 1]), 1);
-    acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(dot64_vnni(LDZ(q + 64 * j), LDZ(x + 64 * j)), s));
+/* K-quants: maddubs' int16 pair sums times the per-pair scales, accumulated by vpdpwssd. */
+static SP_VNNI void dot_sc_vnni(const wtile *w, const int8_t *x, int sub, int32_t *out) {
+  (void)sub;
+  __m512i acc[SP_NR];
+  for (int r = 0; r < SP_NR; r++) acc[r] = _mm512_setzero_si512();
+  for (int c = 0; c < 4; c++) {
+    const __m512i v = LDZ(x + 64 * c);
+    for (int r = 0; r < SP_NR; r++)
+      acc[r] = _mm512_dpwssd_epi32(acc[r], _mm512_maddubs_epi16(LDZ(w->q[r] + 64 * c), v),
+                                   LDZ(w->scv[r] + 32 * c));
   }
-  return _mm512_reduce_add_epi32(acc);
-}
-static SP_VNNI int32_t dot_sc16_vnni(const uint8_t *q, const int8_t *x, const int16_t *sc) {
-  const __m512i s16 = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)sc));
-  __m512i acc = _mm512_setzero_si512();
-  for (int j = 0; j < 4; j++) { /* 64 bytes = 16-blocks 4j..4j+3, four lanes each */
-    const __m512i idx = _mm512_setr_epi32(4 * j, 4 * j, 4 * j, 4 * j, 4 * j + 1, 4 * j + 1,
-                                          4 * j + 1, 4 * j + 1, 4 * j + 2, 4 * j + 2, 4 * j + 2,
-                                          4 * j + 2, 4 * j + 3, 4 * j + 3, 4 * j + 3, 4 * j + 3);
-    const __m512i s = _mm512_permutexvar_epi32(idx, s16);
-    acc = _mm512_add_epi32(acc, _mm512_mullo_epi32(dot64_vnni(LDZ(q + 64 * j), LDZ(x + 64 * j)), s));
-  }
-  return _mm512_reduce_add_epi32(acc);
+  ST(out, hsum8x16_vnni(acc));
 }
 #endif /* SP_X86 */
 
@@ -433,28 +479,26 @@ SP_INLINE int32x4_t dot16_neon(int32x4_t acc, const uint8_t *q, const int8_t *x)
   return vpadalq_s16(acc, vmull_s8(vget_high_s8(a), vget_high_s8(b)));
 #endif
 }
-static void dots32_u8_neon(const uint8_t *q, const int8_t *x, int32_t *out) {
-  for (int j = 0; j < 8; j++) {
-    int32x4_t acc = dot16_neon(vdupq_n_s32(0), q + 32 * j, x + 32 * j);
-    out[j] = vaddvq_s32(dot16_neon(acc, q + 32 * j + 16, x + 32 * j + 16));
+static void dots32_u8_neon(const wtile *w, const int8_t *x, int32_t (*out)[SP_NR]) {
+  for (int r = 0; r < SP_NR; r++)
+    for (int j = 0; j < 8; j++) {
+      const int32x4_t acc = dot16_neon(vdupq_n_s32(0), w->q[r] + 32 * j, x + 32 * j);
+      out[j][r] = vaddvq_s32(dot16_neon(acc, w->q[r] + 32 * j + 16, x + 32 * j + 16));
+    }
+}
+static void dots32_s8_neon(const wtile *w, const int8_t *x, int32_t (*out)[SP_NR]) {
+  dots32_u8_neon(w, x, out); /* the same signed arithmetic */
+}
+static void dot_sc_neon(const wtile *w, const int8_t *x, int sub, int32_t *out) {
+  for (int r = 0; r < SP_NR; r++) {
+    int32x4_t acc = vdupq_n_s32(0);
+    for (int j = 0; j < 256 / sub; j++) {
+      int32x4_t d = vdupq_n_s32(0);
+      for (int i = 0; i < sub; i += 16) d = dot16_neon(d, w->q[r] + sub * j + i, x + sub * j + i);
+      acc = vmlaq_n_s32(acc, d, w->sc[j][r]);
+    }
+    out[r] = vaddvq_s32(acc);
   }
-}
-static void dots32_s8_neon(const uint8_t *q, const int8_t *x, int32_t *out) {
-  dots32_u8_neon(q, x, out); /* the same signed arithmetic */
-}
-static int32_t dot_sc32_neon(const uint8_t *q, const int8_t *x, const int16_t *sc) {
-  int32_t out[8], s = 0;
-  dots32_u8_neon(q, x, out);
-  for (int j = 0; j < 8; j++) s += sc[j] * out[j];
-  return s;
-}
-static int32_t dot_sc16_neon(const uint8_t *q, const int8_t *x, const int16_t *sc) {
-  int32x4_t acc = vdupq_n_s32(0);
-  for (int j = 0; j < 16; j++) {
-    const int32x4_t d = dot16_neon(vdupq_n_s32(0), q + 16 * j, x + 16 * j);
-    acc = vmlaq_n_s32(acc, d, sc[j]);
-  }
-  return vaddvq_s32(acc);
 }
 #endif /* __aarch64__ */
 
@@ -471,8 +515,6 @@ typedef struct {
 
 typedef void (*tile_fn)(const job *, int64_t, int64_t);
 
-#define SP_NR 4  /* weight rows unpacked together: each activation group is loaded once for 4 */
-#define SP_TB 64 /* activation rows per pass over a weight tile (accumulators on the stack) */
 
 #define SP_ISA portable
 #define SP_ATTR

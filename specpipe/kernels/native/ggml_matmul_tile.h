@@ -10,9 +10,11 @@
 SP_INLINE SP_ATTR void SP_K(tiles)(const job *jb, int64_t n0, int64_t n1, const int type) {
   const int is_k = type == SP_Q4_K || type == SP_Q5_K || type == SP_Q6_K;
   const int64_t kp = jb->xq.kp, ngroups = kp / 256;
-  wgroup wg[SP_NR];
-  float acc[SP_TB * SP_NR];
-  int32_t dots[8] __attribute__((aligned(32)));
+  wtile wt;
+  float acc[SP_TB][SP_NR];
+  int32_t dots[8][SP_NR] __attribute__((aligned(32)));
+  int32_t sumi[SP_NR] __attribute__((aligned(32)));
+  memset(&wt, 0, sizeof wt); /* rows past a short tile's end stay zero (computed, never stored) */
 
   for (int64_t n = n0; n < n1; n += SP_NR) {
     const int nr = (int)(n1 - n < SP_NR ? n1 - n : SP_NR);
@@ -23,32 +25,31 @@ SP_INLINE SP_ATTR void SP_K(tiles)(const job *jb, int64_t n0, int64_t n1, const 
         /* unpack group g of each weight row once, use it for every activation row */
         for (int r = 0; r < nr; r++) {
           const uint8_t *row = jb->w + (n + r) * jb->row_bytes;
-          if (type == SP_Q4_K) unpack_q4_k(row + g * 144, &wg[r]);
-          else if (type == SP_Q5_K) unpack_q5_k(row + g * 176, &wg[r]);
-          else if (type == SP_Q6_K) unpack_q6_k(row + g * 210, &wg[r]);
-          else unpack_group32(type, row, g, jb->nblk32, &wg[r]);
+          if (type == SP_Q4_K) unpack_q4_k(row + g * 144, &wt, r);
+          else if (type == SP_Q5_K) unpack_q5_k(row + g * 176, &wt, r);
+          else if (type == SP_Q6_K) unpack_q6_k(row + g * 210, &wt, r);
+          else unpack_group32(type, row, g, jb->nblk32, &wt, r);
         }
         for (int i = 0; i < tb; i++) {
           const int64_t t = t0 + i;
           const xgroup xg = {jb->xq.q + t * kp + 256 * g, jb->xq.d + t * (kp / 32) + 8 * g,
                              jb->xq.dsum + t * (kp / 32) + 8 * g,
                              jb->xq.s32 + t * (kp / 32) + 8 * g, jb->xq.s16 + t * (kp / 16) + 16 * g};
-          for (int r = 0; r < nr; r++) {
-            float *a = &acc[i * SP_NR + r];
-            if (type == SP_Q6_K) {
-              *a = fold_q6_k(&wg[r], &xg, SP_K(dot_sc16)(wg[r].q, xg.q, wg[r].sc), *a);
-            } else if (is_k) {
-              *a = fold_k4(&wg[r], &xg, SP_K(dot_sc32)(wg[r].q, xg.q, wg[r].sc), *a);
-            } else {
-              if (type == SP_Q8_0) SP_K(dots32_s8)(wg[r].q, xg.q, dots);
-              else SP_K(dots32_u8)(wg[r].q, xg.q, dots);
-              *a = fold_group32(type, &wg[r], &xg, dots, *a);
-            }
+          if (type == SP_Q6_K) {
+            SP_K(dot_sc)(&wt, xg.q, 16, sumi);
+            fold_q6_k(&wt, &xg, sumi, acc[i]);
+          } else if (is_k) {
+            SP_K(dot_sc)(&wt, xg.q, 32, sumi);
+            fold_k4(&wt, &xg, sumi, acc[i]);
+          } else {
+            if (type == SP_Q8_0) SP_K(dots32_s8)(&wt, xg.q, dots);
+            else SP_K(dots32_u8)(&wt, xg.q, dots);
+            fold_group32(type, &wt, &xg, (const int32_t(*)[SP_NR])dots, acc[i]);
           }
         }
       }
       for (int i = 0; i < tb; i++)
-        for (int r = 0; r < nr; r++) jb->y[(t0 + i) * jb->n + n + r] = acc[i * SP_NR + r];
+        for (int r = 0; r < nr; r++) jb->y[(t0 + i) * jb->n + n + r] = acc[i][r];
     }
   }
 }
