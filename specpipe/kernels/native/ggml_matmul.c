@@ -57,10 +57,9 @@
 /* ------------------------------------------------------------------------------------------- */
 /* Scalar helpers shared by all paths                                                            */
 
-/* Exact f16 -> f32 by bit manipulation (no F16C needed, same on every CPU). */
-SP_INLINE float f16_to_f32(const uint8_t *p) {
-  uint16_t h;
-  memcpy(&h, p, 2);
+/* Exact f16 -> f32 by bit manipulation (no F16C needed, same on every CPU); used to fill the
+ * table below, which the unpacking reads (one load instead of ~20 instructions). */
+static float f16_bits_to_f32(uint16_t h) {
   uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 31u, man = h & 0x3ffu, bits;
   if (exp != 0 && exp != 31) {
     bits = sign | ((exp + 112u) << 23) | (man << 13);
@@ -73,6 +72,18 @@ SP_INLINE float f16_to_f32(const uint8_t *p) {
   float f;
   memcpy(&f, &bits, 4);
   return f;
+}
+
+static float f16_table[65536];
+
+__attribute__((constructor)) static void f16_table_init(void) {
+  for (uint32_t h = 0; h < 65536; h++) f16_table[h] = f16_bits_to_f32((uint16_t)h);
+}
+
+SP_INLINE float f16_to_f32(const uint8_t *p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return f16_table[h];
 }
 
 SP_INLINE uint32_t load_u32(const uint8_t *p) {
@@ -99,7 +110,10 @@ static void quantize_row(const float *x, int64_t k, int64_t kp, int qb, int8_t *
                          float *dsum, int32_t *s32, int32_t *s16) {
   for (int64_t b0 = 0; b0 < kp; b0 += qb) {
     float amax = 0.f;
-    for (int64_t i = b0; i < b0 + qb && i < k; i++) amax = fmaxf(amax, fabsf(x[i]));
+    for (int64_t i = b0; i < b0 + qb && i < k; i++) {
+      const float a = fabsf(x[i]);
+      amax = a > amax ? a : amax;
+    }
     const float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
     for (int64_t i = b0; i < b0 + qb; i++) {
       /* |x * id| <= 127 up to rounding; lrintf (nearest-even, inlined) then a clamp */
@@ -131,8 +145,11 @@ typedef struct {
   uint8_t q[SP_NR][256] __attribute__((aligned(64))); /* Q8_0: the int8 values as bytes */
   /* K-quants, x86 kernels: the scale of each byte pair (one int16 lane of maddubs' output) */
   int16_t scv[SP_NR][128] __attribute__((aligned(64)));
-  int16_t sc[16][SP_NR]; /* K-quants: sub-block scales (8 for Q4_K/Q5_K, 16 for Q6_K) */
-  int16_t mn[8][SP_NR];  /* Q4_K/Q5_K: sub-block mins */
+  int8_t sc[SP_NR][16];  /* K-quants: sub-block scales (8 for Q4_K/Q5_K, 16 for Q6_K) */
+  uint8_t mn[SP_NR][8];  /* Q4_K/Q5_K: sub-block mins */
+  /* K-quants, [sub-block][row] for the folding's loops over rows: the weights of the activation
+   * block sums (Q4_K/Q5_K: the 8 mins; Q6_K: the 16 scales, times the offset 32 later) */
+  int32_t offw[16][SP_NR] __attribute__((aligned(32)));
   float d[8][SP_NR];     /* 32-value types: per-block d; K-quants: d[0] = d, d[1] = dmin */
   float m[8][SP_NR];     /* Q4_1/Q5_1: per-block m */
   int nb;                /* 32-value types: blocks in this group (a row's last may be short) */
@@ -207,18 +224,17 @@ SP_INLINE void unpack_group32(int type, const uint8_t *row, int64_t g, int64_t n
   }
 }
 
-/* The 8 (scale, min) pairs of Q4_K/Q5_K, 6 bits each, and the per-byte-pair scales. */
+/* The 8 (scale, min) pairs of Q4_K/Q5_K, 6 bits each, four bytes at a time in 32-bit words:
+ * sc[0..3] = s[0..3] & 63, mn[0..3] = s[4..7] & 63, sc[4..7] = s[8..11] & 15 | (s[0..3] >> 6) << 4,
+ * mn[4..7] = s[8..11] >> 4 | (s[4..7] >> 6) << 4. */
 SP_INLINE void k4_scales(const uint8_t *s, wtile *w, int r) {
-  int16_t sc[8];
-  for (int j = 0; j < 4; j++) {
-    sc[j] = s[j] & 63;
-    w->mn[j][r] = s[j + 4] & 63;
-    sc[j + 4] = (s[j + 8] & 15) | ((s[j] >> 6) << 4);
-    w->mn[j + 4][r] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
-  }
-  for (int j = 0; j < 8; j++) w->sc[j][r] = sc[j];
-  for (int j = 0; j < 8; j++) /* 16 byte pairs per 32-block (written so that it vectorises) */
-    for (int i = 0; i < 16; i++) w->scv[r][16 * j + i] = sc[j];
+  const uint32_t u0 = load_u32(s), u1 = load_u32(s + 4), u2 = load_u32(s + 8);
+  const uint32_t lo6 = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, lo2 = 0x03030303u;
+  const uint32_t sc[2] = {u0 & lo6, (u2 & lo4) | (((u0 >> 6) & lo2) << 4)};
+  const uint32_t mn[2] = {u1 & lo6, ((u2 >> 4) & lo4) | (((u1 >> 6) & lo2) << 4)};
+  memcpy(w->sc[r], sc, 8);
+  memcpy(w->mn[r], mn, 8);
+  for (int j = 0; j < 8; j++) w->offw[j][r] = w->mn[r][j];
 }
 
 SP_INLINE void unpack_q4_k(const uint8_t *b, wtile *w, int r) {
@@ -249,11 +265,8 @@ SP_INLINE void unpack_q5_k(const uint8_t *b, wtile *w, int r) {
 
 SP_INLINE void unpack_q6_k(const uint8_t *b, wtile *w, int r) {
   const uint8_t *restrict ql = b, *restrict qh = b + 128;
-  int16_t sc[16];
-  for (int j = 0; j < 16; j++) sc[j] = (int8_t)b[192 + j];
-  for (int j = 0; j < 16; j++) w->sc[j][r] = sc[j];
-  for (int j = 0; j < 16; j++) /* 8 byte pairs per 16-block */
-    for (int i = 0; i < 8; i++) w->scv[r][8 * j + i] = sc[j];
+  memcpy(w->sc[r], b + 192, 16);
+  for (int j = 0; j < 16; j++) w->offw[j][r] = w->sc[r][j];
   w->d[0][r] = f16_to_f32(b + 208);
   for (int h = 0; h < 2; h++)
     for (int l = 0; l < 32; l++) {
@@ -302,7 +315,7 @@ SP_INLINE void fold_group32(int type, const wtile *w, const xgroup *x,
 SP_INLINE void fold_k4(const wtile *w, const xgroup *x, const int32_t *sumi, float *acc) {
   int32_t summ[SP_NR] = {0};
   for (int j = 0; j < 8; j++)
-    for (int r = 0; r < SP_NR; r++) summ[r] += w->mn[j][r] * x->s32[j];
+    for (int r = 0; r < SP_NR; r++) summ[r] += w->offw[j][r] * x->s32[j];
   const float dx = x->d[0];
   for (int r = 0; r < SP_NR; r++)
     acc[r] += (w->d[0][r] * dx) * (float)sumi[r] - (w->d[1][r] * dx) * (float)summ[r];
@@ -312,7 +325,7 @@ SP_INLINE void fold_k4(const wtile *w, const xgroup *x, const int32_t *sumi, flo
 SP_INLINE void fold_q6_k(const wtile *w, const xgroup *x, const int32_t *sumi, float *acc) {
   int32_t off[SP_NR] = {0};
   for (int j = 0; j < 16; j++)
-    for (int r = 0; r < SP_NR; r++) off[r] += w->sc[j][r] * x->s16[j];
+    for (int r = 0; r < SP_NR; r++) off[r] += w->offw[j][r] * x->s16[j];
   const float dx = x->d[0];
   for (int r = 0; r < SP_NR; r++) acc[r] += (w->d[0][r] * dx) * (float)(sumi[r] - 32 * off[r]);
 }
@@ -322,7 +335,7 @@ SP_INLINE void fold_q6_k(const wtile *w, const xgroup *x, const int32_t *sumi, f
 /* the SP_NR unpacked weight rows of a tile:                                                      */
 /*   dots32_u8 : out[j][r] = sum_{i<32} q[r][32j+i] * x[32j+i], j < 8    (q unsigned <= 31)      */
 /*   dots32_s8 : the same with int8 weights                               (Q8_0)                 */
-/*   dot_sc    : out[r] = sum_j sc[j][r] * sum_{i<sub} q[r][sub*j+i] * x[sub*j+i]                 */
+/*   dot_sc    : out[r] = sum_j sc[r][j] * sum_{i<sub} q[r][sub*j+i] * x[sub*j+i]                 */
 /*               (K-quants; sub = 32 for Q4_K/Q5_K, 16 for Q6_K; q <= 63)                         */
 /* All are exact in int32, so any summation order gives the same integer.                        */
 
@@ -342,13 +355,16 @@ static void dots32_s8_portable(const wtile *w, const int8_t *x, int32_t (*out)[S
       out[j][r] = s;
     }
 }
+/* prep_scales: what dot_sc needs besides sc (the x86 kernels: scv, one scale per byte pair). */
+SP_INLINE void prep_scales_portable(wtile *w, int r, int sub) { (void)w, (void)r, (void)sub; }
+
 static void dot_sc_portable(const wtile *w, const int8_t *x, int sub, int32_t *out) {
   for (int r = 0; r < SP_NR; r++) {
     int32_t s = 0;
     for (int j = 0; j < 256 / sub; j++) {
       int32_t d = 0;
       for (int i = 0; i < sub; i++) d += w->q[r][sub * j + i] * x[sub * j + i];
-      s += w->sc[j][r] * d;
+      s += w->sc[r][j] * d;
     }
     out[r] = s;
   }
@@ -396,6 +412,17 @@ static SP_AVX2 void dots32_s8_avx2(const wtile *w, const int8_t *x, int32_t (*ou
     ST(out[j], hsum8x8_avx2(p));
   }
 }
+/* scv[r]: the scale of each byte pair, i.e. of each int16 lane of maddubs' output. */
+SP_INLINE SP_AVX2 void prep_scales_avx2(wtile *w, int r, int sub) {
+  if (sub == 32) /* 16 pairs (one 256-bit vector) per sub-block */
+    for (int j = 0; j < 8; j++) ST(w->scv[r] + 16 * j, _mm256_set1_epi16(w->sc[r][j]));
+  else /* 8 pairs per sub-block */
+    for (int j = 0; j < 8; j++)
+      ST(w->scv[r] + 16 * j, _mm256_setr_m128i(_mm_set1_epi16(w->sc[r][2 * j]),
+                                               _mm_set1_epi16(w->sc[r][2 * j + 1])));
+}
+#define prep_scales_vnni prep_scales_avx2
+
 /* K-quants: madd of maddubs' pairs with the per-pair scales scv gives sc * (pair sum) in int32
  * (|.| <= 2 * 16002 * 128 per lane per chunk: exact). */
 static SP_AVX2 void dot_sc_avx2(const wtile *w, const int8_t *x, int sub, int32_t *out) {
@@ -489,13 +516,14 @@ static void dots32_u8_neon(const wtile *w, const int8_t *x, int32_t (*out)[SP_NR
 static void dots32_s8_neon(const wtile *w, const int8_t *x, int32_t (*out)[SP_NR]) {
   dots32_u8_neon(w, x, out); /* the same signed arithmetic */
 }
+SP_INLINE void prep_scales_neon(wtile *w, int r, int sub) { (void)w, (void)r, (void)sub; }
 static void dot_sc_neon(const wtile *w, const int8_t *x, int sub, int32_t *out) {
   for (int r = 0; r < SP_NR; r++) {
     int32x4_t acc = vdupq_n_s32(0);
     for (int j = 0; j < 256 / sub; j++) {
       int32x4_t d = vdupq_n_s32(0);
       for (int i = 0; i < sub; i += 16) d = dot16_neon(d, w->q[r] + sub * j + i, x + sub * j + i);
-      acc = vmlaq_n_s32(acc, d, w->sc[j][r]);
+      acc = vmlaq_n_s32(acc, d, w->sc[r][j]);
     }
     out[r] = vaddvq_s32(acc);
   }
