@@ -138,7 +138,8 @@ static void quantize_row(const float *x, int64_t k, int64_t kp, int qb, int8_t *
 /* a 32-value type, or 1 K-quant block) is unpacked to unsigned integers q in value order, with  */
 /* its scales laid out [block][row] so that the folding below vectorises across rows.           */
 
-#define SP_NR 8  /* weight rows per tile: each activation group is loaded once for 8 rows */
+#define SP_NR 8  /* weight rows per tile: each activation group is loaded once for 8 rows (the
+                    folding's vectors below assume 8) */
 #define SP_TB 64 /* activation rows per pass over a weight tile (accumulators on the stack) */
 
 typedef struct {
@@ -291,43 +292,59 @@ typedef struct {
   const int32_t *s32, *s16;
 } xgroup;
 
+/* The folding works on all SP_NR (= 8) rows of a tile at once with GCC/Clang vector extensions:
+ * element-wise IEEE operations, so each element gets exactly the scalar expression's bits on
+ * every target (on x86-64 baseline the compiler splits them into SSE halves). */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+SP_INLINE v8f ld8f(const float *p) {
+  v8f v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+SP_INLINE v8i ld8i(const int32_t *p) {
+  v8i v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+SP_INLINE v8f to8f(v8i v) { return __builtin_convertvector(v, v8f); }
+
 /* 32-value types: dots[j][r] = sum q*x over block j of row r (q unsigned, or int8 for Q8_0). */
-SP_INLINE void fold_group32(int type, const wtile *w, const xgroup *x,
-                            const int32_t (*dots)[SP_NR], float *acc) {
+SP_INLINE void fold_group32(int type, const wtile *w, const xgroup *x, const int32_t (*dots)[SP_NR],
+                            float *acc) {
+  v8f a = ld8f(acc);
   for (int j = 0; j < w->nb; j++) {
-    const float xd = x->d[j], xdsum = x->dsum[j];
-    const int32_t xs = x->s32[j];
-    for (int r = 0; r < SP_NR; r++) {
-      const float dd = w->d[j][r] * xd;
-      if (type == SP_Q4_0)
-        acc[r] += dd * (float)(dots[j][r] - 8 * xs);
-      else if (type == SP_Q5_0)
-        acc[r] += dd * (float)(dots[j][r] - 16 * xs);
-      else if (type == SP_Q4_1 || type == SP_Q5_1)
-        acc[r] += dd * (float)dots[j][r] + w->m[j][r] * xdsum;
-      else
-        acc[r] += dd * (float)dots[j][r];
-    }
+    const v8f dd = ld8f(w->d[j]) * x->d[j];
+    const v8i dot = ld8i(dots[j]);
+    if (type == SP_Q4_0)
+      a += dd * to8f(dot - 8 * x->s32[j]);
+    else if (type == SP_Q5_0)
+      a += dd * to8f(dot - 16 * x->s32[j]);
+    else if (type == SP_Q4_1 || type == SP_Q5_1)
+      a += dd * to8f(dot) + ld8f(w->m[j]) * x->dsum[j];
+    else
+      a += dd * to8f(dot);
   }
+  memcpy(acc, &a, sizeof a);
 }
 
 /* Q4_K/Q5_K: sumi[r] = sum_j sc_j * dot_j (the ISA kernel's exact integer). */
 SP_INLINE void fold_k4(const wtile *w, const xgroup *x, const int32_t *sumi, float *acc) {
-  int32_t summ[SP_NR] = {0};
-  for (int j = 0; j < 8; j++)
-    for (int r = 0; r < SP_NR; r++) summ[r] += w->offw[j][r] * x->s32[j];
+  v8i summ = {0};
+  for (int j = 0; j < 8; j++) summ += ld8i(w->offw[j]) * x->s32[j];
   const float dx = x->d[0];
-  for (int r = 0; r < SP_NR; r++)
-    acc[r] += (w->d[0][r] * dx) * (float)sumi[r] - (w->d[1][r] * dx) * (float)summ[r];
+  const v8f a = ld8f(acc) + ((ld8f(w->d[0]) * dx) * to8f(ld8i(sumi)) -
+                             (ld8f(w->d[1]) * dx) * to8f(summ));
+  memcpy(acc, &a, sizeof a);
 }
 
 /* Q6_K: sumi[r] = sum_j sc_j * dot_j over 16-blocks; the -32 offset via the 16-block sums. */
 SP_INLINE void fold_q6_k(const wtile *w, const xgroup *x, const int32_t *sumi, float *acc) {
-  int32_t off[SP_NR] = {0};
-  for (int j = 0; j < 16; j++)
-    for (int r = 0; r < SP_NR; r++) off[r] += w->offw[j][r] * x->s16[j];
-  const float dx = x->d[0];
-  for (int r = 0; r < SP_NR; r++) acc[r] += (w->d[0][r] * dx) * (float)(sumi[r] - 32 * off[r]);
+  v8i off = {0};
+  for (int j = 0; j < 16; j++) off += ld8i(w->offw[j]) * x->s16[j];
+  const v8f a = ld8f(acc) + (ld8f(w->d[0]) * x->d[0]) * to8f(ld8i(sumi) - 32 * off);
+  memcpy(acc, &a, sizeof a);
 }
 
 /* ------------------------------------------------------------------------------------------- */
