@@ -141,6 +141,9 @@ static void quantize_row(const float *x, int64_t k, int64_t kp, int qb, int8_t *
 #define SP_NR 8  /* weight rows per tile: each activation group is loaded once for 8 rows (the
                     folding's vectors below assume 8) */
 #define SP_TB 64 /* activation rows per pass over a weight tile (accumulators on the stack) */
+#ifndef SP_PF_GROUPS
+#define SP_PF_GROUPS 4 /* software prefetch distance along each weight row, in groups */
+#endif
 
 typedef struct {
   uint8_t q[SP_NR][256] __attribute__((aligned(64))); /* Q8_0: the int8 values as bytes */

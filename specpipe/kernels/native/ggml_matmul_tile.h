@@ -10,6 +10,8 @@
 SP_INLINE SP_ATTR void SP_K(tiles)(const job *jb, int64_t n0, int64_t n1, const int type) {
   const int is_k = type == SP_Q4_K || type == SP_Q5_K || type == SP_Q6_K;
   const int64_t kp = jb->xq.kp, ngroups = kp / 256;
+  const int64_t gbytes = type == SP_Q4_K ? 144 : type == SP_Q5_K ? 176 : type == SP_Q6_K ? 210
+                        : jb->row_bytes / jb->nblk32 * 8; /* bytes of one group of a row */
   wtile wt;
   float acc[SP_TB][SP_NR];
   int32_t dots[8][SP_NR] __attribute__((aligned(32)));
@@ -25,6 +27,10 @@ SP_INLINE SP_ATTR void SP_K(tiles)(const job *jb, int64_t n0, int64_t n1, const 
         /* unpack group g of each weight row once, use it for every activation row */
         for (int r = 0; r < nr; r++) {
           const uint8_t *row = jb->w + (n + r) * jb->row_bytes;
+          /* 8 interleaved row streams defeat the hardware prefetcher on some CPUs: fetch the
+           * group SP_PF_GROUPS ahead of each row ourselves (past the row's end is harmless) */
+          for (int64_t off = 0; off < gbytes; off += 64)
+            __builtin_prefetch(row + (g + SP_PF_GROUPS) * gbytes + off);
           if (type == SP_Q4_K) unpack_q4_k(row + g * 144, &wt, r);
           else if (type == SP_Q5_K) unpack_q5_k(row + g * 176, &wt, r);
           else if (type == SP_Q6_K) unpack_q6_k(row + g * 210, &wt, r);
