@@ -105,21 +105,70 @@ typedef struct {
   int32_t *s16;  /* T x kp/16: integer sum of each 16-block (Q6_K) */
 } xquant;
 
+/* 8-lane vectors of GCC/Clang's vector extensions, for the activation quantization and the
+ * folding (which works on the SP_NR = 8 rows of a tile at once): element-wise IEEE operations,
+ * so each element gets exactly the scalar expression's bits on every target (x86-64 baseline
+ * splits them into SSE halves). */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+SP_INLINE v8f ld8f(const float *p) {
+  v8f v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+SP_INLINE v8i ld8i(const int32_t *p) {
+  v8i v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+SP_INLINE v8f to8f(v8i v) { return __builtin_convertvector(v, v8f); }
+
+/* 4-lane (SSE2 / NEON width) vectors for the activation quantization, which is compiled once
+ * for the baseline ISA: 128-bit vectors are what that baseline has. */
+typedef float v4f __attribute__((vector_size(16)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+
+SP_INLINE v4f ld4f(const float *p) {
+  v4f v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+/* select(m, a, b): a where the comparison mask m is set, else b */
+SP_INLINE v4f select4f(v4i m, v4f a, v4f b) { return (v4f)((m & (v4i)a) | (~m & (v4i)b)); }
+
 /* One row; qb = 32 or 256 values per scale.  Scalar on purpose: one code path for all ISAs. */
 static void quantize_row(const float *x, int64_t k, int64_t kp, int qb, int8_t *q, float *d,
                          float *dsum, int32_t *s32, int32_t *s16) {
+  /* Blocks are whole (K is a multiple of the block size); the padding blocks are all zero.
+   * Rounding: adding and subtracting 1.5 * 2^23 rounds |v| < 2^22 to the nearest integer, ties
+   * to even (as lrintf), in plain float arithmetic. */
+  const v4f magic = (v4f){0} + 12582912.f, hi = (v4f){0} + 127.f, lo = (v4f){0} - 127.f;
+  const v4i abs_mask = (v4i){0} + 0x7fffffff;
   for (int64_t b0 = 0; b0 < kp; b0 += qb) {
-    float amax = 0.f;
-    for (int64_t i = b0; i < b0 + qb && i < k; i++) {
-      const float a = fabsf(x[i]);
-      amax = a > amax ? a : amax;
+    if (b0 >= k) {
+      memset(q + b0, 0, (size_t)qb);
+      for (int64_t j = b0 / 32; j < (b0 + qb) / 32; j++) d[j] = 0.f;
+      continue;
     }
+    v4f m = {0};
+    for (int i = 0; i < qb; i += 4) {
+      const v4f a = (v4f)((v4i)ld4f(x + b0 + i) & abs_mask);
+      m = select4f(a > m, a, m);
+    }
+    float amax = 0.f; /* the max is exact: any order gives the same */
+    for (int l = 0; l < 4; l++) amax = m[l] > amax ? m[l] : amax;
     const float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-    for (int64_t i = b0; i < b0 + qb; i++) {
-      /* |x * id| <= 127 up to rounding; lrintf (nearest-even, inlined) then a clamp */
-      const long v = i < k ? lrintf(x[i] * id) : 0;
-      q[i] = (int8_t)(v > 127 ? 127 : (v < -127 ? -127 : v));
+    int32_t qi[256];
+    for (int i = 0; i < qb; i += 4) {
+      v4f v = (ld4f(x + b0 + i) * id + magic) - magic; /* |v| <= 127 up to rounding: clamp */
+      v = select4f(v > hi, hi, v);
+      v = select4f(v < lo, lo, v);
+      /* v + magic has v's integer in its low mantissa bits: no float->int conversion needed */
+      const v4i vi = (v4i)(v + magic) - 0x4b400000;
+      memcpy(qi + i, &vi, sizeof vi);
     }
+    for (int i = 0; i < qb; i++) q[b0 + i] = (int8_t)qi[i]; /* a narrowing the compiler packs */
     for (int64_t j = b0 / 32; j < (b0 + qb) / 32; j++) d[j] = dd;
   }
   for (int64_t j = 0; j < kp / 16; j++) {
@@ -295,23 +344,7 @@ typedef struct {
   const int32_t *s32, *s16;
 } xgroup;
 
-/* The folding works on all SP_NR (= 8) rows of a tile at once with GCC/Clang vector extensions:
- * element-wise IEEE operations, so each element gets exactly the scalar expression's bits on
- * every target (on x86-64 baseline the compiler splits them into SSE halves). */
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-SP_INLINE v8f ld8f(const float *p) {
-  v8f v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
-SP_INLINE v8i ld8i(const int32_t *p) {
-  v8i v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
-SP_INLINE v8f to8f(v8i v) { return __builtin_convertvector(v, v8f); }
+/* (v8f, v8i and their helpers are defined with the activation quantization above.) */
 
 /* 32-value types: dots[j][r] = sum q*x over block j of row r (q unsigned, or int8 for Q8_0). */
 SP_INLINE void fold_group32(int type, const wtile *w, const xgroup *x, const int32_t (*dots)[SP_NR],
