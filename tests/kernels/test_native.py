@@ -138,13 +138,19 @@ def test_env_var_forces_path(monkeypatch):
     packed = random_packed(Q.Q4_K, 8, 256)
     x = torch.randn(2, 256)
     base = run(x, packed, Q.Q4_K, isa="portable")
-    for isa in native.supported_isas():
-        monkeypatch.setenv("SPECPIPE_NATIVE_ISA", isa)
-        assert native.isa() == isa
-        assert torch.equal(run(x, packed, Q.Q4_K), base)
-    monkeypatch.setenv("SPECPIPE_NATIVE_ISA", "no-such-isa")
-    with pytest.raises(ValueError):
-        native.isa()
+    try:
+        for isa in native.supported_isas():
+            monkeypatch.setenv("SPECPIPE_NATIVE_ISA", isa)
+            native.reload_isa_code()  # read once per process otherwise
+            assert native.isa() == isa
+            assert torch.equal(run(x, packed, Q.Q4_K), base)
+        monkeypatch.setenv("SPECPIPE_NATIVE_ISA", "no-such-isa")
+        with pytest.raises(ValueError):
+            native.reload_isa_code()
+    finally:
+        monkeypatch.delenv("SPECPIPE_NATIVE_ISA", raising=False)
+        native.reload_isa_code()
+    assert native.isa() == native.supported_isas()[-1]  # the best path again
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)

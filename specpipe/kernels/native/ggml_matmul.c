@@ -719,6 +719,46 @@ static void part_range(int64_t count, int parts, int id, int64_t *a, int64_t *b)
   *b = count * (id + 1) / parts;
 }
 
+static void quantize_rows(const xquant *xq, const float *x, int64_t k, int bs, int64_t a,
+                          int64_t b) {
+  const int64_t kp = xq->kp;
+  for (int64_t i = a; i < b; i++)
+    quantize_row(x + i * k, k, kp, bs, xq->q + i * kp, xq->d + i * (kp / 32),
+                 xq->dsum + i * (kp / 32), xq->s32 + i * (kp / 32), xq->s16 + i * (kp / 16));
+}
+
+static void run_parallel_quantize(const xquant *xq, const float *x, int64_t k, int bs, int64_t t,
+                                  int threads) {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t a, b;
+    part_range(t, omp_get_num_threads(), omp_get_thread_num(), &a, &b);
+    quantize_rows(xq, x, k, bs, a, b);
+  }
+#else
+  (void)threads;
+  quantize_rows(xq, x, k, bs, 0, t);
+#endif
+}
+
+/* Threads take contiguous ranges of SP_NR-row tiles (only N is split). */
+static void run_parallel_tiles(tile_fn fn, const job *jb, int64_t ntiles, int threads) {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t a, b;
+    part_range(ntiles, omp_get_num_threads(), omp_get_thread_num(), &a, &b);
+    a *= SP_NR;
+    b = b * SP_NR < jb->n ? b * SP_NR : jb->n;
+    if (a < b) fn(jb, a, b);
+  }
+#else
+  (void)ntiles, (void)threads;
+  fn(jb, 0, jb->n);
+#endif
+}
+
 int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, int64_t n,
               int64_t row_bytes, float *y, int threads, int isa) {
   int64_t bbytes;
@@ -742,41 +782,19 @@ int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, 
   jb.xq.q = (int8_t *)(jb.xq.s16 + t * (kp / 16));
 
   const int64_t ntiles = (n + SP_NR - 1) / SP_NR;
-  const int qthreads = (int)(threads < t ? threads : t), mthreads = (int)(threads < ntiles ? threads : ntiles);
+  const int qthreads = (int)(threads < t ? threads : t);
+  const int mthreads = (int)(threads < ntiles ? threads : ntiles);
   const tile_fn fn = pick(isa, type);
   const xquant *xq = &jb.xq;
 
-#ifdef _OPENMP
-#pragma omp parallel num_threads(qthreads) if (qthreads > 1)
-#endif
-  {
-    int id = 0, parts = 1;
-#ifdef _OPENMP
-    id = omp_get_thread_num();
-    parts = omp_get_num_threads();
-#endif
-    int64_t a, b;
-    part_range(t, parts, id, &a, &b);
-    for (int64_t i = a; i < b; i++)
-      quantize_row(x + i * k, k, kp, bs, xq->q + i * kp, xq->d + i * (kp / 32),
-                   xq->dsum + i * (kp / 32), xq->s32 + i * (kp / 32), xq->s16 + i * (kp / 16));
-  }
-
-#ifdef _OPENMP
-#pragma omp parallel num_threads(mthreads) if (mthreads > 1)
-#endif
-  {
-    int id = 0, parts = 1;
-#ifdef _OPENMP
-    id = omp_get_thread_num();
-    parts = omp_get_num_threads();
-#endif
-    int64_t a, b;
-    part_range(ntiles, parts, id, &a, &b);
-    a *= SP_NR;
-    b = b * SP_NR < n ? b * SP_NR : n;
-    if (a < b) fn(&jb, a, b);
-  }
+  if (qthreads <= 1) /* no parallel region at all for one thread: it costs a microsecond */
+    quantize_rows(xq, x, k, bs, 0, t);
+  else
+    run_parallel_quantize(xq, x, k, bs, t, qthreads);
+  if (mthreads <= 1)
+    fn(&jb, 0, n);
+  else
+    run_parallel_tiles(fn, &jb, ntiles, mthreads);
   free(mem);
   return SP_OK;
 }
