@@ -210,3 +210,50 @@ def test_real_model_tensors():
         for isa in native.supported_isas():
             assert torch.equal(run(x, packed, qtype, isa=isa), y), (name, isa)
         assert torch.equal(run(x[1:2].contiguous(), packed, qtype), y[1:2]), name
+
+
+HERE = Path(__file__).resolve().parent
+NATIVE_DIR = Path(native.__file__).resolve().parent
+
+
+def _run_isacheck(cc: list[str], lib: Path, out: Path, runner: list[str]) -> str:
+    import subprocess
+
+    subprocess.run([*cc, "-O2", "-I", str(NATIVE_DIR), "-o", str(out),
+                    str(HERE / "native_isacheck.c"), str(lib), f"-Wl,-rpath,{lib.parent}"],
+                   check=True, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([*runner, str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+def test_c_isacheck_this_cpu(tmp_path):
+    import shutil
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    out = _run_isacheck(["cc"], native.LIBRARY, tmp_path / "isacheck", [])
+    assert " 0 failures" in out
+
+
+def test_c_isacheck_neon_under_qemu(tmp_path):
+    """The NEON path, cross-compiled and emulated, gives the portable bits, and the portable
+    path on aarch64 gives the x86 portable bits (same per-type hashes)."""
+    import shutil
+    import subprocess
+
+    gcc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    if not (gcc and qemu and Path("/usr/aarch64-linux-gnu").is_dir()):
+        pytest.skip("no aarch64 cross compiler / qemu-aarch64 (apt: gcc-aarch64-linux-gnu qemu-user)")
+    lib = tmp_path / "libspecpipe_native.so"
+    subprocess.run([gcc, "-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off",
+                    "-fno-math-errno", "-o", str(lib), str(NATIVE_DIR / "ggml_matmul.c"), "-lm"],
+                   check=True, capture_output=True, text=True, timeout=300)
+    arm = _run_isacheck([gcc], lib, tmp_path / "isacheck_arm",
+                        [qemu, "-L", "/usr/aarch64-linux-gnu"])
+    assert "best isa 3;" in arm and " 0 failures" in arm  # NEON (3) was checked
+    x86 = _run_isacheck(["cc"], native.LIBRARY, tmp_path / "isacheck", []) \
+        if shutil.which("cc") else ""
+    hashes = lambda s: [ln for ln in s.splitlines() if "portable fnv" in ln]  # noqa: E731
+    if x86:
+        assert hashes(arm) == hashes(x86)
