@@ -386,23 +386,23 @@ SP_INLINE void fold_q6_k(const wtile *w, const xgroup *x, const int32_t *sumi, f
 /* ------------------------------------------------------------------------------------------- */
 /* The integer kernels, one set per ISA; each takes one activation group (256 int8 values) and   */
 /* the SP_NR unpacked weight rows of a tile:                                                      */
-/*   dots32_u8 : out[j][r] = sum_{i<32} q[r][32j+i] * x[32j+i], j < 8    (q unsigned <= 31)      */
+/*   dots32_u8 : out[j][r] = sum_{i<32} q[r][32j+i] * x[32j+i], j < nb   (q unsigned <= 31)      */
 /*   dots32_s8 : the same with int8 weights                               (Q8_0)                 */
 /*   dot_sc    : out[r] = sum_j sc[r][j] * sum_{i<sub} q[r][sub*j+i] * x[sub*j+i]                 */
 /*               (K-quants; sub = 32 for Q4_K/Q5_K, 16 for Q6_K; q <= 63)                         */
 /* All are exact in int32, so any summation order gives the same integer.                        */
 
-static void dots32_u8_portable(const wtile *w, const int8_t *x, int32_t (*out)[SP_NR]) {
+static void dots32_u8_portable(const wtile *w, const int8_t *x, int nb, int32_t (*out)[SP_NR]) {
   for (int r = 0; r < SP_NR; r++)
-    for (int j = 0; j < 8; j++) {
+    for (int j = 0; j < nb; j++) {
       int32_t s = 0;
       for (int i = 0; i < 32; i++) s += w->q[r][32 * j + i] * x[32 * j + i];
       out[j][r] = s;
     }
 }
-static void dots32_s8_portable(const wtile *w, const int8_t *x, int32_t (*out)[SP_NR]) {
+static void dots32_s8_portable(const wtile *w, const int8_t *x, int nb, int32_t (*out)[SP_NR]) {
   for (int r = 0; r < SP_NR; r++)
-    for (int j = 0; j < 8; j++) {
+    for (int j = 0; j < nb; j++) {
       int32_t s = 0;
       for (int i = 0; i < 32; i++) s += (int8_t)w->q[r][32 * j + i] * x[32 * j + i];
       out[j][r] = s;
@@ -441,9 +441,9 @@ SP_INLINE SP_AVX2 __m256i hsum8x8_avx2(const __m256i *p) {
 
 /* maddubs: u8 x s8 -> adjacent pairs summed to int16, exact here (q <= 63, or |w| <= 128 with
  * the sign trick: |pair| <= 2*128*127 < 2^15); madd with 1 widens to int32. */
-static SP_AVX2 void dots32_u8_avx2(const wtile *w, const int8_t *x, int32_t (*out)[SP_NR]) {
+static SP_AVX2 void dots32_u8_avx2(const wtile *w, const int8_t *x, int nb, int32_t (*out)[SP_NR]) {
   const __m256i one = _mm256_set1_epi16(1);
-  for (int j = 0; j < 8; j++) {
+  for (int j = 0; j < nb; j++) {
     const __m256i v = LD(x + 32 * j);
     __m256i p[SP_NR];
     for (int r = 0; r < SP_NR; r++)
@@ -451,9 +451,9 @@ static SP_AVX2 void dots32_u8_avx2(const wtile *w, const int8_t *x, int32_t (*ou
     ST(out[j], hsum8x8_avx2(p));
   }
 }
-static SP_AVX2 void dots32_s8_avx2(const wtile *w, const int8_t *x, int32_t (*out)[SP_NR]) {
+static SP_AVX2 void dots32_s8_avx2(const wtile *w, const int8_t *x, int nb, int32_t (*out)[SP_NR]) {
   const __m256i one = _mm256_set1_epi16(1);
-  for (int j = 0; j < 8; j++) {
+  for (int j = 0; j < nb; j++) {
     const __m256i v = LD(x + 32 * j);
     __m256i p[SP_NR];
     for (int r = 0; r < SP_NR; r++) {
@@ -503,8 +503,8 @@ SP_INLINE SP_VNNI __m256i hsum8x16_vnni(const __m512i *z) {
 
 /* vpdpbusd: u8 x s8, four products summed into each int32 lane, exact. 64 bytes = the 32-blocks
  * 2c (lanes 0-7) and 2c+1 (lanes 8-15). */
-static SP_VNNI void dots32_u8_vnni(const wtile *w, const int8_t *x, int32_t (*out)[SP_NR]) {
-  for (int c = 0; c < 4; c++) {
+static SP_VNNI void dots32_u8_vnni(const wtile *w, const int8_t *x, int nb, int32_t (*out)[SP_NR]) {
+  for (int c = 0; c < (nb + 1) / 2; c++) { /* 2 blocks a step: one past nb is zeros, unused */
     const __m512i v = LDZ(x + 64 * c);
     __m256i lo[SP_NR], hi[SP_NR];
     for (int r = 0; r < SP_NR; r++) {
@@ -516,8 +516,8 @@ static SP_VNNI void dots32_u8_vnni(const wtile *w, const int8_t *x, int32_t (*ou
     ST(out[2 * c + 1], hsum8x8_avx2(hi));
   }
 }
-static SP_VNNI void dots32_s8_vnni(const wtile *w, const int8_t *x, int32_t (*out)[SP_NR]) {
-  for (int c = 0; c < 4; c++) {
+static SP_VNNI void dots32_s8_vnni(const wtile *w, const int8_t *x, int nb, int32_t (*out)[SP_NR]) {
+  for (int c = 0; c < (nb + 1) / 2; c++) { /* 2 blocks a step: one past nb is zeros, unused */
     const __m512i v = LDZ(x + 64 * c);
     __m256i lo[SP_NR], hi[SP_NR];
     for (int r = 0; r < SP_NR; r++) {
@@ -559,15 +559,15 @@ SP_INLINE int32x4_t dot16_neon(int32x4_t acc, const uint8_t *q, const int8_t *x)
   return vpadalq_s16(acc, vmull_s8(vget_high_s8(a), vget_high_s8(b)));
 #endif
 }
-static void dots32_u8_neon(const wtile *w, const int8_t *x, int32_t (*out)[SP_NR]) {
+static void dots32_u8_neon(const wtile *w, const int8_t *x, int nb, int32_t (*out)[SP_NR]) {
   for (int r = 0; r < SP_NR; r++)
-    for (int j = 0; j < 8; j++) {
+    for (int j = 0; j < nb; j++) {
       const int32x4_t acc = dot16_neon(vdupq_n_s32(0), w->q[r] + 32 * j, x + 32 * j);
       out[j][r] = vaddvq_s32(dot16_neon(acc, w->q[r] + 32 * j + 16, x + 32 * j + 16));
     }
 }
-static void dots32_s8_neon(const wtile *w, const int8_t *x, int32_t (*out)[SP_NR]) {
-  dots32_u8_neon(w, x, out); /* the same signed arithmetic */
+static void dots32_s8_neon(const wtile *w, const int8_t *x, int nb, int32_t (*out)[SP_NR]) {
+  dots32_u8_neon(w, x, nb, out); /* the same signed arithmetic */
 }
 SP_INLINE void prep_scales_neon(wtile *w, int r, int sub) { (void)w, (void)r, (void)sub; }
 static void dot_sc_neon(const wtile *w, const int8_t *x, int sub, int32_t *out) {

@@ -49,8 +49,8 @@ SP_INLINE SP_ATTR void SP_K(tiles)(const job *jb, int64_t n0, int64_t n1, const 
             SP_K(dot_sc)(&wt, xg.q, 32, sumi);
             fold_k4(&wt, &xg, sumi, acc[i]);
           } else {
-            if (type == SP_Q8_0) SP_K(dots32_s8)(&wt, xg.q, dots);
-            else SP_K(dots32_u8)(&wt, xg.q, dots);
+            if (type == SP_Q8_0) SP_K(dots32_s8)(&wt, xg.q, wt.nb, dots);
+            else SP_K(dots32_u8)(&wt, xg.q, wt.nb, dots);
             fold_group32(type, &wt, &xg, (const int32_t(*)[SP_NR])dots, acc[i]);
           }
         }
