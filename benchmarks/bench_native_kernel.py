@@ -112,6 +112,7 @@ def main() -> int:
     shapes = [s for group in args.shapes for s in SHAPES[group]]
     rows_max = max(args.rows)
     records = []
+    load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     saved_threads = torch.get_num_threads()
     for name, n, k in shapes:
         x_all = torch.randn(rows_max, k, generator=torch.Generator().manual_seed(0))
@@ -182,6 +183,7 @@ def main() -> int:
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "isa": native.isa(), "openmp": native.has_openmp(), "torch": torch.__version__,
         "machine": platform.machine(), "cpu": _cpu_name(), "cpus": os.cpu_count(),
+        "load_avg_start": load_start,
     }
     try:
         meta["load_avg_end"] = os.getloadavg()
