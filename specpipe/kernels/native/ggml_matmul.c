@@ -96,13 +96,17 @@ SP_INLINE uint32_t load_u32(const uint8_t *p) {
 /* Activations: each row quantized once per call, padded with zeros to a multiple of 256 so that  */
 /* every kernel works on whole groups of 256 values.                                            */
 
+/* Group-major ([group][row]) so that the rows' values of one group, which a weight tile reads
+ * one after another, are contiguous (row-major made every row a new page: TLB and cache misses
+ * that doubled the per-row cost at 64 rows). */
 typedef struct {
   int64_t kp;    /* padded row length (multiple of 256) */
-  int8_t *q;     /* T x kp */
-  float *d;      /* T x kp/32: scale of each 32-block (32-value types) or 256-block repeated */
-  float *dsum;   /* T x kp/32: d * sum(q) of each 32-block (the Q4_1/Q5_1 min term) */
-  int32_t *s32;  /* T x kp/32: integer sum of each 32-block */
-  int32_t *s16;  /* T x kp/16: integer sum of each 16-block (Q6_K) */
+  int64_t t;     /* rows */
+  int8_t *q;     /* [kp/256][t][256] */
+  float *d;      /* [kp/256][t][8]: scale of each 32-block (32-value types) or 256-block repeated */
+  float *dsum;   /* [kp/256][t][8]: d * sum(q) of each 32-block (the Q4_1/Q5_1 min term) */
+  int32_t *s32;  /* [kp/256][t][8]: integer sum of each 32-block */
+  int32_t *s16;  /* [kp/256][t][16]: integer sum of each 16-block (Q6_K) */
 } xquant;
 
 /* 8-lane vectors of GCC/Clang's vector extensions, for the activation quantization and the
@@ -137,18 +141,18 @@ SP_INLINE v4f ld4f(const float *p) {
 /* select(m, a, b): a where the comparison mask m is set, else b */
 SP_INLINE v4f select4f(v4i m, v4f a, v4f b) { return (v4f)((m & (v4i)a) | (~m & (v4i)b)); }
 
-/* One row; qb = 32 or 256 values per scale.  Scalar on purpose: one code path for all ISAs. */
-static void quantize_row(const float *x, int64_t k, int64_t kp, int qb, int8_t *q, float *d,
-                         float *dsum, int32_t *s32, int32_t *s16) {
-  /* Blocks are whole (K is a multiple of the block size); the padding blocks are all zero.
-   * Rounding: adding and subtracting 1.5 * 2^23 rounds |v| < 2^22 to the nearest integer, ties
-   * to even (as lrintf), in plain float arithmetic. */
+/* One group of 256 values of one row, of which the first `valid` are real (the rest is padding,
+ * in whole blocks); qb = 32 or 256 values per scale.  Compiled once, for the baseline ISA: one
+ * code path for all.  Rounding: adding and subtracting 1.5 * 2^23 rounds |v| < 2^22 to the
+ * nearest integer, ties to even (as lrintf), in plain float arithmetic. */
+static void quantize_group(const float *x, int64_t valid, int qb, int8_t *q, float *d,
+                           float *dsum, int32_t *s32, int32_t *s16) {
   const v4f magic = (v4f){0} + 12582912.f, hi = (v4f){0} + 127.f, lo = (v4f){0} - 127.f;
   const v4i abs_mask = (v4i){0} + 0x7fffffff;
-  for (int64_t b0 = 0; b0 < kp; b0 += qb) {
-    if (b0 >= k) {
+  for (int b0 = 0; b0 < 256; b0 += qb) {
+    if (b0 >= valid) {
       memset(q + b0, 0, (size_t)qb);
-      for (int64_t j = b0 / 32; j < (b0 + qb) / 32; j++) d[j] = 0.f;
+      for (int j = b0 / 32; j < (b0 + qb) / 32; j++) d[j] = 0.f;
       continue;
     }
     v4f m = {0};
@@ -169,14 +173,14 @@ static void quantize_row(const float *x, int64_t k, int64_t kp, int qb, int8_t *
       memcpy(qi + i, &vi, sizeof vi);
     }
     for (int i = 0; i < qb; i++) q[b0 + i] = (int8_t)qi[i]; /* a narrowing the compiler packs */
-    for (int64_t j = b0 / 32; j < (b0 + qb) / 32; j++) d[j] = dd;
+    for (int j = b0 / 32; j < (b0 + qb) / 32; j++) d[j] = dd;
   }
-  for (int64_t j = 0; j < kp / 16; j++) {
+  for (int j = 0; j < 16; j++) {
     int32_t s = 0;
     for (int i = 0; i < 16; i++) s += q[16 * j + i];
     s16[j] = s;
   }
-  for (int64_t j = 0; j < kp / 32; j++) {
+  for (int j = 0; j < 8; j++) {
     s32[j] = s16[2 * j] + s16[2 * j + 1];
     dsum[j] = d[j] * (float)s32[j];
   }
@@ -721,10 +725,12 @@ static void part_range(int64_t count, int parts, int id, int64_t *a, int64_t *b)
 
 static void quantize_rows(const xquant *xq, const float *x, int64_t k, int bs, int64_t a,
                           int64_t b) {
-  const int64_t kp = xq->kp;
   for (int64_t i = a; i < b; i++)
-    quantize_row(x + i * k, k, kp, bs, xq->q + i * kp, xq->d + i * (kp / 32),
-                 xq->dsum + i * (kp / 32), xq->s32 + i * (kp / 32), xq->s16 + i * (kp / 16));
+    for (int64_t g = 0; g < xq->kp / 256; g++) {
+      const int64_t at = g * xq->t + i; /* group-major position */
+      quantize_group(x + i * k + 256 * g, k - 256 * g, bs, xq->q + at * 256, xq->d + at * 8,
+                     xq->dsum + at * 8, xq->s32 + at * 8, xq->s16 + at * 16);
+    }
 }
 
 static void run_parallel_quantize(const xquant *xq, const float *x, int64_t k, int bs, int64_t t,
@@ -771,7 +777,7 @@ int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, 
   if (threads < 1) threads = 1;
 
   const int64_t kp = (k + 255) / 256 * 256;
-  job jb = {type, t, k, n, row_bytes, k / 32, w, {kp, 0, 0, 0, 0, 0}, y};
+  job jb = {type, t, k, n, row_bytes, k / 32, w, {kp, t, 0, 0, 0, 0, 0}, y};
   void *mem = malloc((size_t)(t * kp + t * (kp / 32) * 12 + t * (kp / 16) * 4 + 64));
   if (!mem) return SP_ERR_MEMORY;
   /* float and int32 arrays first (4-byte aligned), the int8 values last */

@@ -39,9 +39,9 @@ SP_INLINE SP_ATTR void SP_K(tiles)(const job *jb, int64_t n0, int64_t n1, const 
         }
         for (int i = 0; i < tb; i++) {
           const int64_t t = t0 + i;
-          const xgroup xg = {jb->xq.q + t * kp + 256 * g, jb->xq.d + t * (kp / 32) + 8 * g,
-                             jb->xq.dsum + t * (kp / 32) + 8 * g,
-                             jb->xq.s32 + t * (kp / 32) + 8 * g, jb->xq.s16 + t * (kp / 16) + 16 * g};
+          const int64_t at = g * jb->t + t; /* group-major: see xquant */
+          const xgroup xg = {jb->xq.q + 256 * at, jb->xq.d + 8 * at, jb->xq.dsum + 8 * at,
+                             jb->xq.s32 + 8 * at, jb->xq.s16 + 16 * at};
           if (type == SP_Q6_K) {
             SP_K(dot_sc)(&wt, xg.q, 16, sumi);
             fold_q6_k(&wt, &xg, sumi, acc[i]);
