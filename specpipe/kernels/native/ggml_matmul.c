@@ -6,7 +6,11 @@
  * integer block sums; each weight block is unpacked to small unsigned integers; the products are
  * integer dot products (exact, so their order does not matter and SIMD may sum them any way); then
  * one float expression per block folds in the scales, and the blocks are added to the output in a
- * fixed ascending order by scalar code that is shared by every SIMD path.  Hence:
+ * fixed ascending order by code that is shared by every SIMD path (written on 8-lane vector
+ * extensions across 8 weight rows: element-wise, so each element gets the scalar bits).
+ * Work is tiled as 8 weight rows x up to 64 activation rows: each 256-value group of the 8 rows is
+ * unpacked once (ggml_matmul_tile.h) and used for every activation row; threads split N only.
+ * Hence:
  *   - y[t, n] depends only on x[t, :] and W[n, :]: the same bits whatever T, the other rows, the
  *     thread count or the tile an element falls in (batch invariance);
  *   - every SIMD path gives the same bits as the portable C path (the library is built with
