@@ -208,9 +208,6 @@ typedef struct {
   int16_t scv[SP_NR][128] __attribute__((aligned(64)));
   int8_t sc[SP_NR][16];  /* K-quants: sub-block scales (8 for Q4_K/Q5_K, 16 for Q6_K) */
   uint8_t mn[SP_NR][8];  /* Q4_K/Q5_K: sub-block mins */
-  /* K-quants, [sub-block][row] for the folding's loops over rows: the weights of the activation
-   * block sums (Q4_K/Q5_K: the 8 mins; Q6_K: the 16 scales, times the offset 32 later) */
-  int32_t offw[16][SP_NR] __attribute__((aligned(32)));
   float d[8][SP_NR];     /* 32-value types: per-block d; K-quants: d[0] = d, d[1] = dmin */
   float m[8][SP_NR];     /* Q4_1/Q5_1: per-block m */
   int nb;                /* 32-value types: blocks in this group (a row's last may be short) */
@@ -295,7 +292,6 @@ SP_INLINE void k4_scales(const uint8_t *s, wtile *w, int r) {
   const uint32_t mn[2] = {u1 & lo6, ((u2 >> 4) & lo4) | (((u1 >> 6) & lo2) << 4)};
   memcpy(w->sc[r], sc, 8);
   memcpy(w->mn[r], mn, 8);
-  for (int j = 0; j < 8; j++) w->offw[j][r] = w->mn[r][j];
 }
 
 SP_INLINE void unpack_q4_k(const uint8_t *b, wtile *w, int r) {
@@ -327,7 +323,6 @@ SP_INLINE void unpack_q5_k(const uint8_t *b, wtile *w, int r) {
 SP_INLINE void unpack_q6_k(const uint8_t *b, wtile *w, int r) {
   const uint8_t *restrict ql = b, *restrict qh = b + 128;
   memcpy(w->sc[r], b + 192, 16);
-  for (int j = 0; j < 16; j++) w->offw[j][r] = w->sc[r][j];
   w->d[0][r] = f16_to_f32(b + 208);
   for (int h = 0; h < 2; h++)
     for (int l = 0; l < 32; l++) {
@@ -373,21 +368,21 @@ SP_INLINE void fold_group32(int type, const wtile *w, const xgroup *x, const int
   memcpy(acc, &a, sizeof a);
 }
 
-/* Q4_K/Q5_K: sumi[r] = sum_j sc_j * dot_j (the ISA kernel's exact integer). */
-SP_INLINE void fold_k4(const wtile *w, const xgroup *x, const int32_t *sumi, float *acc) {
-  v8i summ = {0};
-  for (int j = 0; j < 8; j++) summ += ld8i(w->offw[j]) * x->s32[j];
+/* Q4_K/Q5_K: sumi[r] = sum_j sc_j * dot_j, summ[r] = sum_j mn_j * xsum32_j (the ISA kernels'
+ * exact integers). */
+SP_INLINE void fold_k4(const wtile *w, const xgroup *x, const int32_t *sumi, const int32_t *summ,
+                       float *acc) {
   const float dx = x->d[0];
   const v8f a = ld8f(acc) + ((ld8f(w->d[0]) * dx) * to8f(ld8i(sumi)) -
-                             (ld8f(w->d[1]) * dx) * to8f(summ));
+                             (ld8f(w->d[1]) * dx) * to8f(ld8i(summ)));
   memcpy(acc, &a, sizeof a);
 }
 
-/* Q6_K: sumi[r] = sum_j sc_j * dot_j over 16-blocks; the -32 offset via the 16-block sums. */
-SP_INLINE void fold_q6_k(const wtile *w, const xgroup *x, const int32_t *sumi, float *acc) {
-  v8i off = {0};
-  for (int j = 0; j < 16; j++) off += ld8i(w->offw[j]) * x->s16[j];
-  const v8f a = ld8f(acc) + (ld8f(w->d[0]) * x->d[0]) * to8f(ld8i(sumi) - 32 * off);
+/* Q6_K: sumi[r] = sum_j sc_j * dot_j over 16-blocks; the -32 offset via the 16-block sums,
+ * off[r] = sum_j sc_j * xsum16_j. */
+SP_INLINE void fold_q6_k(const wtile *w, const xgroup *x, const int32_t *sumi, const int32_t *off,
+                         float *acc) {
+  const v8f a = ld8f(acc) + (ld8f(w->d[0]) * x->d[0]) * to8f(ld8i(sumi) - 32 * ld8i(off));
   memcpy(acc, &a, sizeof a);
 }
 
@@ -398,6 +393,7 @@ SP_INLINE void fold_q6_k(const wtile *w, const xgroup *x, const int32_t *sumi, f
 /*   dots32_s8 : the same with int8 weights                               (Q8_0)                 */
 /*   dot_sc    : out[r] = sum_j sc[r][j] * sum_{i<sub} q[r][sub*j+i] * x[sub*j+i]                 */
 /*               (K-quants; sub = 32 for Q4_K/Q5_K, 16 for Q6_K; q <= 63)                         */
+/*   offsets   : out[r] = sum_j mn[r][j] * xsum32[j] (sub 32) or sc[r][j] * xsum16[j] (sub 16)    */
 /* All are exact in int32, so any summation order gives the same integer.                        */
 
 static void dots32_u8_portable(const wtile *w, const int8_t *x, int nb, int32_t (*out)[SP_NR]) {
@@ -418,6 +414,17 @@ static void dots32_s8_portable(const wtile *w, const int8_t *x, int nb, int32_t 
 }
 /* prep_scales: what dot_sc needs besides sc (the x86 kernels: scv, one scale per byte pair). */
 SP_INLINE void prep_scales_portable(wtile *w, int r, int sub) { (void)w, (void)r, (void)sub; }
+
+static void offsets_portable(const wtile *w, const xgroup *x, int sub, int32_t *out) {
+  for (int r = 0; r < SP_NR; r++) {
+    int32_t s = 0;
+    if (sub == 32)
+      for (int j = 0; j < 8; j++) s += w->mn[r][j] * x->s32[j];
+    else
+      for (int j = 0; j < 16; j++) s += w->sc[r][j] * x->s16[j];
+    out[r] = s;
+  }
+}
 
 static void dot_sc_portable(const wtile *w, const int8_t *x, int sub, int32_t *out) {
   for (int r = 0; r < SP_NR; r++) {
@@ -474,15 +481,38 @@ static SP_AVX2 void dots32_s8_avx2(const wtile *w, const int8_t *x, int nb, int3
   }
 }
 /* scv[r]: the scale of each byte pair, i.e. of each int16 lane of maddubs' output. */
+/* Each 256-bit vector j of scv covers 32 bytes: sub-block j (sub 32: 16 copies of sc[j]) or
+ * sub-blocks 2j, 2j+1 (sub 16: 8 copies each); built by a byte shuffle of the 16 int8 scales and
+ * a sign extension to int16. */
 SP_INLINE SP_AVX2 void prep_scales_avx2(wtile *w, int r, int sub) {
-  if (sub == 32) /* 16 pairs (one 256-bit vector) per sub-block */
-    for (int j = 0; j < 8; j++) ST(w->scv[r] + 16 * j, _mm256_set1_epi16(w->sc[r][j]));
-  else /* 8 pairs per sub-block */
-    for (int j = 0; j < 8; j++)
-      ST(w->scv[r] + 16 * j, _mm256_setr_m128i(_mm_set1_epi16(w->sc[r][2 * j]),
-                                               _mm_set1_epi16(w->sc[r][2 * j + 1])));
+  const __m128i s8 = _mm_loadu_si128((const __m128i *)w->sc[r]);
+  const __m128i base = sub == 32 ? _mm_setzero_si128()
+                                 : _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const int step = sub == 32 ? 1 : 2;
+  for (int j = 0; j < 8; j++) {
+    const __m128i idx = _mm_add_epi8(base, _mm_set1_epi8((char)(step * j)));
+    ST(w->scv[r] + 16 * j, _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, idx)));
+  }
 }
 #define prep_scales_vnni prep_scales_avx2
+
+static SP_AVX2 void offsets_avx2(const wtile *w, const xgroup *x, int sub, int32_t *out) {
+  __m256i p[SP_NR];
+  if (sub == 32) {
+    const __m256i s = LD(x->s32);
+    for (int r = 0; r < SP_NR; r++)
+      p[r] = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)w->mn[r])), s);
+  } else {
+    const __m256i s0 = LD(x->s16), s1 = LD(x->s16 + 8);
+    for (int r = 0; r < SP_NR; r++) {
+      const __m128i c = _mm_loadu_si128((const __m128i *)w->sc[r]);
+      p[r] = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_cvtepi8_epi32(c), s0),
+                              _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)), s1));
+    }
+  }
+  ST(out, hsum8x8_avx2(p));
+}
+#define offsets_vnni offsets_avx2
 
 /* K-quants: madd of maddubs' pairs with the per-pair scales scv gives sc * (pair sum) in int32
  * (|.| <= 2 * 16002 * 128 per lane per chunk: exact). */
@@ -578,6 +608,7 @@ static void dots32_s8_neon(const wtile *w, const int8_t *x, int nb, int32_t (*ou
   dots32_u8_neon(w, x, nb, out); /* the same signed arithmetic */
 }
 SP_INLINE void prep_scales_neon(wtile *w, int r, int sub) { (void)w, (void)r, (void)sub; }
+#define offsets_neon offsets_portable
 static void dot_sc_neon(const wtile *w, const int8_t *x, int sub, int32_t *out) {
   for (int r = 0; r < SP_NR; r++) {
     int32x4_t acc = vdupq_n_s32(0);

@@ -15,7 +15,7 @@ SP_INLINE SP_ATTR void SP_K(tiles)(const job *jb, int64_t n0, int64_t n1, const 
   wtile wt;
   float acc[SP_TB][SP_NR];
   int32_t dots[8][SP_NR] __attribute__((aligned(32)));
-  int32_t sumi[SP_NR] __attribute__((aligned(32)));
+  int32_t sumi[SP_NR] __attribute__((aligned(32))), offs[SP_NR] __attribute__((aligned(32)));
   memset(&wt, 0, sizeof wt); /* rows past a short tile's end stay zero (computed, never stored) */
 
   for (int64_t n = n0; n < n1; n += SP_NR) {
@@ -44,10 +44,12 @@ SP_INLINE SP_ATTR void SP_K(tiles)(const job *jb, int64_t n0, int64_t n1, const 
                              jb->xq.s32 + 8 * at, jb->xq.s16 + 16 * at};
           if (type == SP_Q6_K) {
             SP_K(dot_sc)(&wt, xg.q, 16, sumi);
-            fold_q6_k(&wt, &xg, sumi, acc[i]);
+            SP_K(offsets)(&wt, &xg, 16, offs);
+            fold_q6_k(&wt, &xg, sumi, offs, acc[i]);
           } else if (is_k) {
             SP_K(dot_sc)(&wt, xg.q, 32, sumi);
-            fold_k4(&wt, &xg, sumi, acc[i]);
+            SP_K(offsets)(&wt, &xg, 32, offs);
+            fold_k4(&wt, &xg, sumi, offs, acc[i]);
           } else {
             if (type == SP_Q8_0) SP_K(dots32_s8)(&wt, xg.q, wt.nb, dots);
             else SP_K(dots32_u8)(&wt, xg.q, wt.nb, dots);
