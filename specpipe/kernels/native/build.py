@@ -54,10 +54,10 @@ def build(quiet: bool = False) -> Path | None:
                 if not quiet:
                     print(f"specpipe native kernels: built {LIBRARY} ({Path(cc).name}, {note})")
                 return LIBRARY
-        err = (res.stderr or "").strip().splitlines()
+        err = [ln for ln in (res.stderr or "").splitlines() if "error" in ln.lower()]
         print(
             "specpipe native kernels: WARNING build failed; native matmul disabled: "
-            + (err[-1] if err else f"{cc} exited {res.returncode}")
+            + (err[0].strip() if err else f"{cc} exited {res.returncode}")
         )
         return None
 

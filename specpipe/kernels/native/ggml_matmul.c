@@ -219,15 +219,15 @@ SP_INLINE uint64_t load_u64(const uint8_t *p) {
   return v;
 }
 
-/* 16 packed bytes -> 32 values: low nibbles then high nibbles.  Eight bytes at a time in a
- * 64-bit word (the compiler leaves the plain byte loop scalar). */
+/* 16 packed bytes -> 32 values: low nibbles then high nibbles, on a 16-byte vector (the
+ * compiler leaves the plain byte loop scalar; byte shifts become a word shift and a mask). */
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
 SP_INLINE void unpack_nibbles16(const uint8_t *qs, uint8_t *q) {
-  const uint64_t m = 0x0f0f0f0f0f0f0f0fULL;
-  for (int h = 0; h < 2; h++) {
-    const uint64_t v = load_u64(qs + 8 * h), lo = v & m, hi = (v >> 4) & m;
-    memcpy(q + 8 * h, &lo, 8);
-    memcpy(q + 16 + 8 * h, &hi, 8);
-  }
+  v16u8 v;
+  memcpy(&v, qs, 16);
+  const v16u8 lo = v & 15, hi = v >> 4;
+  memcpy(q, &lo, 16);
+  memcpy(q + 16, &hi, 16);
 }
 
 /* Bit i of b (i < 8) -> 16 in byte i of the result: replicate b to every byte, keep bit i in
