@@ -9,7 +9,9 @@ count, and every SIMD path (``isa()``) gives the portable C path's bits.
 
 The library is built by ``python -m specpipe.kernels.native.build`` (install.sh does it); without
 it, ``available()`` is False and ``matmul`` raises.  ``SPECPIPE_NATIVE_ISA=portable|avx2|
-avx512vnni|neon`` forces a path (it must be supported by this CPU).
+avx512vnni|neon`` forces a path (it must be supported by this CPU); it is read once per process,
+so that every call of a process takes the same path (``reload_isa_code()`` re-reads it).
+Results and design: docs/native_kernels.md.
 """
 
 from __future__ import annotations
