@@ -751,12 +751,14 @@ static tile_fn pick(int isa, int type) {
   }
 }
 
+#ifdef _OPENMP
 /* Split [0, count) into `parts` contiguous ranges; the arithmetic of an element never depends
  * on which range it falls in. */
 static void part_range(int64_t count, int parts, int id, int64_t *a, int64_t *b) {
   *a = count * id / parts;
   *b = count * (id + 1) / parts;
 }
+#endif
 
 static void quantize_rows(const xquant *xq, const float *x, int64_t k, int bs, int64_t a,
                           int64_t b) {
