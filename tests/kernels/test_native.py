@@ -171,6 +171,8 @@ def test_empty_shapes():
     packed = random_packed(Q.Q8_0, 3, 64)
     assert run(torch.zeros(0, 64), packed, Q.Q8_0).shape == (0, 3)
     assert run(torch.randn(2, 64), packed[:0], Q.Q8_0).shape == (2, 0)
+    y = native.matmul(torch.zeros(2, 0), torch.zeros(3, 0, dtype=torch.uint8), Q.Q8_0)
+    assert torch.equal(y, torch.zeros(2, 3))  # K = 0: an empty sum
 
 
 def test_input_validation():

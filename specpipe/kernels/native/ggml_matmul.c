@@ -807,10 +807,14 @@ int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, 
   int64_t bbytes;
   const int bs = block_of(type, &bbytes);
   if (!bs) return SP_ERR_TYPE;
-  if (t < 0 || n < 0 || k <= 0 || k % bs != 0) return SP_ERR_SHAPE;
+  if (t < 0 || n < 0 || k < 0 || k % bs != 0) return SP_ERR_SHAPE;
   if (row_bytes != k / bs * bbytes) return SP_ERR_SHAPE;
   if (!sp_isa_supported(isa)) return SP_ERR_ISA;
   if (t == 0 || n == 0) return SP_OK;
+  if (k == 0) { /* an empty sum */
+    memset(y, 0, (size_t)(t * n) * sizeof(float));
+    return SP_OK;
+  }
   if (threads < 1) threads = 1;
 
   const int64_t kp = (k + 255) / 256 * 256;
