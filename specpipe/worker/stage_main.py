@@ -17,7 +17,7 @@ from specpipe.config import StageSpec
 from specpipe.distributed.transport import TAG_CONTROL, TAG_REPORT, TAG_RESULTS, TAG_ROWS, LinkError, Transport, short_error
 from specpipe.distributed.wire import decode_control, decode_rows_header, encode_report, encode_results, encode_rows
 from specpipe.loader import open_checkpoint
-from specpipe.model.stage import build_stage
+from specpipe.model.stage import build_stage, weight_nbytes
 from specpipe.worker.stage_worker import StageWorker
 
 
@@ -55,7 +55,7 @@ def run_stage(t: Transport, model_path: str, spec: StageSpec, num_blocks: int, b
         t.store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         raise
     rss, peak = memory_bytes()
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = weight_nbytes(model)  # packed quantized weights included
     # The driver sizes its block manager by the smallest pool over the stages.
     t.store.set(f"ready/{rank}", f"{rss} {peak} {weights} {worker.kv.nbytes()} {num_blocks} {block_size}")
     try:
