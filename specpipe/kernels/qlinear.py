@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from specpipe.kernels.ggml_types import dequantize, row_bytes
-from specpipe.kernels.registry import Kernel, choose_kernel
+from specpipe.kernels.registry import Kernel, choose_kernel, get_kernel
 from specpipe.kernels.torch_kernels import invariant_linear
 
 Q = gguf.GGMLQuantizationType
@@ -58,7 +58,11 @@ class QuantLinear(nn.Module):
         self._kernel = kernel or choose_kernel(qtype, packed.device)
         # A kernel that keeps the packed layout hands back `packed` itself (or a tuple holding
         # it); one that repacks builds its own and `packed` is dropped by the caller.
-        self.prepared = self._kernel.prepare(packed, qtype, out_features, in_features)
+        try:
+            self.prepared = self._kernel.prepare(packed, qtype, out_features, in_features)
+        except ValueError:  # a shape this kernel cannot take (int4pack: out % 16): the reference can
+            self._kernel = get_kernel("dequant")
+            self.prepared = self._kernel.prepare(packed, qtype, out_features, in_features)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
     @property

@@ -84,6 +84,8 @@ class Int4PackKernel:
         return qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) and torch.device(device).type == "cpu"
 
     def prepare(self, packed: torch.Tensor, qtype: Q, out_features: int, in_features: int) -> Int4Packed:
+        if out_features % 16:
+            raise ValueError(f"int4pack needs a multiple of 16 output features, got {out_features}")
         q, scale, zero = q4_groups(packed, qtype)
         weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         sz = torch.stack((scale.t(), zero.t()), dim=-1).to(torch.bfloat16).contiguous()  # (K/32, N, 2)
