@@ -32,7 +32,8 @@ def samplings(n: int) -> list[SamplingParams]:
             SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=n)]
 
 
-def equal_to_pp(ckpt, num_stages: int, prompt: list[int], n: int, draft_layers: int, **build) -> None:
+def equal_to_pp(ckpt, num_stages: int, prompt: list[int], n: int, draft_layers: int | None, **build) -> None:
+    """draft_layers: a self:K draft (built the same way) merged with n-gram lookup; None: n-gram only."""
     specs = partition_layers(ckpt.config.num_layers, num_stages)
     workers = [StageWorker(build_stage(ckpt, s, **build), BLOCKS, BLOCK_SIZE) for s in specs]
     assert any(isinstance(m, QuantLinear) for m in workers[0].model.modules())
@@ -46,17 +47,18 @@ def equal_to_pp(ckpt, num_stages: int, prompt: list[int], n: int, draft_layers: 
     for sampling in samplings(n):
         reference = run("pp", sampling)
         for mode in ("tree", "specpipe"):
-            draft = build_stage(ckpt, StageSpec(0, draft_layers, first=True, last=True), **build)
-            source = MergedSource([DraftModelSource(draft, BLOCKS, BLOCK_SIZE, "self"), NgramSource()])
+            source = NgramSource()
+            if draft_layers is not None:
+                draft = build_stage(ckpt, StageSpec(0, draft_layers, first=True, last=True), **build)
+                source = MergedSource([DraftModelSource(draft, BLOCKS, BLOCK_SIZE, "self"), source])
             assert run(mode, sampling, source) == reference, f"{mode} at S={num_stages} differs ({sampling})"
 
 
-@pytest.mark.parametrize("num_stages", [1, 2])
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("quantization,num_stages", [("int8", 1), ("int4", 2)])
 def test_tiny_quantized_at_load(tiny_model_dir, quantization, num_stages):
     ckpt = open_checkpoint(tiny_model_dir("llama", num_hidden_layers=8))
     prompt = [5, 17, 33, 90, 5, 17, 33, 90, 5, 17, 120, 7, 5, 17]
-    equal_to_pp(ckpt, num_stages, prompt, 16, 2, quantization=quantization)
+    equal_to_pp(ckpt, num_stages, prompt, 8, 2, quantization=quantization)
 
 
 @pytest.mark.parametrize("num_stages", [1, 2])
@@ -66,4 +68,6 @@ def test_smollm2_int4pack(num_stages):
     except DefaultModelMissing as e:
         pytest.skip(f"default model not installed: {e}")
     prompt = [1, 9690, 198, 504, 3575, 282, 4649, 314, 7042, 30, 504, 3575, 282, 4649, 314, 7042, 30, 504, 3575]
-    equal_to_pp(ckpt, num_stages, prompt, 6, 4, kernel="int4pack")
+    # n-gram only: the draft-model path is covered above, and each draft step would pay the
+    # Q8_0 head (dequantized per call without the native kernel) once more.
+    equal_to_pp(ckpt, num_stages, prompt, 5, None, kernel="int4pack")
