@@ -4,7 +4,7 @@ Method: real run on this machine, one fresh process per (model, path) so that me
 shared between them. Paths: float32 = every weight dequantized to float32 at load (SpecPipe
 before weights stayed packed), then the packed path with the registry's default kernels, and
 with int4pack preferred. Reported: the file's size, the stage's weight bytes (weight_nbytes),
-resident memory after imports and after the load (VmRSS), the peak (VmHWM), and decode ms per
+resident memory before the load (after a one-layer warm-up load) and after it (VmRSS), the peak (VmHWM), and decode ms per
 token (the fastest and the median of --tokens single-row forwards after a 16-token prompt).
 
     PYTHONPATH=. python benchmarks/bench_quant_load.py [--model FILE.gguf ...] [--tokens 8]
@@ -31,7 +31,7 @@ def status_kib(key: str) -> int:
     return 0
 
 
-def one(model: str, kernel: str | None, tokens: int) -> dict:
+def one(model: str, kernel: str | None, tokens: int, threads: int) -> dict:
     import torch
 
     from specpipe.config import StageSpec
@@ -39,7 +39,12 @@ def one(model: str, kernel: str | None, tokens: int) -> dict:
     from specpipe.model.runner import run_rows
     from specpipe.model.stage import build_stage, weight_nbytes
 
+    torch.set_num_threads(threads)
     ckpt = open_checkpoint(model)
+    # Building a first stage loads code and initialises libraries (about 75 MB, once per
+    # process): build and drop a one-layer stage first, so that the difference is the weights.
+    del_me = build_stage(ckpt, StageSpec(0, 1, False, False), kernel=kernel)
+    del del_me
     base = status_kib("VmRSS")
     t0 = time.perf_counter()
     stage = build_stage(ckpt, StageSpec.whole(ckpt.config), kernel=kernel)
@@ -67,11 +72,13 @@ def main() -> None:
     p.add_argument("--model", action="append", default=None)
     p.add_argument("--path", action="append", default=None, help="float32 | default | int4pack (default: all)")
     p.add_argument("--tokens", type=int, default=8)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: on a shared machine more threads wait on each other)")
     p.add_argument("--out", default="benchmarks/results/quant_load_cpu.json")
     p.add_argument("--one", nargs=2, help=argparse.SUPPRESS)  # child process: MODEL PATH
     args = p.parse_args()
     if args.one:
-        print(json.dumps(one(args.one[0], None if args.one[1] == "default" else args.one[1], args.tokens)))
+        print(json.dumps(one(args.one[0], None if args.one[1] == "default" else args.one[1], args.tokens, args.threads)))
         return
     if not args.model:
         from specpipe.engine.default_model import default_model_path
@@ -80,7 +87,8 @@ def main() -> None:
     results = []
     for model in args.model:
         for path in args.path or [k or "default" for k in PATHS]:
-            out = subprocess.run([sys.executable, __file__, "--one", model, path, "--tokens", str(args.tokens)],
+            out = subprocess.run([sys.executable, __file__, "--one", model, path, "--tokens", str(args.tokens),
+                                  "--threads", str(args.threads)],
                                  capture_output=True, text=True)
             if out.returncode:
                 print(f"{Path(model).name} {path}: failed\n{out.stderr[-2000:]}", file=sys.stderr)

@@ -112,6 +112,8 @@ def build_stage(ckpt: Checkpoint, spec: StageSpec, device: torch.device | str = 
             k = choose_kernel(found[0], device, kernel)
             setattr(parent, attr, QuantLinear(found[1].to(device), found[0], module.in_features,
                                               module.out_features, bias, k))
+            if k.name == "int4pack":
+                _return_freed_memory()  # its repacking temporaries, 4-8x the tensor: keep the peak low
     if tied:
         emb = model.embed_tokens
         if isinstance(emb, QuantEmbedding):
@@ -129,7 +131,20 @@ def build_stage(ckpt: Checkpoint, spec: StageSpec, device: torch.device | str = 
         checked(name, param.shape)
         parent, attr = _parent(model, name)
         setattr(parent, attr, nn.Parameter(ckpt.load(name).to(act).to(device), requires_grad=False))
+    _return_freed_memory()
     return model.eval().requires_grad_(False)
+
+
+def _return_freed_memory() -> None:
+    """Hand the load's freed temporaries (a kernel's repacking buffers, float32 tensors being
+    quantized) back to the OS: glibc keeps freed heap memory mapped, and it would count as the
+    stage's resident memory (int4pack: 560 MB instead of 770 MB for SmolLM2)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def weight_nbytes(model: nn.Module) -> int:
