@@ -66,6 +66,13 @@ class QuantLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
 
     @property
+    def packed(self) -> Optional[torch.Tensor]:
+        """The packed GGML rows (out, row_bytes), when the kernel reads them as they are (native,
+        dequant); None when it repacked them into its own layout at load (int4pack)."""
+        p = self.prepared
+        return p[0] if isinstance(p, tuple) and isinstance(p[0], torch.Tensor) else None
+
+    @property
     def kernel(self) -> str:
         return self._kernel.name
 

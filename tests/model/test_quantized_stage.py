@@ -55,7 +55,7 @@ def test_smollm2_first_and_last_stage_equal_float32_path(smol):
 
 def test_smollm2_whole_holds_the_file_once(smol):
     model = build_stage(smol, StageSpec.whole(smol.config))
-    assert model.lm_head.prepared[0].data_ptr() == model.embed_tokens.packed.data_ptr()  # tied: shared
+    assert model.lm_head.packed.data_ptr() == model.embed_tokens.packed.data_ptr()  # tied: shared
     size = os.path.getsize(smol.path)
     assert weight_nbytes(model) <= 1.15 * size, (weight_nbytes(model), size)
 
@@ -91,7 +91,7 @@ def test_hf_quantized_at_load(tiny_llama_dir, quantization, qtype, bound):
     assert isinstance(model.embed_tokens, QuantEmbedding)
     for name, m in projections.items():  # each weight within its format's rounding of the original
         w = ckpt.load(f"{name}.weight")
-        got = dequantize(m.prepared[0], qtype)
+        got = dequantize(m.packed, qtype)
         block_max = w.abs().reshape(w.shape[0], -1, 32).amax(-1, keepdim=True)  # (N, K/32, 1)
         err = (got - w).abs().reshape(w.shape[0], -1, 32)
         assert (err <= block_max * bound * 1.01 + 1e-6).all(), name
