@@ -169,7 +169,8 @@ class EngineConfig:
     cost_profile: Optional[str] = None  # auto: a profile file or shipped name pricing rows and drafts
     max_context: int = 4096  # tokens of prompt + output a request may hold
     device: str = "cpu"
-    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto = float32 activations, weights as stored on CPU; bfloat16 on CUDA
+    quantization: Optional[str] = None  # int8 | int4: float (HF) weights to Q8_0 / Q4_0 at load
     transport: str = "auto"  # inproc | processes; auto = inproc for one stage, processes for more
     stage_threads: int = 0  # CPU threads per local stage process; 0 = this machine's cores / stages
     link_delay_ms: float = 0.0  # emulated per-message link latency between ranks
@@ -229,12 +230,17 @@ class EngineConfig:
             raise ConfigError(f"--kv-memory-fraction must be in (0, 1], got {self.kv_memory_fraction}")
         if self.kv_memory is not None:
             parse_bytes(self.kv_memory)
+        if self.quantization not in (None, "int8", "int4"):
+            raise ConfigError(f"--quantization must be int8 or int4, got {self.quantization!r}")
 
     def torch_dtype(self):
+        """The activations' dtype, which float weights are converted to; None (auto on a CPU):
+        float32 activations with every weight kept as the checkpoint stores it (GGUF blocks
+        stay quantized, bfloat16 stays bfloat16), see model/stage.py."""
         import torch
 
         if self.dtype == "auto":
-            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+            return torch.bfloat16 if self.device.startswith("cuda") else None
         try:
             return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
         except KeyError:

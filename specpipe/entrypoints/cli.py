@@ -112,7 +112,10 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
                         "or a shipped profile (a100-80gb, h100-80gb, h200); default: rows nearly free")
     g.add_argument("--max-context", type=int, default=4096, help="prompt + output tokens per request (default 4096)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
-    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)")
+    g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: float32 activations on CPU "
+                   "with weights kept as stored, bfloat16 on CUDA)")
+    g.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="quantize a Hugging Face model's float weights at load to Q8_0 (int8) or Q4_0 (int4) blocks")
     g.add_argument("--transport", default="auto",
                    help="inproc (all stages in this process) | processes (one per stage); auto: processes when --stages > 1")
     g.add_argument("--stage-threads", type=int, default=0,
@@ -141,6 +144,7 @@ def _engine_config(args: argparse.Namespace, **extra):
                           tree_width=args.tree_width, tree_depth=args.tree_depth,
                           layers_per_step=args.layers_per_step, cost_profile=args.cost_profile,
                           max_context=args.max_context, device=args.device, dtype=args.dtype,
+                          quantization=args.quantization,
                           transport=args.transport, stage_threads=args.stage_threads,
                           link_delay_ms=args.link_delay_ms,
                           link_bandwidth_mbps=args.link_bandwidth_mbps, stage_timeout_s=args.stage_timeout,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from specpipe.config import ModelConfig
 
@@ -41,8 +41,15 @@ class Checkpoint(ABC):
         """Canonical (torch) shape of one tensor, without reading its data."""
 
     @abstractmethod
-    def load(self, name: str) -> torch.Tensor:
-        """One tensor in canonical layout, dequantized to float32 on the CPU."""
+    def load(self, name: str, dtype: Optional["torch.dtype"] = None) -> torch.Tensor:
+        """One tensor in canonical layout on the CPU, dequantized to float32 and converted to
+        `dtype`; dtype None keeps a float tensor's stored type (formats that store one).
+        Implementations default dtype to torch.float32."""
+
+    def load_packed(self, name: str):
+        """(GGML type, rows (N, row_bytes) uint8, canonical shape) for formats that store
+        quantized blocks (GGUF); None for formats that store plain floats."""
+        return None
 
     def close(self) -> None:  # pragma: no cover - formats that hold files override it
         pass

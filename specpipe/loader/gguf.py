@@ -332,7 +332,43 @@ class GGUFCheckpoint(Checkpoint):
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(d) for d in reversed(self._record(name).shape.tolist()))
 
-    def load(self, name: str) -> torch.Tensor:
+    def stored_type(self, name: str) -> gguf.GGMLQuantizationType:
+        return self._record(name).tensor_type
+
+    def _check_permutable(self, name: str, rows: int) -> Optional[int]:
+        """The head count to un-permute `name`'s rows by, or None when it is not permuted."""
+        if not (self._permuted and re.search(r"\.(q|k)_proj\.", name)):
+            return None
+        n_head = self.config.num_heads if ".q_proj." in name else self.config.num_kv_heads
+        if rows % (2 * n_head):
+            raise CheckpointError(
+                f"{self.path.name}: {self._record(name).name} has {rows} rows, not a multiple of 2 x {n_head} heads")
+        return n_head
+
+    def load_packed(self, name: str) -> tuple[gguf.GGMLQuantizationType, torch.Tensor, tuple[int, ...]]:
+        """(type, rows (N, row_bytes) uint8, canonical shape) of a tensor, still in its GGML type.
+
+        The bytes are read from the file into memory this process owns, once, rather than viewed
+        through the memory map: a view would keep the file's pages resident beside any repacked
+        copy a kernel makes, and the permuted Q/K rows need a copy anyway. A GGML block never
+        spans two rows, so un-permuting the rows of packed bytes is un-permuting the weights.
+        """
+        t = self._record(name)
+        shape = self.shape(name)
+        rows = shape[0] if len(shape) > 1 else 1
+        buf = bytearray(int(t.n_bytes))
+        with open(self.path, "rb") as f:
+            f.seek(int(t.data_offset))
+            if f.readinto(buf) != len(buf):
+                raise CheckpointError(f"{self.path.name}: truncated GGUF file (tensor {t.name})")
+        packed = np.frombuffer(buf, dtype=np.uint8).reshape(rows, -1)
+        n_head = self._check_permutable(name, rows)
+        if n_head is not None:
+            packed = np.ascontiguousarray(unpermute_rows(packed, n_head))
+        return t.tensor_type, torch.from_numpy(packed), shape
+
+    def load(self, name: str, dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
+        """Dequantized to float32 (then to `dtype` when given)."""
         t = self._record(name)
         shape = self.shape(name)
         try:
@@ -343,18 +379,14 @@ class GGUFCheckpoint(Checkpoint):
                 "which SpecPipe cannot dequantize"
             ) from None
         w = w.reshape(shape)
-        if self._permuted and re.search(r"\.(q|k)_proj\.", name):
-            n_head = self.config.num_heads if ".q_proj." in name else self.config.num_kv_heads
-            if shape[0] % (2 * n_head):
-                raise CheckpointError(
-                    f"{self.path.name}: {t.name} has {shape[0]} rows, not a multiple of 2 x {n_head} heads"
-                )
+        n_head = self._check_permutable(name, shape[0])
+        if n_head is not None:
             w = unpermute_rows(w, n_head)
         # F32 tensors come back as read-only views of the memory map; copy those (and any
         # non-contiguous result) so the caller owns ordinary, writable memory.
         if w.dtype != np.float32 or not w.flags.writeable or not w.flags.c_contiguous:
             w = np.array(w, dtype=np.float32, order="C")
-        return torch.from_numpy(w)
+        return torch.from_numpy(w) if dtype is None else torch.from_numpy(w).to(dtype)
 
     def close(self) -> None:
         # The memory map is released once nothing references the reader or its arrays.

@@ -74,9 +74,11 @@ class HFCheckpoint(Checkpoint):
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handle(name).get_slice(self._hf_name[name]).get_shape())
 
-    def load(self, name: str) -> torch.Tensor:
+    def load(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """One tensor, converted to `dtype` (None: as stored, e.g. bfloat16)."""
         try:
-            return self._handle(name).get_tensor(self._hf_name[name]).float()
+            w = self._handle(name).get_tensor(self._hf_name[name])
+            return w if dtype is None else w.to(dtype)
         except CheckpointError:
             raise
         except Exception as e:

@@ -16,12 +16,12 @@ Glossary:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 
 @dataclass
@@ -79,13 +79,36 @@ class AttentionMetadata:
         )
 
 
+ROW_TILE = 4  # rows per call padded to a multiple of this (see kernels/torch_kernels.py)
+ROW_CHUNK = 256  # rows per score matrix, bounding its memory at ROW_CHUNK x C per head
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
     """q: (T, Hq, D); k, v: (C, Hkv, D); mask: (T, C) bool or None. Returns (T, Hq, D).
 
-    Grouped-query attention: Hq is a multiple of Hkv and SDPA broadcasts the KV heads itself.
+    Written out (scores, softmax, weighted sum) instead of F.scaled_dot_product_attention because
+    SDPA is not batch-invariant: a row's output changes with the number of rows in the call (it
+    picks kernels and blockings by the query length). Two batched matmuls with the rows padded
+    to a multiple of ROW_TILE, and a row-wise softmax, give every row the same arithmetic
+    whatever shares its call (tests/kernels/test_batch_invariance.py). Grouped-query attention:
+    the Hq / Hkv query heads that share a KV head are stacked into one matmul.
     """
-    q = q.transpose(0, 1).unsqueeze(0)  # (1, Hq, T, D)
-    k = k.transpose(0, 1).unsqueeze(0)  # (1, Hkv, C, D)
-    v = v.transpose(0, 1).unsqueeze(0)  # (1, Hkv, C, D)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-    return out.squeeze(0).transpose(0, 1)  # (T, Hq, D)
+    t, hq, d = q.shape
+    if t > ROW_CHUNK:
+        return torch.cat([attend(q[i:i + ROW_CHUNK], k, v, None if mask is None else mask[i:i + ROW_CHUNK])
+                          for i in range(0, t, ROW_CHUNK)])
+    c, hkv, _ = k.shape
+    g = hq // hkv
+    pad = -t % ROW_TILE
+    if pad:
+        q = torch.cat((q, q.new_zeros(pad, hq, d)))
+        if mask is not None:
+            mask = torch.cat((mask, mask.new_ones(pad, c)))
+    tp = t + pad
+    qh = q.permute(1, 0, 2).reshape(hkv, g * tp, d) * (1.0 / math.sqrt(d))  # (Hkv, g T', D)
+    scores = torch.matmul(qh, k.permute(1, 2, 0)).view(hkv, g, tp, c)  # (Hkv, g, T', C)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(scores.float(), dim=-1).to(v.dtype).view(hkv, g * tp, c)
+    out = torch.matmul(p, v.permute(1, 0, 2)).view(hq, tp, d)  # (Hq, T', D)
+    return out.permute(1, 0, 2)[:t]  # (T, Hq, D)

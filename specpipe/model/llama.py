@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specpipe.config import ModelConfig, RopeScaling, StageSpec
+from specpipe.kernels.qlinear import FloatLinear
 from specpipe.model.attention import AttentionMetadata, attend
 from specpipe.model.kv_cache import KVCache
 
@@ -66,10 +67,10 @@ class Attention(nn.Module):
         super().__init__()
         self.hq, self.hkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.hq * self.d, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.hkv * self.d, bias=bias)
-        self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
+        self.q_proj = FloatLinear(cfg.hidden_size, self.hq * self.d, bias=bias)
+        self.k_proj = FloatLinear(cfg.hidden_size, self.hkv * self.d, bias=bias)
+        self.v_proj = FloatLinear(cfg.hidden_size, self.hkv * self.d, bias=bias)
+        self.o_proj = FloatLinear(self.hq * self.d, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv: KVCache, layer: int) -> torch.Tensor:
@@ -89,9 +90,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = FloatLinear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = FloatLinear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = FloatLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -113,16 +114,17 @@ class DecoderLayer(nn.Module):
 class LlamaStage(nn.Module):
     """Layers [spec.start, spec.end) of the model; embedding if spec.first; norm + head if spec.last."""
 
-    def __init__(self, cfg: ModelConfig, spec: StageSpec) -> None:
+    def __init__(self, cfg: ModelConfig, spec: StageSpec, act_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.cfg, self.spec = cfg, spec
+        # Activations and the KV cache are in act_dtype whatever the weights are stored in.
+        self.cfg, self.spec, self.act_dtype = cfg, spec, act_dtype
         if spec.first:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # Keyed by the global layer index so that names match the checkpoint's.
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(spec.start, spec.end)})
         if spec.last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = FloatLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
             if cfg.tie_word_embeddings and spec.first:
                 self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
@@ -133,8 +135,7 @@ class LlamaStage(nn.Module):
 
     def make_kv_cache(self, num_slots: int) -> KVCache:
         """A cache of `num_slots` slots for this stage's layers (the caller groups them in blocks)."""
-        dtype = next(self.parameters()).dtype  # every stage has at least one norm or layer
-        return KVCache(self.num_layers, num_slots, self.cfg.num_kv_heads, self.cfg.head_dim, dtype,
+        return KVCache(self.num_layers, num_slots, self.cfg.num_kv_heads, self.cfg.head_dim, self.act_dtype,
                        self.inv_freq.device)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv: KVCache,
@@ -146,7 +147,7 @@ class LlamaStage(nn.Module):
         largest matrix, runs only on the rows whose token is wanted.
         """
         if self.spec.first:
-            x = self.embed_tokens(x)  # (T, H)
+            x = self.embed_tokens(x).to(self.act_dtype)  # (T, H)
         freqs = meta.positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]  # (T, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, D)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)

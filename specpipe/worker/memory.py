@@ -1,10 +1,8 @@
-"""What a stage holds in memory: its process's resident set and its model's weight bytes."""
+"""The resident memory of the process a stage runs in (its weights: model/stage.py weight_nbytes)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
 
 
 def process_memory() -> tuple[int, int]:
@@ -19,17 +17,3 @@ def process_memory() -> tuple[int, int]:
     except OSError:
         pass
     return rss, peak
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters and buffers (packed quantized weights are buffers), each
-    storage once: a tied LM head shares the embedding's."""
-    seen, total = set(), 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.device.type == "meta":
-            continue
-        key = (t.device, t.untyped_storage().data_ptr())
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total

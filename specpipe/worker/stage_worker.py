@@ -21,10 +21,11 @@ import torch
 
 from specpipe.messages import Control, Results, Rows, StageStats
 from specpipe.model.llama import LlamaStage
+from specpipe.model.stage import weight_nbytes
 from specpipe.sampling import SamplingParams, target_tokens
 from specpipe.kv.packed_forward import run_packed
 from specpipe.kv.slot_table import SlotTable
-from specpipe.worker.memory import process_memory, weight_bytes
+from specpipe.worker.memory import process_memory
 
 
 SPAN_LOG = 1 << 16  # steps of compute spans kept between two reports
@@ -37,7 +38,7 @@ class StageWorker:
         self.slots = SlotTable(num_blocks, block_size)
         self.kv = model.make_kv_cache(self.slots.num_slots)
         self.sampling: dict[int, SamplingParams] = {}
-        self.stats = StageStats(num_blocks=num_blocks, weight_bytes=weight_bytes(model), kv_bytes=self.kv.nbytes())
+        self.stats = StageStats(num_blocks=num_blocks, weight_bytes=weight_nbytes(model), kv_bytes=self.kv.nbytes())
         # (step, start, end) of each step that computed rows, perf_counter_ns (CLOCK_MONOTONIC on
         # Linux: one clock for every process of a machine); drained by each report.
         self.spans: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=SPAN_LOG)

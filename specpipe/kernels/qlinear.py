@@ -1,0 +1,115 @@
+"""Linear layers whose weights stay in a GGML type: QuantLinear (projections, LM head) and
+QuantEmbedding (token embedding, decoding only the rows it looks up).
+
+The weight lives as the kernel prepared it (`prepared`, a buffer-like object, not a float
+parameter), so a stage's memory is about the checkpoint's share. A tied LM head is a QuantLinear
+built on the embedding's packed tensor (`QuantLinear.tied_to`): the bytes are held once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import gguf
+import torch
+import torch.nn as nn
+
+from specpipe.kernels.ggml_types import dequantize, row_bytes
+from specpipe.kernels.registry import Kernel, choose_kernel, get_kernel
+from specpipe.kernels.torch_kernels import invariant_linear
+
+Q = gguf.GGMLQuantizationType
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """The tensors inside a kernel's prepared layout (a tensor, tuple or dataclass)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    if dataclasses.is_dataclass(obj):
+        return [t for f in dataclasses.fields(obj) for t in _tensors(getattr(obj, f.name))]
+    return []
+
+
+class FloatLinear(nn.Linear):
+    """nn.Linear with float weights, batch-invariant (torch_kernels.invariant_linear). Weights
+    stored in another float type than the activations (bf16 from a checkpoint, float32
+    activations on a CPU) are converted per call, so memory holds them as stored."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, b = self.weight, self.bias
+        if w.dtype != x.dtype:
+            w, b = w.to(x.dtype), None if b is None else b.to(x.dtype)
+        return invariant_linear(x, w, b)
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T + b with W (out, in) held as packed GGML rows; x (T, in) float32 -> (T, out)."""
+
+    def __init__(self, packed: torch.Tensor, qtype: Q, in_features: int, out_features: int,
+                 bias: Optional[torch.Tensor] = None, kernel: Optional[Kernel] = None) -> None:
+        super().__init__()
+        if packed.dtype != torch.uint8 or tuple(packed.shape) != (out_features, row_bytes(qtype, in_features)):
+            raise ValueError(f"packed {qtype.name} weight should be ({out_features}, "
+                             f"{row_bytes(qtype, in_features)}) uint8, got {tuple(packed.shape)} {packed.dtype}")
+        self.qtype, self.in_features, self.out_features = qtype, in_features, out_features
+        self._kernel = kernel or choose_kernel(qtype, packed.device)
+        # A kernel that keeps the packed layout hands back `packed` itself (or a tuple holding
+        # it); one that repacks builds its own and `packed` is dropped by the caller.
+        try:
+            self.prepared = self._kernel.prepare(packed, qtype, out_features, in_features)
+        except ValueError:  # a shape this kernel cannot take (int4pack: out % 16): the reference can
+            self._kernel = get_kernel("dequant")
+            self.prepared = self._kernel.prepare(packed, qtype, out_features, in_features)
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+
+    @property
+    def packed(self) -> Optional[torch.Tensor]:
+        """The packed GGML rows (out, row_bytes), when the kernel reads them as they are (native,
+        dequant); None when it repacked them into its own layout at load (int4pack)."""
+        p = self.prepared
+        return p[0] if isinstance(p, tuple) and isinstance(p[0], torch.Tensor) else None
+
+    @property
+    def kernel(self) -> str:
+        return self._kernel.name
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return _tensors(self.prepared)
+
+    @property
+    def weight_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.weight_tensors())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._kernel.matmul(x.float(), self.prepared)  # (T, out)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.qtype.name}, kernel={self.kernel}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding (vocab, hidden) as packed rows: a lookup dequantizes only its rows."""
+
+    def __init__(self, packed: torch.Tensor, qtype: Q, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        if tuple(packed.shape) != (num_embeddings, row_bytes(qtype, embedding_dim)):
+            raise ValueError(f"packed embedding has shape {tuple(packed.shape)}")
+        self.qtype, self.num_embeddings, self.embedding_dim = qtype, num_embeddings, embedding_dim
+        self.register_buffer("packed", packed)
+
+    def weight_tensors(self) -> list[torch.Tensor]:
+        return [self.packed]
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.packed.numel()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize(self.packed.index_select(0, ids), self.qtype)  # (T, hidden) float32
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype.name}"

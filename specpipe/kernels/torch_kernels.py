@@ -1,0 +1,117 @@
+"""Kernels built from what torch already offers (see registry.py for the interface).
+
+Batch invariance of the float matmul: on this CPU torch's float32 `F.linear` (oneDNN/MKL sgemm)
+gives a row a different result when the call has 1, 2, 3, 5, 6, 7, 9, 10 or 11 rows than when it
+has 4, 8 or 12+ (measured in tests/kernels/test_batch_invariance.py): small calls take another
+code path with another summation order. Padding the rows to a multiple of ROW_TILE puts every
+call on the same path, so a row's output no longer depends on how many rows share its call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import gguf
+import torch
+import torch.nn.functional as F
+
+from specpipe.kernels.ggml_types import _f16, _k_scale_min, _nibbles, dequantize
+
+Q = gguf.GGMLQuantizationType
+ROW_TILE = 4
+
+
+def invariant_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """F.linear(x, w, bias) with the rows padded to a multiple of ROW_TILE: x (T, K) -> (T, N)."""
+    t = x.shape[0]
+    pad = -t % ROW_TILE
+    if pad:
+        x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
+    return F.linear(x, w, bias)[:t]
+
+
+class DequantKernel:
+    """Reference dequantize of the whole matrix per call, then the invariant float matmul."""
+
+    name = "dequant"
+
+    def supports(self, qtype: Q, device) -> bool:
+        return qtype not in (Q.F32, Q.F16, Q.BF16)  # float weights are nn.Linear parameters
+
+    def prepare(self, packed: torch.Tensor, qtype: Q, out_features: int, in_features: int) -> Any:
+        return packed, qtype
+
+    def matmul(self, x: torch.Tensor, prepared: Any) -> torch.Tensor:
+        packed, qtype = prepared
+        return invariant_linear(x, dequantize(packed, qtype).to(x.device))
+
+
+def q4_groups(packed: torch.Tensor, qtype: Q) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 / Q4_1 / Q4_K rows -> 4-bit values q (N, K) uint8 in 0..15 and per-32-element
+    scale and zero (N, K/32) float32 such that w = (q - 8) * scale + zero (torch's int4 form).
+    Exact in float32 arithmetic except Q4_K's zero, 8 * scale - min, rounded once."""
+    n = packed.shape[0]
+    b = packed.reshape(-1, 144 if qtype == Q.Q4_K else (18 if qtype == Q.Q4_0 else 20))
+    if qtype == Q.Q4_K:
+        sc, mn = _k_scale_min(b[:, 4:16])
+        scale, low = _f16(b[:, 0:2]) * sc, _f16(b[:, 2:4]) * mn  # (B, 8)
+        q = _nibbles(b[:, 16:].reshape(-1, 4, 32)).reshape(-1, 8, 32)
+        zero = 8 * scale - low
+    else:
+        scale = _f16(b[:, 0:2])  # (B, 1)
+        q = _nibbles(b[:, 2:] if qtype == Q.Q4_0 else b[:, 4:])
+        zero = torch.zeros_like(scale) if qtype == Q.Q4_0 else _f16(b[:, 2:4]) + 8 * scale
+    return q.reshape(n, -1), scale.reshape(n, -1), zero.reshape(n, -1)
+
+
+@dataclass
+class Int4Packed:
+    weight: torch.Tensor  # (N, K/2) uint8, torch's CPU int4 layout
+    scale_zero: torch.Tensor  # (K/32, N, 2) bfloat16
+    out_features: int
+
+
+class Int4PackKernel:
+    """torch.ops.aten._weight_int4pack_mm_for_cpu: 4-bit weights in groups of 32 with a bf16
+    scale and zero per group. Its fast path takes bf16 activations and returns bf16 (a float32
+    call exists but runs ~20x slower than float32 F.linear): so activations, scales and outputs
+    are rounded to bf16, and the result is not the file's weights at float32 precision."""
+
+    name = "int4pack"
+
+    def supports(self, qtype: Q, device) -> bool:
+        return qtype in (Q.Q4_0, Q.Q4_1, Q.Q4_K) and torch.device(device).type == "cpu"
+
+    def prepare(self, packed: torch.Tensor, qtype: Q, out_features: int, in_features: int) -> Int4Packed:
+        if out_features % 16:
+            raise ValueError(f"int4pack needs a multiple of 16 output features, got {out_features}")
+        q, scale, zero = q4_groups(packed, qtype)
+        weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        sz = torch.stack((scale.t(), zero.t()), dim=-1).to(torch.bfloat16).contiguous()  # (K/32, N, 2)
+        return Int4Packed(weight, sz, out_features)
+
+    def matmul(self, x: torch.Tensor, prepared: Int4Packed) -> torch.Tensor:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), prepared.weight, 32,
+                                                        prepared.scale_zero)
+        return y.float()
+
+
+class NativeKernel:
+    """specpipe.kernels.native (a C kernel built separately): float32 activations, packed rows."""
+
+    name = "native"
+
+    def __init__(self, module) -> None:
+        self._native = module
+        self._types = set(module.supported_types())
+
+    def supports(self, qtype: Q, device) -> bool:
+        return qtype in self._types and torch.device(device).type == "cpu"
+
+    def prepare(self, packed: torch.Tensor, qtype: Q, out_features: int, in_features: int) -> Any:
+        return packed.contiguous(), qtype
+
+    def matmul(self, x: torch.Tensor, prepared: Any) -> torch.Tensor:
+        packed, qtype = prepared
+        return self._native.matmul(x.contiguous(), packed, qtype, torch.get_num_threads())

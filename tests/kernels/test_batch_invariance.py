@@ -1,0 +1,142 @@
+"""Batch invariance: a row's output never depends on the rows that share its call.
+
+Kernel level: every kernel this process can use, on every type it supports, and the float
+linear (float32 and bf16 weights): a row alone equals, bitwise, the same row among 1-63 others.
+Model level: a stage's forward over mixed segments (a tree under a context with its mask, a
+prompt chunk, a decode row), float32 / bf16-stored / Q8_0 / Q4_0 weights: each row computed in a
+call of its own (same context, same mask row) equals, bitwise, that row in the batch.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specpipe.config import StageSpec
+from specpipe.kernels.ggml_types import BLOCKS
+from specpipe.kernels.qlinear import FloatLinear, QuantLinear
+from specpipe.kernels.registry import kernels
+from specpipe.loader import open_checkpoint
+from specpipe.model.attention import SegmentPlan
+from specpipe.model.runner import run_segments
+from specpipe.model.stage import build_stage
+
+Q = gguf.GGMLQuantizationType
+CPU_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+N, K, ROWS = 96, 512, 64
+
+
+def random_packed(qtype: Q, n: int, k: int, seed: int) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):  # gguf-py cannot encode these: random valid blocks
+        bs, ts = BLOCKS[qtype]
+        raw = rng.integers(0, 256, (n * k // bs, ts), dtype=np.uint8)
+        for off in ((208,) if qtype == Q.Q6_K else (0, 2)):
+            raw[:, off:off + 2] = rng.uniform(-0.05, 0.05, (len(raw), 1)).astype(np.float16).view(np.uint8)
+        return torch.from_numpy(raw.reshape(n, -1))
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.1
+    return torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(w, qtype)))
+
+
+def assert_invariant(f, x: torch.Tensor) -> None:
+    full = f(x)  # (ROWS, N)
+    for t in range(1, ROWS):
+        assert torch.equal(f(x[:t]), full[:t]), f"{t} rows differ from the same rows among {ROWS}"
+    for i in (0, 5, ROWS - 1):  # a row alone, from any position of the batch
+        assert torch.equal(f(x[i:i + 1])[0], full[i]), f"row {i} alone differs"
+
+
+CASES = [(k.name, q) for k in kernels() for q in CPU_TYPES if k.supports(q, "cpu")]
+
+
+@pytest.mark.parametrize("kernel,qtype", CASES, ids=[f"{k}-{q.name}" for k, q in CASES])
+def test_kernel_rows_do_not_depend_on_the_batch(kernel, qtype):
+    k = next(k for k in kernels() if k.name == kernel)
+    layer = QuantLinear(random_packed(qtype, N, K, int(qtype)), qtype, K, N, kernel=k)
+    x = torch.randn(ROWS, K, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert_invariant(layer, x)
+
+
+def test_every_cpu_type_has_a_kernel():
+    assert {q for _, q in CASES} == set(CPU_TYPES)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_float_linear_rows_do_not_depend_on_the_batch(weight_dtype):
+    # torch's own F.linear is not: the float path pads to a fixed row tile (torch_kernels.py).
+    g = torch.Generator().manual_seed(1)
+    for n, k in ((N, K), (1536, 576), (64, 64)):
+        layer = FloatLinear(k, n, bias=True)
+        with torch.no_grad():
+            layer.weight = torch.nn.Parameter(torch.randn(n, k, generator=g).to(weight_dtype))
+            layer.bias = torch.nn.Parameter(torch.randn(n, generator=g).to(weight_dtype))
+        with torch.inference_mode():
+            assert_invariant(layer, torch.randn(ROWS, k, generator=g))
+
+
+# --- model level ---------------------------------------------------------------------------------
+
+
+def bf16_copy(src, dst):
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        save_file({n: t.to(torch.bfloat16) for n, t in load_file(f).items()}, f, metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
+    return dst
+
+
+def mixed_batch(rng: np.random.Generator):
+    """Three segments: 5 tree rows under a 10-token context (slots 0-14, random tree mask), a
+    6-row prompt chunk after a 4-token context (slots 20-29), one decode row (slots 40-47)."""
+    parents = [-1, 0, 0, 1, 2]  # within the tree
+    mask = np.zeros((5, 15), dtype=bool)
+    mask[:, :10] = True
+    for i, p in enumerate(parents):
+        mask[i, 10 + i] = True
+        while p >= 0:
+            mask[i, 10 + p], p = True, parents[p]
+    chunk = np.ones((6, 10), dtype=bool)
+    chunk[:, 4:] = np.tri(6, dtype=bool)
+    segments = [SegmentPlan(5, list(range(15)), mask), SegmentPlan(6, list(range(20, 30)), chunk),
+                SegmentPlan(1, list(range(40, 48)), None)]
+    positions = [10, 11, 11, 12, 12] + list(range(4, 10)) + [7]
+    write = list(range(10, 15)) + list(range(24, 30)) + [47]
+    contexts = [(list(range(10)), list(range(10))), (list(range(20, 24)), list(range(4))),
+                (list(range(40, 47)), list(range(7)))]  # (slots, positions) written first
+    tokens = torch.from_numpy(rng.integers(0, 200, 12))
+    return segments, positions, write, contexts, tokens
+
+
+@pytest.mark.parametrize("variant", ["f32", "bf16-stored", "int8", "int4", "int4pack"])
+def test_stage_rows_do_not_depend_on_the_batch(tiny_llama_dir, tmp_path, variant):
+    path = bf16_copy(tiny_llama_dir, tmp_path / "bf16") if variant == "bf16-stored" else tiny_llama_dir
+    quant = {"int8": "int8", "int4": "int4", "int4pack": "int4"}.get(variant)
+    model = build_stage(open_checkpoint(path), StageSpec(0, 4, True, True),
+                        dtype=None if variant == "bf16-stored" else torch.float32, quantization=quant,
+                        kernel="int4pack" if variant == "int4pack" else None)
+    if variant == "bf16-stored":
+        assert model.layers["0"].mlp.up_proj.weight.dtype == torch.bfloat16
+    if quant:
+        assert isinstance(model.layers["0"].mlp.up_proj, QuantLinear)
+    rng = np.random.default_rng(0)
+    kv = model.make_kv_cache(48)
+    segments, positions, write, contexts, tokens = mixed_batch(rng)
+    for slots, pos in contexts:
+        ctx = torch.from_numpy(rng.integers(0, 200, len(slots)))
+        run_segments(model, kv, ctx, pos, slots, [SegmentPlan(len(slots), slots, np.tri(len(slots), dtype=bool))])
+    batch = run_segments(model, kv, tokens, positions, write, segments)  # (12, V)
+    row = 0
+    for seg in segments:
+        for i in range(seg.num_rows):
+            one = SegmentPlan(1, seg.read_slots, None if seg.mask is None else seg.mask[i:i + 1])
+            alone = run_segments(model, kv, tokens[row:row + 1], [positions[row]], [write[row]], [one])
+            assert torch.equal(alone[0], batch[row]), f"{variant}: row {row} alone differs from the batch"
+            row += 1

@@ -1,0 +1,99 @@
+"""build_stage keeps weights as stored: GGUF blocks packed, bf16 as bf16, HF weights quantized
+at load when asked; the packed path with the reference kernel equals the float32 path bitwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import gguf
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from specpipe.config import StageSpec
+from specpipe.engine.default_model import DefaultModelMissing, default_model_path
+from specpipe.kernels.ggml_types import dequantize
+from specpipe.kernels.qlinear import FloatLinear, QuantEmbedding, QuantLinear
+from specpipe.loader import open_checkpoint
+from specpipe.model.runner import run_rows
+from specpipe.model.stage import build_stage, weight_nbytes
+
+Q = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(scope="module")
+def smol():
+    try:
+        return open_checkpoint(default_model_path())
+    except DefaultModelMissing as e:
+        pytest.skip(f"default model not installed: {e}")
+
+
+def forward(model, data):
+    n = data.shape[0]
+    kv = model.make_kv_cache(n)
+    return run_rows(model, kv, data, list(range(n)), list(range(n)), list(range(n)), None)
+
+
+def test_smollm2_first_and_last_stage_equal_float32_path(smol):
+    ids = torch.tensor([1, 9690, 198, 504, 3575, 282, 4649])
+    first = build_stage(smol, StageSpec(0, 2, True, False))
+    assert isinstance(first.embed_tokens, QuantEmbedding) and first.embed_tokens.qtype == Q.Q8_0
+    assert all(isinstance(m, QuantLinear) and m.qtype == Q.Q4_1 for n, m in first.named_modules()
+               if n.endswith("_proj"))
+    assert not any(p.numel() > 576 for p in first.parameters())  # only norms stay float
+    ref = build_stage(smol, StageSpec(0, 2, True, False), kernel="float32")
+    hidden = forward(first, ids)
+    assert torch.equal(hidden, forward(ref, ids))
+    last = build_stage(smol, StageSpec(28, 30, False, True))  # tied head from the embedding's blocks
+    assert isinstance(last.lm_head, QuantLinear) and last.lm_head.qtype == Q.Q8_0
+    ref_last = build_stage(smol, StageSpec(28, 30, False, True), kernel="float32")
+    assert torch.equal(forward(last, hidden), forward(ref_last, hidden))
+
+
+def test_smollm2_whole_holds_the_file_once(smol):
+    model = build_stage(smol, StageSpec.whole(smol.config))
+    assert model.lm_head.packed.data_ptr() == model.embed_tokens.packed.data_ptr()  # tied: shared
+    size = os.path.getsize(smol.path)
+    assert weight_nbytes(model) <= 1.15 * size, (weight_nbytes(model), size)
+
+
+def bf16_dir(src, dst):
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        save_file({n: t.to(torch.bfloat16) for n, t in load_file(f).items()}, f, metadata={"format": "pt"})
+    cfg = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
+    return dst
+
+
+def test_bf16_checkpoint_stays_bf16_unless_float32_is_asked(tiny_llama_dir, tmp_path):
+    ckpt = open_checkpoint(bf16_dir(tiny_llama_dir, tmp_path / "bf16"))
+    kept = build_stage(ckpt, StageSpec.whole(ckpt.config), dtype=None)
+    up = kept.layers["0"].mlp.up_proj
+    assert isinstance(up, FloatLinear) and up.weight.dtype == torch.bfloat16
+    assert kept.layers["0"].input_layernorm.weight.dtype == torch.float32  # norms and activations f32
+    assert kept.make_kv_cache(4).k.dtype == torch.float32
+    f32 = build_stage(ckpt, StageSpec.whole(ckpt.config), dtype=torch.float32)
+    assert f32.layers["0"].mlp.up_proj.weight.dtype == torch.float32
+    ids = torch.tensor([5, 17, 33, 90])
+    assert torch.equal(forward(kept, ids), forward(f32, ids))  # the per-call upcast is exact
+
+
+@pytest.mark.parametrize("quantization,qtype,bound", [("int8", Q.Q8_0, 1 / 127), ("int4", Q.Q4_0, 1 / 8)])
+def test_hf_quantized_at_load(tiny_llama_dir, quantization, qtype, bound):
+    ckpt = open_checkpoint(tiny_llama_dir)
+    model = build_stage(ckpt, StageSpec.whole(ckpt.config), quantization=quantization)
+    projections = {n: m for n, m in model.named_modules() if n.endswith("_proj") or n == "lm_head"}
+    assert projections and all(isinstance(m, QuantLinear) and m.qtype == qtype for m in projections.values())
+    assert isinstance(model.embed_tokens, QuantEmbedding)
+    for name, m in projections.items():  # each weight within its format's rounding of the original
+        w = ckpt.load(f"{name}.weight")
+        got = dequantize(m.packed, qtype)
+        block_max = w.abs().reshape(w.shape[0], -1, 32).amax(-1, keepdim=True)  # (N, K/32, 1)
+        err = (got - w).abs().reshape(w.shape[0], -1, 32)
+        assert (err <= block_max * bound * 1.01 + 1e-6).all(), name
+    ids = torch.tensor([5, 17, 33, 90, 5, 17])
+    assert torch.isfinite(forward(model, ids)).all()
