@@ -81,7 +81,7 @@ def main() -> None:
         print(json.dumps(one(args.one[0], None if args.one[1] == "default" else args.one[1], args.tokens, args.threads)))
         return
     if not args.model:
-        from specpipe.engine.default_model import default_model_path
+        from specpipe.loader.default_model import default_model_path
 
         args.model = [str(default_model_path())]
     results = []

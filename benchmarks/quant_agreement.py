@@ -18,7 +18,7 @@ import json
 import torch
 
 from specpipe.config import StageSpec
-from specpipe.engine.default_model import default_model_path
+from specpipe.loader.default_model import default_model_path
 from specpipe.loader import open_checkpoint
 from specpipe.model.runner import run_rows
 from specpipe.model.stage import build_stage

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from specpipe.config import StageSpec
-from specpipe.engine.default_model import DefaultModelMissing, default_model_path
+from specpipe.loader.default_model import DefaultModelMissing, default_model_path
 from specpipe.engine.engine import decode
 from specpipe.kernels.qlinear import QuantLinear
 from specpipe.loader import open_checkpoint

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from specpipe.engine.default_model import default_model_path
+from specpipe.loader.default_model import default_model_path
 from specpipe.kernels.ggml_types import BLOCKS, dequantize, row_bytes
 
 Q = gguf.GGMLQuantizationType
