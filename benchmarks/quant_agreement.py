@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import numpy as np
 import torch
 
 from specpipe.config import StageSpec
@@ -32,7 +33,8 @@ def decode(model, prompt: list[int], steps: int, forced: list[int] | None = None
     ones). Returns the logits of the prompt's last row and of each decode row, and the tokens."""
     kv = model.make_kv_cache(len(prompt) + steps + 1)
     n = len(prompt)
-    out = [run_rows(model, kv, torch.tensor(prompt), list(range(n)), list(range(n)), list(range(n)), None, [n - 1])]
+    causal = np.tril(np.ones((n, n), dtype=bool))  # a prompt row sees itself and what precedes it
+    out = [run_rows(model, kv, torch.tensor(prompt), list(range(n)), list(range(n)), list(range(n)), causal, [n - 1])]
     tokens = []
     for i in range(steps):
         tok = forced[i] if forced is not None else int(out[-1][-1].argmax())
