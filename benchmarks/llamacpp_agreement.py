@@ -10,7 +10,7 @@ agree and, at the first disagreement, each engine's logit gap between its token 
 llama-cpp-python is built from source (`pip install llama-cpp-python`, minutes); never in CI.
 
     PYTHONPATH=. python benchmarks/llamacpp_agreement.py [--model FILE.gguf] [--prompts-per-group 4]
-        [--tokens 32] [--threads 2] [--out benchmarks/results/llamacpp_agreement_smollm2.json]
+        [--tokens 32] [--threads 2] [--kernel float32] [--out benchmarks/results/llamacpp_agreement_smollm2.json]
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def main() -> None:
     p.add_argument("--prompts-per-group", type=int, default=4)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kernel", default=None, help="a kernel to prefer (default: the registry's choice; "
+                                                   "float32: the old dequantized path)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     from llama_cpp import Llama
@@ -80,7 +82,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ckpt = open_checkpoint(path)
     tok = Tokenizer.from_path(path)
-    model = build_stage(ckpt, StageSpec.whole(ckpt.config))
+    model = build_stage(ckpt, StageSpec.whole(ckpt.config), kernel=args.kernel)
     kernels = sorted({m.kernel for m in model.modules() if isinstance(getattr(m, "kernel", None), str)})
     llm = Llama(model_path=path, n_ctx=4096, n_threads=args.threads, n_threads_batch=args.threads,
                 logits_all=False, verbose=False)
