@@ -72,6 +72,7 @@ class EngineCore:
         self._pids = pids if pids is not None else itertools.count()
         self._release: list[int] = []  # pids whose KV every stage frees at the next step
         self._failures: dict[int, int] = {}
+        self._ended: list[Request] = []
         self._report = False
         self.stage_stats: Optional[list[dict]] = None  # the stages' last report (cumulative)
         self.steps = 0
@@ -150,10 +151,12 @@ class EngineCore:
         plan = self.scheduler.schedule(lambda rid: self.states[rid].want())
         for rid in plan.preempted:
             self._restart(rid)
+        self._ended: list[Request] = []  # requests a fault of their own ended during this step
         running = [self.states[rid] for rid in self.scheduler.running]
         for st in running:
             st.prepare(plan.grants[st.req.request_id])
         self._draft(running, BEFORE)
+        running = [st for st in running if self._alive(st)]
         rows = [r for st in running if (r := st.send()) is not None]
         control = Control(release=self._release, report=self._report)
         for st in running:
@@ -196,13 +199,13 @@ class EngineCore:
         by_pid = {st.pid: st for st in running}
         for res in results:
             st = by_pid.get(res.request_id)
-            if st is None or self.states.get(st.req.request_id) is not st:
+            if st is None or not self._alive(st):
                 continue  # rows of a request that ended or was restarted while they travelled
             if res.failed:
                 self._stage_kv_failed(st)
             else:
                 st.receive(res)
-        live = [st for st in running if self.states.get(st.req.request_id) is st]
+        live = [st for st in running if self._alive(st)]
         for st in live:
             if st.started:
                 st.req.stats.pipeline_steps += 1
@@ -210,15 +213,15 @@ class EngineCore:
         if error is None:
             self._draft([st for st in live if not st.req.finished], AFTER)
         else:
-            for st in live:
-                st.drafting(AFTER)  # drop a new root's draft call: the source may be in any state
+            for st in live:  # drop a new root's draft call: the source may be in any state
+                self._own_fault(st, st.drafting, AFTER)
         done = [st.req for st in live if st.req.finished]
         self.observer.verified([st.req for st in live])
         for req in done:
             self._retire(req.request_id)
         if error is not None:
             raise error
-        return done
+        return self._ended + done
 
     # -- internals ----------------------------------------------------------------------------------------
     def _new_state(self, req: Request) -> ModeState:
@@ -235,7 +238,8 @@ class EngineCore:
         Returns the states that drafted."""
         drafted: dict[int, ModeState] = {}
         while self.source is not None:
-            calls = [(st, c) for st in states if (c := st.drafting(phase)) is not None]
+            calls = [(st, c) for st in states
+                     if self._alive(st) and (c := self._own_fault(st, st.drafting, phase)) is not None]
             if not calls:
                 break
             t0 = time.perf_counter()
@@ -243,11 +247,27 @@ class EngineCore:
             dt = time.perf_counter() - t0
             self.observer.drafted(phase, sum(len(c.rows.node_ids) for _, c in calls))
             for (st, _), props in zip(calls, outs):
-                st.proposals(phase, props)
+                self._own_fault(st, st.proposals, phase, props)
                 st.req.stats.draft_s += dt / len(calls)
                 st.req.stats.draft_calls += 1
                 drafted[st.pid] = st
         return list(drafted.values())
+
+    def _own_fault(self, st: ModeState, fn: Callable, *args):
+        """Run one request's drafting step. An error there (say a NaN score from the draft, which
+        `TokenTree.expand` refuses) is that request's alone: it ends with the cause, and the step
+        and every other request go on. Its rows still in flight are dropped as results arrive."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001  (KeyboardInterrupt and the like still stop the step)
+            st.req.end("error", f"drafting failed for this request: {type(e).__name__}: {e}")
+            self._retire(st.req.request_id)
+            self._ended.append(st.req)
+            return None
+
+    def _alive(self, st: ModeState) -> bool:
+        """The state still serves its request (not ended or restarted during this step)."""
+        return self.states.get(st.req.request_id) is st
 
     def _retire(self, request_id: int) -> None:
         self.scheduler.remove(request_id)

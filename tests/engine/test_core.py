@@ -1,4 +1,4 @@
-"""Engine core details: an error while drafting, and a tree too wide for the KV pool."""
+"""Engine core details: an error while drafting (the step's or one request's), and a tree too wide for the KV pool."""
 
 from __future__ import annotations
 
@@ -124,3 +124,40 @@ def test_what_add_request_accepts_can_be_admitted(ckpt):
             break
         core.step()
     assert fits.finish_reason == "length" and len(fits.output_ids) == 12
+
+
+class NaNForOne(NgramSource):
+    """Scores NaN for one request's children, as a draft model whose logits overflowed might."""
+
+    def __init__(self, victim_pid: int):
+        super().__init__()
+        self.victim = victim_pid
+
+    def propose_many(self, calls):
+        outs = super().propose_many(calls)
+        return [{n: [(t, float("nan")) for t, _ in c] for n, c in out.items()} if call.request_id == self.victim
+                else out for call, out in zip(calls, outs)]
+
+
+@pytest.mark.parametrize("mode", ["tree", "specpipe"])
+def test_a_drafting_fault_of_one_request_ends_that_request_only(ckpt, mode):
+    """A NaN in one request's draft scores makes TokenTree.expand raise: that request ends with
+    an error naming the cause, the step still returns, the others decode as if alone."""
+    pipe = pipeline(ckpt, 2)
+    prompts = [PROMPT, PROMPT[::-1], PROMPT[3:]]
+    want = []
+    for i, p in enumerate(prompts):
+        ref = Request(i, p, SamplingParams(max_tokens=12), frozenset())
+        decode(pipe, ref, "pp", kv_blocks=32, block_size=16)
+        want.append(ref.output_ids)
+    core = EngineCore(pipe, mode, NaNForOne(victim_pid=1), width=4, kv_blocks=32, block_size=16)
+    reqs = [Request(i, p, SamplingParams(max_tokens=12), frozenset()) for i, p in enumerate(prompts)]
+    for r in reqs:
+        core.add_request(r)
+    finished = []
+    while core.has_work():
+        finished += core.step()  # never raises: the fault is the request's, not the engine's
+    assert sorted(r.request_id for r in finished) == [0, 1, 2]
+    assert reqs[1].finish_reason == "error" and "drafting failed" in reqs[1].error and "nan" in reqs[1].error
+    assert [reqs[0].output_ids, reqs[2].output_ids] == [want[0], want[2]]
+    assert all(w.slots.total_in_use() == 0 for w in pipe.workers) and not core.requests
