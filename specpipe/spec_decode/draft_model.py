@@ -30,7 +30,8 @@ class DraftModelSource(TokenSource):
             raise ValueError("a draft model needs its embedding and its LM head")
         self.model, self.name = model, name
         self.tokenizer_fingerprint = tokenizer_fingerprint
-        self.slots = SlotTable(num_blocks, block_size)
+        # Horizon 0: the draft is fed synchronously, never a pruned node's row, so it remembers none.
+        self.slots = SlotTable(num_blocks, block_size, horizon=0)
         self.kv = model.make_kv_cache(self.slots.num_slots)
 
     def start(self, request_id: int) -> None:

@@ -36,7 +36,7 @@ def run_stage(t: Transport, model_path: str, spec: StageSpec, num_blocks: int, b
     t.start_heartbeat()
     try:
         model = build_stage(open_checkpoint(model_path), spec, device, dtype)
-        worker = StageWorker(model, num_blocks, block_size)
+        worker = StageWorker(model, num_blocks, block_size, horizon=rank)  # rank r is stage index r - 1
     except Exception as e:  # reported through the store so the driver can show it
         t.store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         raise

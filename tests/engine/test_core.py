@@ -161,3 +161,27 @@ def test_a_drafting_fault_of_one_request_ends_that_request_only(ckpt, mode):
     assert reqs[1].finish_reason == "error" and "drafting failed" in reqs[1].error and "nan" in reqs[1].error
     assert [reqs[0].output_ids, reqs[2].output_ids] == [want[0], want[2]]
     assert all(w.slots.total_in_use() == 0 for w in pipe.workers) and not core.requests
+
+
+def test_the_slot_tables_dropped_sets_stay_bounded_over_a_long_request(ckpt):
+    """Every stage and the draft remember pruned node ids only while their rows can still arrive,
+    not for the request's whole life; the output is still the plain decode's."""
+    from specpipe.config import StageSpec
+    from specpipe.spec_decode.draft_model import DraftModelSource
+
+    pipe = LocalPipeline([StageWorker(build_stage(ckpt, s), 64, 16) for s in partition_layers(4, 4)])
+    ref = Request(0, PROMPT, SamplingParams(max_tokens=120), frozenset())
+    decode(pipe, ref, "pp", kv_blocks=64, block_size=16)
+    draft = DraftModelSource(build_stage(ckpt, StageSpec(0, 1, True, True)), 64, 16, "self:1")
+    core = EngineCore(pipe, "specpipe", draft, width=4, kv_blocks=64, block_size=16)
+    req = Request(1, PROMPT, SamplingParams(max_tokens=120), frozenset())
+    core.add_request(req)
+    tables = [w.slots for w in pipe.workers] + [draft.slots]
+    most = [0] * len(tables)
+    while core.has_work():
+        core.step()
+        for i, t in enumerate(tables):
+            most[i] = max([most[i]] + [len(r.dropped) for r in t.requests.values()])
+    assert req.output_ids == ref.output_ids
+    assert req.stats.drafted - req.stats.hits > 150  # many nodes were pruned over its life
+    assert max(most) <= 4 * 4 * 6, most  # a few steps' prunings (width 4, up to 4 + 2 steps), not all
