@@ -17,12 +17,11 @@ from specpipe.config import EngineConfig, LinkOptions, StageSpec
 from specpipe.distributed.ranks import LocalStages, RankEnv, free_port, stage_failure, wait_ready
 from specpipe.distributed.remote_pipeline import PipelineError, RemotePipeline
 from specpipe.distributed.transport import Transport
-from specpipe.engine.main_guard import check_main_guard
 from specpipe.loader import Checkpoint
 from specpipe.messages import Pipeline
 from specpipe.model.stage import build_stage
 from specpipe.worker.local_pipeline import LocalPipeline
-from specpipe.worker.stage_main import stage_process_main
+from specpipe.worker.stage_main import stage_argv, stage_process_main
 from specpipe.worker.stage_worker import StageWorker
 
 Progress = Optional[Callable[[str], None]]
@@ -35,7 +34,6 @@ def start_pipeline(config: EngineConfig, ckpt: Checkpoint, model_path: Path, spe
     if rank_env is not None:
         return torchrun_driver(rank_env, config.stages, config.device, config.link(), progress=progress)
     if config.uses_processes():
-        check_main_guard()  # spawn re-imports the caller's script: say so before it fails in a child
         return local_processes(model_path, specs, num_blocks, config.block_size, config.device,
                                config.torch_dtype(), config.link(), progress=progress, threads=config.stage_threads)
     return in_process(ckpt, specs, num_blocks, config.block_size, config.device, config.torch_dtype())
@@ -49,16 +47,16 @@ def in_process(ckpt: Checkpoint, specs: list[StageSpec], num_blocks: int, block_
 def local_processes(model_path: Path, specs: list[StageSpec], num_blocks: int, block_size: int, device: str,
                     dtype: torch.dtype, link: LinkOptions, load_timeout_s: float = 600.0,
                     progress: Progress = None, threads: int = 0) -> RemotePipeline:
-    """Spawn one process per stage on this machine; the caller's process is the driver.
+    """Start one process per stage on this machine; the caller's process is the driver.
     `threads`: CPU threads per stage (0: the machine's cores shared out among the stages)."""
     S, port = len(specs), free_port()
     use_nccl = device.startswith("cuda") and torch.cuda.device_count() >= S
     t = Transport(0, S + 1, "127.0.0.1", port, link, device, use_nccl=use_nccl)
     threads = threads or max(1, (os.cpu_count() or 1) // S)  # the stages share this machine's cores
     stages = LocalStages(
-        stage_process_main,
-        lambda r: (r, S + 1, "127.0.0.1", port, str(model_path), specs[r - 1], num_blocks, block_size, device,
-                   dtype, link, threads, True),
+        "specpipe.worker.stage_main",
+        lambda r: stage_argv(r, S + 1, "127.0.0.1", port, str(model_path), specs[r - 1], num_blocks, block_size,
+                             device, dtype, link, threads),
         S)
     try:
         ready = wait_ready(t.store, S, stages.exits, load_timeout_s, progress)
