@@ -45,7 +45,7 @@ PROMPTS = ["hello there", "the cat sat on the mat, the cat sat", "a b c a b c a 
 
 
 def test_generate_and_chat_across_stage_processes(model, tmp_path):
-    run = run_script(tmp_path, CHILDREN + f"""
+    run = run_script(tmp_path, CHILDREN + textwrap.dedent(f"""
         import json
         from specpipe import LLM, SamplingParams
 
@@ -61,7 +61,7 @@ def test_generate_and_chat_across_stage_processes(model, tmp_path):
                                         for o in outs],
                               "chat": chat[0].token_ids, "alive_inside": alive,
                               "alive_after": children()}}))
-    """)
+    """))
     assert run.returncode == 0, run.stderr
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["alive_inside"] == 2 and got["alive_after"] == 0  # the context manager ended the stages
@@ -81,7 +81,7 @@ def test_generate_and_chat_across_stage_processes(model, tmp_path):
 
 
 def test_stage_processes_end_when_the_llm_is_garbage_collected(model, tmp_path):
-    run = run_script(tmp_path, CHILDREN + f"""
+    run = run_script(tmp_path, CHILDREN + textwrap.dedent(f"""
         import gc, time
         from specpipe import LLM
 
@@ -97,7 +97,7 @@ def test_stage_processes_end_when_the_llm_is_garbage_collected(model, tmp_path):
 
         if __name__ == "__main__":
             main()
-    """)
+    """))
     assert run.returncode == 0, run.stderr
     assert run.stdout.split()[-2:] == ["2", "0"]
 
