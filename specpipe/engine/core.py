@@ -28,7 +28,7 @@ from specpipe.engine.modes.base import AFTER, BEFORE, DURING, ModeState
 from specpipe.engine.modes.rounds import RoundsState
 from specpipe.engine.modes.specpipe import AUTO, AutoPlan, SpecPipeState, block_rows
 from specpipe.engine.observer import NO_OBSERVER, StepObserver
-from specpipe.messages import Control, Pipeline
+from specpipe.messages import Control, Pipeline, StagesRestarted
 from specpipe.request import Request
 from specpipe.sched.block_manager import BlockManager
 from specpipe.sched.scheduler import QueueFull, Scheduler
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from specpipe.costs.profile import CostProfile
 
 MAX_STAGE_KV_FAILURES = 3  # a request a stage could not hold this often ends with an error
+MAX_DRAFT_RESTARTS = 3  # a request whose draft lost its KV this often goes on unspeculated
 DRAFT_BOUND_WAIT_S = 0.001  # results waiting less than this after drafting: the draft was the bottleneck
 
 
@@ -77,6 +78,7 @@ class EngineCore:
         self.stage_stats: Optional[list[dict]] = None  # the stages' last report (cumulative)
         self.steps = 0
         self.draft_bound_steps = 0
+        self.stage_restarts = 0  # times the stages were started again under this core
         self.observer: StepObserver = NO_OBSERVER  # e.g. sim.trace.StepTracer, to record every step
 
     # -- requests -----------------------------------------------------------------------------------
@@ -168,7 +170,10 @@ class EngineCore:
         self._release, self._report = [], False
 
         self.observer.submitted(self.pipe.steps + 1, control, rows, running)
-        self.pipe.submit(control, rows)
+        try:
+            self.pipe.submit(control, rows)
+        except StagesRestarted:
+            return self._recompute_all()
         error: Optional[BaseException] = None
         drafters: list[ModeState] = []
         try:
@@ -179,7 +184,10 @@ class EngineCore:
             # short only has fewer proposals (its tree grows less), never a wrong token.
             error = e
         t0 = time.perf_counter()
-        results = self.pipe.collect()
+        try:
+            results = self.pipe.collect()
+        except StagesRestarted:
+            return self._recompute_all()  # a drafting error of this step no longer matters
         # The results were already waiting when drafting ended: the draft, not the stages, set
         # this step's pace (only where the stages compute while the driver drafts).
         draft_bound = (bool(drafters) and self.pipe.concurrent
@@ -251,7 +259,21 @@ class EngineCore:
                 st.req.stats.draft_s += dt / len(calls)
                 st.req.stats.draft_calls += 1
                 drafted[st.pid] = st
+            self._draft_failed({st.pid: st for st, _ in calls})
         return list(drafted.values())
+
+    def _draft_failed(self, by_pid: dict[int, ModeState]) -> None:
+        """The draft's KV pool ran out for these requests: their speculation would stop for good.
+        Recompute each later under a new pid (the preemption path: the draft is started again
+        and re-fed prompt + output once there is room), a few times at most."""
+        for pid in self.source.take_failures():
+            st = by_pid.get(pid)
+            if st is None or not self._alive(st):
+                continue
+            st.req.stats.draft_failures += 1
+            if st.req.stats.draft_failures <= MAX_DRAFT_RESTARTS:
+                self.scheduler.requeue(st.req.request_id)
+                self._restart(st.req.request_id)
 
     def _own_fault(self, st: ModeState, fn: Callable, *args):
         """Run one request's drafting step. An error there (say a NaN score from the draft, which
@@ -290,6 +312,19 @@ class EngineCore:
         req = self.requests[request_id]
         req.stats.preemptions += 1
         self.states[request_id] = self._new_state(req)
+
+    def _recompute_all(self) -> list[Request]:
+        """The stages were started afresh and hold nothing: every request in the pipeline goes
+        back to the front of the queue and is recomputed from prompt + output so far (the
+        preemption path), so it loses no token and changes none."""
+        for rid in list(self.scheduler.running)[::-1]:  # requeue puts each at the front
+            self.scheduler.requeue(rid)
+            self._restart(rid)
+            self.requests[rid].stats.stage_restarts += 1
+        self._release = []  # the new stages never knew the old pids
+        self._report = True  # the failed step's report request, if any, is asked again
+        self.stage_restarts += 1
+        return []
 
     def _stage_kv_failed(self, st: ModeState) -> None:
         rid = st.req.request_id

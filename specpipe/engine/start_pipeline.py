@@ -17,6 +17,7 @@ from specpipe.config import EngineConfig, LinkOptions, StageSpec
 from specpipe.distributed.ranks import LocalStages, RankEnv, free_port, stage_failure, wait_ready
 from specpipe.distributed.remote_pipeline import PipelineError, RemotePipeline
 from specpipe.distributed.transport import Transport
+from specpipe.engine.restart import RestartingPipeline
 from specpipe.loader import Checkpoint
 from specpipe.messages import Pipeline
 from specpipe.model.stage import build_stage
@@ -34,8 +35,12 @@ def start_pipeline(config: EngineConfig, ckpt: Checkpoint, model_path: Path, spe
     if rank_env is not None:
         return torchrun_driver(rank_env, config.stages, config.device, config.link(), progress=progress)
     if config.uses_processes():
-        return local_processes(model_path, specs, num_blocks, config.block_size, config.device,
-                               config.torch_dtype(), config.link(), progress=progress, threads=config.stage_threads)
+        def start() -> RemotePipeline:
+            return local_processes(model_path, specs, num_blocks, config.block_size, config.device,
+                                   config.torch_dtype(), config.link(), progress=progress,
+                                   threads=config.stage_threads)
+        # The driver owns local stages, so it can start them again when one dies (engine/restart.py).
+        return RestartingPipeline(start, config.restart_stages, progress) if config.restart_stages else start()
     return in_process(ckpt, specs, num_blocks, config.block_size, config.device, config.torch_dtype())
 
 

@@ -20,8 +20,9 @@ from specpipe.spec_decode.sources import MergedSource, NgramSource, TokenSource
 
 def build_source(spec: str, target: Checkpoint, tokenizer: Tokenizer, num_blocks: int, block_size: int,
                  device: str = "cpu", dtype: torch.dtype = torch.float32) -> TokenSource:
-    """A model source gets a KV pool of `num_blocks` x `block_size` slots: as many as a stage,
-    since it holds the same committed tokens and tree nodes of every request."""
+    """A model source gets a KV pool of `num_blocks` x `block_size` slots: a stage's pool plus
+    room for the layers it drafts ahead (Engine.draft_blocks), since it holds the same committed
+    tokens and tree nodes of every request and those besides."""
     parts = [p.strip() for p in spec.split("+") if p.strip()]
     if not parts:
         raise ConfigError("--draft is empty")

@@ -170,11 +170,11 @@ def test_the_slot_tables_dropped_sets_stay_bounded_over_a_long_request(ckpt):
     from specpipe.spec_decode.draft_model import DraftModelSource
 
     pipe = LocalPipeline([StageWorker(build_stage(ckpt, s), 64, 16) for s in partition_layers(4, 4)])
-    ref = Request(0, PROMPT, SamplingParams(max_tokens=120), frozenset())
+    ref = Request(0, PROMPT, SamplingParams(max_tokens=60), frozenset())
     decode(pipe, ref, "pp", kv_blocks=64, block_size=16)
     draft = DraftModelSource(build_stage(ckpt, StageSpec(0, 1, True, True)), 64, 16, "self:1")
     core = EngineCore(pipe, "specpipe", draft, width=4, kv_blocks=64, block_size=16)
-    req = Request(1, PROMPT, SamplingParams(max_tokens=120), frozenset())
+    req = Request(1, PROMPT, SamplingParams(max_tokens=60), frozenset())
     core.add_request(req)
     tables = [w.slots for w in pipe.workers] + [draft.slots]
     most = [0] * len(tables)
@@ -185,3 +185,33 @@ def test_the_slot_tables_dropped_sets_stay_bounded_over_a_long_request(ckpt):
     assert req.output_ids == ref.output_ids
     assert req.stats.drafted - req.stats.hits > 150  # many nodes were pruned over its life
     assert max(most) <= 4 * 4 * 6, most  # a few steps' prunings (width 4, up to 4 + 2 steps), not all
+
+
+def test_a_request_whose_draft_ran_out_of_kv_drafts_again(ckpt):
+    """A draft pool too small for two requests at once: the one that runs out is recomputed
+    (counted in its stats) and drafts again once the other has finished; tokens unchanged."""
+    from specpipe.config import StageSpec
+    from specpipe.spec_decode.draft_model import DraftModelSource
+
+    pipe = pipeline(ckpt, 2)
+    prompts, lens = [PROMPT, PROMPT[::-1] + PROMPT], [8, 24]
+    want = []
+    for i, (p, n) in enumerate(zip(prompts, lens)):
+        ref = Request(i, p, SamplingParams(max_tokens=n), frozenset())
+        decode(pipe, ref, "pp", kv_blocks=32, block_size=16)
+        want.append(ref.output_ids)
+    draft = DraftModelSource(build_stage(ckpt, StageSpec(0, 1, True, True)), 4, 16, "self:1")
+    core = EngineCore(pipe, "specpipe", draft, width=4, kv_blocks=32, block_size=16)
+    reqs = [Request(i, p, SamplingParams(max_tokens=n), frozenset()) for i, (p, n) in enumerate(zip(prompts, lens))]
+    for r in reqs:
+        core.add_request(r)
+    drafted_after_failure = 0
+    while core.has_work():
+        before = reqs[1].stats.drafted
+        core.step()
+        if reqs[1].stats.draft_failures:
+            drafted_after_failure += reqs[1].stats.drafted - before
+    assert [r.output_ids for r in reqs] == want
+    assert reqs[1].stats.draft_failures >= 1 and reqs[1].summary(2)["draft_failures"] >= 1
+    assert drafted_after_failure > 0  # its speculation came back
+    assert all(w.slots.total_in_use() == 0 for w in pipe.workers) and not draft.slots.requests
