@@ -12,10 +12,10 @@ A stage keeps, per request,
                 (in SpecPipe the driver commits a child while it is still inside the last stages);
   dropped    -- node ids pruned by the driver before their rows reached this stage (node id ->
                 the table's step when pruned), so those rows are recognised and discarded. Kept
-                only while such a row can still arrive: a row arrives once (then it is forgotten),
-                and the pipeline is lock-step, so a row the driver sent before the pruning reaches
-                stage i (0-based) within i steps, or was discarded upstream and never comes. After
-                `horizon` steps the id is forgotten: `dropped` stays bounded for a request's life;
+                only while such a row can still arrive: the pipeline is lock-step, so a row the
+                driver sent before the pruning reaches stage i (0-based) within i steps, or was
+                discarded upstream and never comes. After `horizon` steps the id is forgotten:
+                `dropped` stays bounded for a request's life (ids computed here are not kept);
   failed     -- the pool ran out for this request here: its KV is freed and its rows are dropped
                 until the driver releases it.
 Committing a node moves its slot from `spec` to `committed`: no KV row is copied. Pruning returns
@@ -168,11 +168,8 @@ class SlotTable:
         r = self.requests[request_id]
         if r.failed:
             return []
-        keep = [i for i, n in enumerate(node_ids) if n not in r.dropped]
-        if len(keep) < len(node_ids):
-            for n in node_ids:  # each row arrives once: these ids need no remembering any more
-                r.dropped.pop(n, None)
-        return keep
+        # The ids stay until the horizon: a pruned node's children, which follow it, are refused too.
+        return [i for i, n in enumerate(node_ids) if n not in r.dropped]
 
     def plan(self, request_id: int, node_ids: list[int], parent_ids: list[int]) -> RowPlan:
         """Allocate slots for new rows (at least one) and derive what each may attend to: the
