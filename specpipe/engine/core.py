@@ -322,9 +322,9 @@ class EngineCore:
             self._restart(rid)
             self.requests[rid].stats.stage_restarts += 1
         self._release = []  # the new stages never knew the old pids
-        self._report = True  # the failed step's report request, if any, is asked again
+        self._report = True  # the new stages' counters start afresh: report them on the next step
         self.stage_restarts += 1
-        return []
+        return self._ended  # requests a drafting fault ended before the failure
 
     def _stage_kv_failed(self, st: ModeState) -> None:
         rid = st.req.request_id
