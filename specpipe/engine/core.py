@@ -74,6 +74,7 @@ class EngineCore:
         self._release: list[int] = []  # pids whose KV every stage frees at the next step
         self._failures: dict[int, int] = {}
         self._ended: list[Request] = []
+        self._draft_lost: list[int] = []  # request ids whose draft ran out of KV, waiting for room there
         self._report = False
         self.stage_stats: Optional[list[dict]] = None  # the stages' last report (cumulative)
         self.steps = 0
@@ -150,6 +151,7 @@ class EngineCore:
     # -- one pipeline step ----------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """One pipeline step; returns the requests that finished in it."""
+        self._redraft()
         plan = self.scheduler.schedule(lambda rid: self.states[rid].want())
         for rid in plan.preempted:
             self._restart(rid)
@@ -263,17 +265,28 @@ class EngineCore:
         return list(drafted.values())
 
     def _draft_failed(self, by_pid: dict[int, ModeState]) -> None:
-        """The draft's KV pool ran out for these requests: their speculation would stop for good.
-        Recompute each later under a new pid (the preemption path: the draft is started again
-        and re-fed prompt + output once there is room), a few times at most."""
+        """The draft's KV pool ran out for these requests: they go on unspeculated for now, and
+        `_redraft` starts their drafting again once the draft has room (a few times at most)."""
         for pid in self.source.take_failures():
             st = by_pid.get(pid)
             if st is None or not self._alive(st):
                 continue
             st.req.stats.draft_failures += 1
             if st.req.stats.draft_failures <= MAX_DRAFT_RESTARTS:
-                self.scheduler.requeue(st.req.request_id)
-                self._restart(st.req.request_id)
+                self._draft_lost.append(st.req.request_id)
+
+    def _redraft(self) -> None:
+        """Requests whose draft lost its KV, where the draft now has room for them: recompute each
+        under a new pid (the preemption path), which admits it to the draft again and feeds it
+        prompt + output, so its speculation comes back. Oldest first, while there is room."""
+        while self._draft_lost:
+            req = self.requests.get(self._draft_lost[0])
+            if req is not None and req.request_id in self.scheduler.running:  # (else ended or recomputed already)
+                if not self.source.has_room(len(req.prompt_ids) + len(req.output_ids) + self.spec_reserve()):
+                    return
+                self.scheduler.requeue(req.request_id)
+                self._restart(req.request_id)
+            self._draft_lost.pop(0)
 
     def _own_fault(self, st: ModeState, fn: Callable, *args):
         """Run one request's drafting step. An error there (say a NaN score from the draft, which

@@ -78,3 +78,6 @@ class DraftModelSource(TokenSource):
     def take_failures(self) -> list[int]:
         failed, self._failed = self._failed, []
         return failed
+
+    def has_room(self, tokens: int) -> bool:
+        return self.slots.pool.num_free() * self.slots.block_size >= tokens

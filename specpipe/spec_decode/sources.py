@@ -78,6 +78,10 @@ class TokenSource(ABC):
         ran out): they get no proposals until the engine starts them again (start + re-feed)."""
         return []
 
+    def has_room(self, tokens: int) -> bool:
+        """Whether a request holding `tokens` tokens and nodes would fit now (a model source's pool)."""
+        return True
+
 
 class NgramIndex:
     """n-gram -> Counter of the tokens that followed it, over a token sequence that only grows.
@@ -207,6 +211,9 @@ class MergedSource(TokenSource):
 
     def take_failures(self):
         return sorted({rid for s in self.sources for rid in s.take_failures()})
+
+    def has_room(self, tokens):
+        return all(s.has_room(tokens) for s in self.sources)
 
 
 def _merge(proposals: Sequence[dict[int, list[tuple[int, float]]]], want: Sequence[int],
