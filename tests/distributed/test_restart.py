@@ -94,3 +94,37 @@ def test_without_restarts_every_request_ends_with_an_error_naming_the_stage(mode
     finally:
         engine.close()
     assert wait_gone(stage_pids(os.getpid()), 10) == []
+
+
+def test_streams_through_the_async_engine_survive_a_killed_stage(model, undisturbed):
+    """What the server runs: streams pause while the stages start again, then finish with the
+    undisturbed tokens; the engine stays healthy (no 503 afterwards)."""
+    import asyncio
+
+    from specpipe.engine.async_engine import AsyncEngine
+
+    engine = Engine(config(model, stages=2, stage_timeout_s=10))
+    aengine = AsyncEngine(engine.core())
+
+    async def main():
+        streams = [await aengine.add(engine.prompts.make_request(p, s, chat=False)) for p, s in zip(PROMPTS, PARAMS)]
+
+        async def read(stream, kill: bool):
+            ids, last = [], None
+            async for d in stream:
+                ids, last = ids + d.token_ids, d
+                if kill and len(ids) >= 5:  # mid-stream: stage 2 dies
+                    os.kill(stage_pids(os.getpid())[1], signal.SIGKILL)
+                    kill = False
+            return ids, last.finish_reason
+
+        outs = await asyncio.gather(*[read(s, i == 0) for i, s in enumerate(streams)])
+        return outs, await aengine.check()
+
+    try:
+        outs, health = asyncio.run(main())
+    finally:
+        aengine.shutdown()
+        engine.close()
+    assert [ids for ids, _ in outs] == undisturbed and health is None
+    assert engine.core().stage_restarts == 1
