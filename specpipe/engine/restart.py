@@ -34,6 +34,7 @@ class RestartingPipeline:
         self._in_a_row = 0
         self._healthy = 0
         self._dead: Optional[PipelineError] = None
+        self._steps_before = 0  # steps of the stages started before the current ones
 
     @property
     def num_stages(self) -> int:
@@ -49,7 +50,8 @@ class RestartingPipeline:
 
     @property
     def steps(self) -> int:
-        return self.inner.steps
+        """Counted on across restarts (the new stages count from 1 again)."""
+        return self._steps_before + self.inner.steps
 
     @property
     def ready(self):
@@ -81,6 +83,7 @@ class RestartingPipeline:
 
     def _restart(self, cause: PipelineError) -> None:
         self.inner.close()  # broken: what is left of the old stages ends at once
+        self._steps_before += self.inner.steps
         why = str(cause)
         while self._in_a_row < self.restarts:
             self._in_a_row += 1
