@@ -176,6 +176,7 @@ class EngineConfig:
     link_delay_ms: float = 0.0  # emulated per-message link latency between ranks
     link_bandwidth_mbps: float = 0.0  # emulated link bandwidth; 0 = unlimited
     stage_timeout_s: float = 30.0  # a stage silent this long fails the in-flight requests
+    restart_stages: int = 3  # local stage processes: start them again this often after one dies; 0 = never
     max_num_seqs: int = 32  # requests in the pipeline at once (more wait in a queue)
     max_step_rows: int = 64  # pp-cb / specpipe-db: rows entering stage 1 per step (prefill chunks included)
     max_waiting: int = 1024  # requests waiting beyond that are refused (QueueFull)
@@ -212,6 +213,8 @@ class EngineConfig:
             raise ConfigError("--link-delay-ms and --link-bandwidth-mbps must be >= 0")
         if self.stage_threads < 0:
             raise ConfigError(f"--stage-threads must be >= 0, got {self.stage_threads}")
+        if self.restart_stages < 0:
+            raise ConfigError(f"--restart-stages must be >= 0, got {self.restart_stages}")
         if self.stage_timeout_s <= 0:
             raise ConfigError(f"--stage-timeout must be positive, got {self.stage_timeout_s}")
         if self.mode not in SPECULATIVE_MODES and self.draft:

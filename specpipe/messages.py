@@ -150,6 +150,11 @@ class StageStats:
         return d
 
 
+class StagesRestarted(RuntimeError):
+    """Raised by `submit` or `collect` when the stages were started afresh (one had died): they
+    hold no request any more, so the driver recomputes every request that was in the pipeline."""
+
+
 class Pipeline(Protocol):
     """What the driver sees of the stages, in-process or across machines.
 

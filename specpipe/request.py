@@ -34,6 +34,8 @@ class DecodeStats:
     draft_s: float = 0.0  # driver time spent in the speculative source (shared by a step's requests)
     draft_calls: int = 0  # source calls made for it (one draft forward each, shared with other requests)
     preemptions: int = 0  # times its KV was taken back and it was recomputed
+    stage_restarts: int = 0  # of those, times the stages died and were started again
+    draft_failures: int = 0  # times the draft model's KV pool ran out for it (it was recomputed)
     draft_bound_steps: int = 0  # steps whose drafting outlasted the stages (the draft set the pace)
 
 
@@ -136,6 +138,8 @@ class Request:
             "tbt_ms": sum(gaps) / len(gaps) * 1e3 if gaps else None,
             "draft_ms": s.draft_s * 1e3 if s.draft_s else None,
             "preemptions": s.preemptions,
+            "stage_restarts": s.stage_restarts,
+            "draft_failures": s.draft_failures,
             "draft_bound_steps": s.draft_bound_steps,
             "num_stages": num_stages,
         }

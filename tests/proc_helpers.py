@@ -67,8 +67,8 @@ def cmdline(pid: int) -> str:
 
 
 def stage_pids(cli_pid: int) -> list[int]:
-    """The stage processes of a running CLI, in rank order (multiprocessing's spawned children)."""
-    return [p for p in descendants(cli_pid) if "spawn_main" in cmdline(p)]
+    """The stage processes of a running CLI, in rank order."""
+    return [p for p in descendants(cli_pid) if "specpipe.worker.stage_main" in cmdline(p)]
 
 
 def wait_gone(pids: list[int], timeout_s: float) -> list[int]:

@@ -1,7 +1,8 @@
 """Starting the ranks: S stage processes on this machine, or one rank of a torchrun job.
 
-Local: the driver (this process) spawns ranks 1..S itself and tears them all down on exit, error
-or Ctrl-C; a stage also dies with its parent (PR_SET_PDEATHSIG), so nothing is left orphaned.
+Local: the driver (this process) starts ranks 1..S itself, each as a program of its own (a
+command line, no pickle, no re-import of the caller's script), and tears them all down on exit,
+error or Ctrl-C; a stage also dies with its parent (PR_SET_PDEATHSIG), so nothing is left orphaned.
 Several machines: run the same `specpipe generate` command under torchrun on every node; each
 rank reads its role from RANK (0 = driver, 1..S = stages).
 """
@@ -9,10 +10,11 @@ rank reads its role from RANK (0 = driver, 1..S = stages).
 from __future__ import annotations
 
 import ctypes
-import multiprocessing as mp
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -54,39 +56,53 @@ class RankEnv:
 
 
 class LocalStages:
-    """Stage processes spawned on this machine."""
+    """Stage processes on this machine: `python -m <module> <argv_for_rank(r)>` for r in 1..S."""
 
-    def __init__(self, target: Callable, args_for_rank: Callable[[int], tuple], num_stages: int) -> None:
-        ctx = mp.get_context("spawn")
-        self.procs = {r: ctx.Process(target=target, args=args_for_rank(r), name=f"specpipe-stage-{r}", daemon=True)
-                      for r in range(1, num_stages + 1)}
-        for p in self.procs.values():
-            p.start()
+    def __init__(self, module: str, argv_for_rank: Callable[[int], list[str]], num_stages: int) -> None:
+        self.procs: dict[int, subprocess.Popen] = {}
+        try:
+            for r in range(1, num_stages + 1):
+                self.procs[r] = subprocess.Popen([sys.executable, "-m", module, *argv_for_rank(r)],
+                                                 stdin=subprocess.DEVNULL)
+        except BaseException:
+            self.stop(grace_s=0.0)
+            raise
+
+    def pids(self) -> dict[int, int]:
+        return {r: p.pid for r, p in self.procs.items()}
 
     def exits(self) -> dict[int, str]:
         out = {}
         for r, p in self.procs.items():
-            if not p.is_alive():
-                code = p.exitcode
-                out[r] = f"process exited (signal {-code})" if code is not None and code < 0 else f"process exited with code {code}"
+            code = p.poll()
+            if code is not None:
+                out[r] = f"process exited (signal {-code})" if code < 0 else f"process exited with code {code}"
         return out
 
     def stop(self, grace_s: float = 5.0) -> None:
         deadline = time.monotonic() + grace_s
         for p in self.procs.values():
-            p.join(max(0.0, deadline - time.monotonic()))
+            _wait(p, max(0.0, deadline - time.monotonic()))
         for p in self.procs.values():
-            if p.is_alive():
+            if p.poll() is None:
                 p.terminate()
                 try:  # a stopped (SIGSTOP) stage acts on SIGTERM only once it runs again
                     os.kill(p.pid, signal.SIGCONT)
-                except (OSError, TypeError):
+                except OSError:
                     pass
         for p in self.procs.values():
-            p.join(2.0)
-            if p.is_alive():
+            if not _wait(p, 2.0):
                 p.kill()
-                p.join(1.0)
+                _wait(p, 1.0)
+
+
+def _wait(p: subprocess.Popen, timeout_s: float) -> bool:
+    """Reap `p` if it ends within the timeout; whether it has ended."""
+    try:
+        p.wait(timeout_s)
+        return True
+    except subprocess.TimeoutExpired:
+        return False
 
 
 def wait_ready(store, num_stages: int, exits: Callable[[], dict[int, str]], timeout_s: float,

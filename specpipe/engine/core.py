@@ -28,7 +28,7 @@ from specpipe.engine.modes.base import AFTER, BEFORE, DURING, ModeState
 from specpipe.engine.modes.rounds import RoundsState
 from specpipe.engine.modes.specpipe import AUTO, AutoPlan, SpecPipeState, block_rows
 from specpipe.engine.observer import NO_OBSERVER, StepObserver
-from specpipe.messages import Control, Pipeline
+from specpipe.messages import Control, Pipeline, StagesRestarted
 from specpipe.request import Request
 from specpipe.sched.block_manager import BlockManager
 from specpipe.sched.scheduler import QueueFull, Scheduler
@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from specpipe.costs.profile import CostProfile
 
 MAX_STAGE_KV_FAILURES = 3  # a request a stage could not hold this often ends with an error
+MAX_DRAFT_RESTARTS = 3  # a request whose draft lost its KV this often goes on unspeculated
 DRAFT_BOUND_WAIT_S = 0.001  # results waiting less than this after drafting: the draft was the bottleneck
 
 
@@ -72,10 +73,13 @@ class EngineCore:
         self._pids = pids if pids is not None else itertools.count()
         self._release: list[int] = []  # pids whose KV every stage frees at the next step
         self._failures: dict[int, int] = {}
+        self._ended: list[Request] = []
+        self._draft_lost: list[int] = []  # request ids whose draft ran out of KV, waiting for room there
         self._report = False
         self.stage_stats: Optional[list[dict]] = None  # the stages' last report (cumulative)
         self.steps = 0
         self.draft_bound_steps = 0
+        self.stage_restarts = 0  # times the stages were started again under this core
         self.observer: StepObserver = NO_OBSERVER  # e.g. sim.trace.StepTracer, to record every step
 
     # -- requests -----------------------------------------------------------------------------------
@@ -147,13 +151,16 @@ class EngineCore:
     # -- one pipeline step ----------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """One pipeline step; returns the requests that finished in it."""
+        self._redraft()
         plan = self.scheduler.schedule(lambda rid: self.states[rid].want())
         for rid in plan.preempted:
             self._restart(rid)
+        self._ended: list[Request] = []  # requests a fault of their own ended during this step
         running = [self.states[rid] for rid in self.scheduler.running]
         for st in running:
             st.prepare(plan.grants[st.req.request_id])
         self._draft(running, BEFORE)
+        running = [st for st in running if self._alive(st)]
         rows = [r for st in running if (r := st.send()) is not None]
         control = Control(release=self._release, report=self._report)
         for st in running:
@@ -165,7 +172,10 @@ class EngineCore:
         self._release, self._report = [], False
 
         self.observer.submitted(self.pipe.steps + 1, control, rows, running)
-        self.pipe.submit(control, rows)
+        try:
+            self.pipe.submit(control, rows)
+        except StagesRestarted:
+            return self._recompute_all()
         error: Optional[BaseException] = None
         drafters: list[ModeState] = []
         try:
@@ -176,7 +186,10 @@ class EngineCore:
             # short only has fewer proposals (its tree grows less), never a wrong token.
             error = e
         t0 = time.perf_counter()
-        results = self.pipe.collect()
+        try:
+            results = self.pipe.collect()
+        except StagesRestarted:
+            return self._recompute_all()  # a drafting error of this step no longer matters
         # The results were already waiting when drafting ended: the draft, not the stages, set
         # this step's pace (only where the stages compute while the driver drafts).
         draft_bound = (bool(drafters) and self.pipe.concurrent
@@ -196,13 +209,13 @@ class EngineCore:
         by_pid = {st.pid: st for st in running}
         for res in results:
             st = by_pid.get(res.request_id)
-            if st is None or self.states.get(st.req.request_id) is not st:
+            if st is None or not self._alive(st):
                 continue  # rows of a request that ended or was restarted while they travelled
             if res.failed:
                 self._stage_kv_failed(st)
             else:
                 st.receive(res)
-        live = [st for st in running if self.states.get(st.req.request_id) is st]
+        live = [st for st in running if self._alive(st)]
         for st in live:
             if st.started:
                 st.req.stats.pipeline_steps += 1
@@ -210,15 +223,15 @@ class EngineCore:
         if error is None:
             self._draft([st for st in live if not st.req.finished], AFTER)
         else:
-            for st in live:
-                st.drafting(AFTER)  # drop a new root's draft call: the source may be in any state
+            for st in live:  # drop a new root's draft call: the source may be in any state
+                self._own_fault(st, st.drafting, AFTER)
         done = [st.req for st in live if st.req.finished]
         self.observer.verified([st.req for st in live])
         for req in done:
             self._retire(req.request_id)
         if error is not None:
             raise error
-        return done
+        return self._ended + done
 
     # -- internals ----------------------------------------------------------------------------------------
     def _new_state(self, req: Request) -> ModeState:
@@ -235,7 +248,8 @@ class EngineCore:
         Returns the states that drafted."""
         drafted: dict[int, ModeState] = {}
         while self.source is not None:
-            calls = [(st, c) for st in states if (c := st.drafting(phase)) is not None]
+            calls = [(st, c) for st in states
+                     if self._alive(st) and (c := self._own_fault(st, st.drafting, phase)) is not None]
             if not calls:
                 break
             t0 = time.perf_counter()
@@ -243,11 +257,52 @@ class EngineCore:
             dt = time.perf_counter() - t0
             self.observer.drafted(phase, sum(len(c.rows.node_ids) for _, c in calls))
             for (st, _), props in zip(calls, outs):
-                st.proposals(phase, props)
+                self._own_fault(st, st.proposals, phase, props)
                 st.req.stats.draft_s += dt / len(calls)
                 st.req.stats.draft_calls += 1
                 drafted[st.pid] = st
+            self._draft_failed({st.pid: st for st, _ in calls})
         return list(drafted.values())
+
+    def _draft_failed(self, by_pid: dict[int, ModeState]) -> None:
+        """The draft's KV pool ran out for these requests: they go on unspeculated for now, and
+        `_redraft` starts their drafting again once the draft has room (a few times at most)."""
+        for pid in self.source.take_failures():
+            st = by_pid.get(pid)
+            if st is None or not self._alive(st):
+                continue
+            st.req.stats.draft_failures += 1
+            if st.req.stats.draft_failures <= MAX_DRAFT_RESTARTS:
+                self._draft_lost.append(st.req.request_id)
+
+    def _redraft(self) -> None:
+        """Requests whose draft lost its KV, where the draft now has room for them: recompute each
+        under a new pid (the preemption path), which admits it to the draft again and feeds it
+        prompt + output, so its speculation comes back. Oldest first, while there is room."""
+        while self._draft_lost:
+            req = self.requests.get(self._draft_lost[0])
+            if req is not None and req.request_id in self.scheduler.running:  # (else ended or recomputed already)
+                if not self.source.has_room(len(req.prompt_ids) + len(req.output_ids) + self.spec_reserve()):
+                    return
+                self.scheduler.requeue(req.request_id)
+                self._restart(req.request_id)
+            self._draft_lost.pop(0)
+
+    def _own_fault(self, st: ModeState, fn: Callable, *args):
+        """Run one request's drafting step. An error there (say a NaN score from the draft, which
+        `TokenTree.expand` refuses) is that request's alone: it ends with the cause, and the step
+        and every other request go on. Its rows still in flight are dropped as results arrive."""
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001  (KeyboardInterrupt and the like still stop the step)
+            st.req.end("error", f"drafting failed for this request: {type(e).__name__}: {e}")
+            self._retire(st.req.request_id)
+            self._ended.append(st.req)
+            return None
+
+    def _alive(self, st: ModeState) -> bool:
+        """The state still serves its request (not ended or restarted during this step)."""
+        return self.states.get(st.req.request_id) is st
 
     def _retire(self, request_id: int) -> None:
         self.scheduler.remove(request_id)
@@ -270,6 +325,19 @@ class EngineCore:
         req = self.requests[request_id]
         req.stats.preemptions += 1
         self.states[request_id] = self._new_state(req)
+
+    def _recompute_all(self) -> list[Request]:
+        """The stages were started afresh and hold nothing: every request in the pipeline goes
+        back to the front of the queue and is recomputed from prompt + output so far (the
+        preemption path), so it loses no token and changes none."""
+        for rid in list(self.scheduler.running)[::-1]:  # requeue puts each at the front
+            self.scheduler.requeue(rid)
+            self._restart(rid)
+            self.requests[rid].stats.stage_restarts += 1
+        self._release = []  # the new stages never knew the old pids
+        self._report = True  # the new stages' counters start afresh: report them on the next step
+        self.stage_restarts += 1
+        return self._ended  # requests a drafting fault ended before the failure
 
     def _stage_kv_failed(self, st: ModeState) -> None:
         rid = st.req.request_id

@@ -48,6 +48,9 @@ class Engine:
         reserve = spec_reserve(config.mode, config.tree_width, config.tree_depth, config.stages,
                                config.layers_per_step)
         self.num_blocks = pool_blocks(config, cfg, self.stage_specs, reserve)
+        # A draft model holds what a stage holds plus the layers it drafted ahead of the rows sent
+        # (up to one speculative reserve per running request): room for that, so it rarely runs out.
+        self.draft_blocks = self.num_blocks + config.max_num_seqs * -(-reserve // config.block_size)
         self.block_size = config.block_size
         self.cost_profile = _cost_profile(config)
         self.source: Optional[TokenSource] = None
@@ -69,7 +72,8 @@ class Engine:
         if self.source is None:
             c = self.config
             self.source = build_source(c.draft or DEFAULT_DRAFT, self.checkpoint, self.tokenizer,
-                                       self.num_blocks, self.block_size, c.device, c.torch_dtype())
+                                       self.draft_blocks, self.block_size, c.device, c.torch_dtype(),
+                                       c.quantization)
         return self.source
 
     def core(self, mode: Optional[str] = None, tree_width: Optional[int] = None,

@@ -2,10 +2,11 @@
 
     from specpipe import LLM, SamplingParams
 
-    if __name__ == "__main__":          # stage processes re-import this script: keep the guard
-        with LLM(model="model.gguf", stages=4, mode="specpipe-db", draft="draft.gguf") as llm:
-            for out in llm.generate(["Hello", "Bonjour"], SamplingParams(max_tokens=64)):
-                print(out.text, out.finish_reason, out.stats["tokens_per_step"])
+    with LLM(model="model.gguf", stages=4, mode="specpipe-db", draft="draft.gguf") as llm:
+        for out in llm.generate(["Hello", "Bonjour"], SamplingParams(max_tokens=64)):
+            print(out.text, out.finish_reason, out.stats["tokens_per_step"])
+
+(Stage processes are programs of their own: no main guard is needed, and stdin scripts work.)
 
 `generate` takes a list of prompts (text or token ids) and runs them through the engine together;
 it returns one output per prompt, in order. `chat` takes conversations ({"role", "content"}

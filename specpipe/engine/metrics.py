@@ -52,6 +52,10 @@ class EngineMetrics:
         self.verified = counter("spec_decode_num_verified_tokens",
                                 "Target tokens checked against a speculative tree.")
         self.accepted = counter("spec_decode_num_accepted_tokens", "Verified tokens the tree held (hits).")
+        self.draft_failures = counter("spec_decode_draft_kv_failures",
+                                      "Times the draft model's KV pool ran out for a request (then recomputed).")
+        self.stage_restarts = counter("request_stage_restarts",
+                                      "Requests recomputed because the stages died and were started again.")
         self._success = Counter("specpipe:request_success", "Finished requests by finish reason.",
                                 labelnames=["model_name", "finished_reason"], registry=r)
         self._model = model_name
@@ -88,6 +92,8 @@ class EngineMetrics:
         self.drafted.inc(s.drafted)
         self.verified.inc(s.verifications)
         self.accepted.inc(s.hits)
+        self.draft_failures.inc(s.draft_failures)
+        self.stage_restarts.inc(s.stage_restarts)
 
     def on_step(self, seconds: float) -> None:
         self.step_time.observe(seconds)

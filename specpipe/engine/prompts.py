@@ -49,4 +49,4 @@ class PromptProcessor:
             raise ConfigError(f"prompt token ids must be in [0, {self.vocab_size})")
         stop_ids = frozenset() if ignore_eos else frozenset(self.tokenizer.eos_token_ids)
         return Request(next(self._ids), prompt_ids, sampling.resolved(), stop_ids,
-                       detokenizer=IncrementalDetokenizer(self.tokenizer), on_text=on_text)
+                       detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids), on_text=on_text)

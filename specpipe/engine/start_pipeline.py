@@ -17,12 +17,12 @@ from specpipe.config import EngineConfig, LinkOptions, StageSpec
 from specpipe.distributed.ranks import LocalStages, RankEnv, free_port, stage_failure, wait_ready
 from specpipe.distributed.remote_pipeline import PipelineError, RemotePipeline
 from specpipe.distributed.transport import Transport
-from specpipe.engine.main_guard import check_main_guard
+from specpipe.engine.restart import RestartingPipeline
 from specpipe.loader import Checkpoint
 from specpipe.messages import Pipeline
 from specpipe.model.stage import build_stage
 from specpipe.worker.local_pipeline import LocalPipeline
-from specpipe.worker.stage_main import stage_process_main
+from specpipe.worker.stage_main import stage_argv, stage_process_main
 from specpipe.worker.stage_worker import StageWorker
 
 Progress = Optional[Callable[[str], None]]
@@ -35,30 +35,36 @@ def start_pipeline(config: EngineConfig, ckpt: Checkpoint, model_path: Path, spe
     if rank_env is not None:
         return torchrun_driver(rank_env, config.stages, config.device, config.link(), progress=progress)
     if config.uses_processes():
-        check_main_guard()  # spawn re-imports the caller's script: say so before it fails in a child
-        return local_processes(model_path, specs, num_blocks, config.block_size, config.device,
-                               config.torch_dtype(), config.link(), progress=progress, threads=config.stage_threads)
-    return in_process(ckpt, specs, num_blocks, config.block_size, config.device, config.torch_dtype())
+        def start() -> RemotePipeline:
+            return local_processes(model_path, specs, num_blocks, config.block_size, config.device,
+                                   config.torch_dtype(), config.link(), progress=progress,
+                                   threads=config.stage_threads, quantization=config.quantization)
+        # The driver owns local stages, so it can start them again when one dies (engine/restart.py).
+        return RestartingPipeline(start, config.restart_stages, progress) if config.restart_stages else start()
+    return in_process(ckpt, specs, num_blocks, config.block_size, config.device, config.torch_dtype(),
+                      config.quantization)
 
 
 def in_process(ckpt: Checkpoint, specs: list[StageSpec], num_blocks: int, block_size: int, device: str,
-               dtype: torch.dtype) -> LocalPipeline:
-    return LocalPipeline([StageWorker(build_stage(ckpt, s, device, dtype), num_blocks, block_size) for s in specs])
+               dtype: Optional[torch.dtype], quantization: Optional[str] = None) -> LocalPipeline:
+    return LocalPipeline([StageWorker(build_stage(ckpt, s, device, dtype, quantization), num_blocks, block_size)
+                          for s in specs])
 
 
 def local_processes(model_path: Path, specs: list[StageSpec], num_blocks: int, block_size: int, device: str,
                     dtype: torch.dtype, link: LinkOptions, load_timeout_s: float = 600.0,
-                    progress: Progress = None, threads: int = 0) -> RemotePipeline:
-    """Spawn one process per stage on this machine; the caller's process is the driver.
+                    progress: Progress = None, threads: int = 0,
+                    quantization: Optional[str] = None) -> RemotePipeline:
+    """Start one process per stage on this machine; the caller's process is the driver.
     `threads`: CPU threads per stage (0: the machine's cores shared out among the stages)."""
     S, port = len(specs), free_port()
     use_nccl = device.startswith("cuda") and torch.cuda.device_count() >= S
     t = Transport(0, S + 1, "127.0.0.1", port, link, device, use_nccl=use_nccl)
     threads = threads or max(1, (os.cpu_count() or 1) // S)  # the stages share this machine's cores
     stages = LocalStages(
-        stage_process_main,
-        lambda r: (r, S + 1, "127.0.0.1", port, str(model_path), specs[r - 1], num_blocks, block_size, device,
-                   dtype, link, threads, True),
+        "specpipe.worker.stage_main",
+        lambda r: stage_argv(r, S + 1, "127.0.0.1", port, str(model_path), specs[r - 1], num_blocks, block_size,
+                             device, dtype, link, threads, quantization),
         S)
     try:
         ready = wait_ready(t.store, S, stages.exits, load_timeout_s, progress)
@@ -94,13 +100,15 @@ def torchrun_driver(env: RankEnv, num_stages: int, device: str, link: LinkOption
 
 
 def torchrun_stage(env: RankEnv, model_path: Path, specs: list[StageSpec], num_blocks: int, block_size: int,
-                   device: str, dtype: torch.dtype, link: LinkOptions) -> int:
+                   device: str, dtype: Optional[torch.dtype], link: LinkOptions,
+                   quantization: Optional[str] = None) -> int:
     """Ranks 1..S of a torchrun job: serve one stage until the driver shuts the pipeline down."""
     if not 1 <= env.rank <= len(specs):
         print(f"specpipe: rank {env.rank} has no stage (--stages {len(specs)})", file=sys.stderr)
         return 2
     stage_process_main(env.rank, env.world_size, env.master_addr, env.master_port, str(model_path),
-                       specs[env.rank - 1], num_blocks, block_size, device, dtype, link)
+                       specs[env.rank - 1], num_blocks, block_size, device, dtype, link,
+                       quantization=quantization)
     return 0
 
 

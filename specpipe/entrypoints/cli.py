@@ -124,6 +124,9 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--link-bandwidth-mbps", type=float, default=0.0, help="emulated link bandwidth (0 = unlimited)")
     g.add_argument("--stage-timeout", type=float, default=30.0,
                    help="seconds without an answer from the pipeline before requests fail (default 30)")
+    g.add_argument("--restart-stages", type=int, default=3,
+                   help="local stage processes: when one dies, start the stages again up to N times in a row "
+                        "and recompute the requests in flight, token for token (default 3; 0 = fail them)")
     g.add_argument("--max-num-seqs", type=_positive_int, default=32, help="requests in the pipeline at once (default 32)")
     g.add_argument("--max-step-rows", type=_positive_int, default=64,
                    help="pp-cb/specpipe-db: rows entering stage 1 per step, prefill chunks included (default 64)")
@@ -148,6 +151,7 @@ def _engine_config(args: argparse.Namespace, **extra):
                           transport=args.transport, stage_threads=args.stage_threads,
                           link_delay_ms=args.link_delay_ms,
                           link_bandwidth_mbps=args.link_bandwidth_mbps, stage_timeout_s=args.stage_timeout,
+                          restart_stages=args.restart_stages,
                           max_num_seqs=args.max_num_seqs, max_step_rows=args.max_step_rows, kv_memory=args.kv_memory,
                           kv_memory_fraction=args.kv_memory_fraction, block_size=args.block_size, **extra)
     config.validate()
@@ -241,7 +245,7 @@ def _serve_stage(config, env) -> int:
     reserve = spec_reserve(config.mode, config.tree_width, config.tree_depth, config.stages, config.layers_per_step)
     blocks = pool_blocks(config, cfg, specs, reserve, sharing=int(os.environ.get("LOCAL_WORLD_SIZE", len(specs))))
     return torchrun_stage(env, path, specs, blocks, config.block_size, config.device, config.torch_dtype(),
-                          config.link())
+                          config.link(), config.quantization)
 
 
 def _summary(s: dict, n: int) -> str:

@@ -10,8 +10,12 @@ A stage keeps, per request,
   spec       -- tree nodes computed here and still alive: node id -> (slot, parent id);
   pending    -- node ids already committed by the driver but not yet computed at this stage
                 (in SpecPipe the driver commits a child while it is still inside the last stages);
-  dropped    -- node ids pruned by the driver, so rows still travelling towards this stage are
-                recognised and discarded before they are computed;
+  dropped    -- node ids pruned by the driver before their rows reached this stage (node id ->
+                the table's step when pruned), so those rows are recognised and discarded. Kept
+                only while such a row can still arrive: the pipeline is lock-step, so a row the
+                driver sent before the pruning reaches stage i (0-based) within i steps, or was
+                discarded upstream and never comes. After `horizon` steps the id is forgotten:
+                `dropped` stays bounded for a request's life (ids computed here are not kept);
   failed     -- the pool ran out for this request here: its KV is freed and its rows are dropped
                 until the driver releases it.
 Committing a node moves its slot from `spec` to `committed`: no KV row is copied. Pruning returns
@@ -69,7 +73,7 @@ class RequestSlots:
     committed: list[int] = field(default_factory=list)
     spec: dict[int, tuple[int, int]] = field(default_factory=dict)  # node -> (slot, parent)
     pending: deque = field(default_factory=deque)
-    dropped: set[int] = field(default_factory=set)
+    dropped: dict[int, int] = field(default_factory=dict)  # node -> the table's step when pruned
     blocks: list[int] = field(default_factory=list)
     free: list[int] = field(default_factory=list)  # a heap of this request's unused slots
     failed: bool = False
@@ -87,11 +91,18 @@ class RowPlan:
     mask: np.ndarray | None  # (T, C) bool; None when every row sees every read slot
 
 
+MAX_HORIZON = 64  # steps a pruned row may still travel: enough for a pipeline of up to 63 stages
+
+
 class SlotTable:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, horizon: int = MAX_HORIZON) -> None:
+        """`horizon`: steps after a pruning during which rows of pruned nodes may still arrive
+        here (a stage's index + 1; a draft model, fed synchronously, 0)."""
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
         self.requests: dict[int, RequestSlots] = {}
+        self.horizon = horizon
+        self.clock = 0  # steps seen (tick)
 
     @property
     def num_blocks(self) -> int:
@@ -103,6 +114,14 @@ class SlotTable:
         return self.pool.num_blocks * self.block_size
 
     # -- control ------------------------------------------------------------------------------
+    def tick(self) -> None:
+        """A new step begins: forget pruned ids whose rows can no longer arrive."""
+        self.clock += 1
+        oldest = self.clock - self.horizon
+        for r in self.requests.values():
+            if r.dropped and min(r.dropped.values()) < oldest:
+                r.dropped = {n: c for n, c in r.dropped.items() if c >= oldest}
+
     def admit(self, request_id: int) -> None:
         if request_id in self.requests:
             raise KVStateError(f"request {request_id} admitted twice")
@@ -130,10 +149,11 @@ class SlotTable:
         r = self.requests[request_id]
         if r.failed:
             return
-        r.dropped.update(node_ids)
         for n in node_ids:
-            if n in r.spec:
+            if n in r.spec:  # computed here already: its row will not come again
                 heapq.heappush(r.free, r.spec.pop(n)[0])
+            elif self.horizon:
+                r.dropped[n] = self.clock
 
     def _settle(self, r: RequestSlots) -> int:
         # Commits arrive in path order; a node not yet computed here waits at the head.
@@ -148,6 +168,7 @@ class SlotTable:
         r = self.requests[request_id]
         if r.failed:
             return []
+        # The ids stay until the horizon: a pruned node's children, which follow it, are refused too.
         return [i for i, n in enumerate(node_ids) if n not in r.dropped]
 
     def plan(self, request_id: int, node_ids: list[int], parent_ids: list[int]) -> RowPlan:

@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from specpipe.config import ConfigError, StageSpec
@@ -19,17 +21,20 @@ from specpipe.spec_decode.sources import MergedSource, NgramSource, TokenSource
 
 
 def build_source(spec: str, target: Checkpoint, tokenizer: Tokenizer, num_blocks: int, block_size: int,
-                 device: str = "cpu", dtype: torch.dtype = torch.float32) -> TokenSource:
-    """A model source gets a KV pool of `num_blocks` x `block_size` slots: as many as a stage,
-    since it holds the same committed tokens and tree nodes of every request."""
+                 device: str = "cpu", dtype: Optional[torch.dtype] = torch.float32,
+                 quantization: Optional[str] = None) -> TokenSource:
+    """A model source gets a KV pool of `num_blocks` x `block_size` slots: a stage's pool plus
+    room for the layers it drafts ahead (Engine.draft_blocks), since it holds the same committed
+    tokens and tree nodes of every request and those besides."""
     parts = [p.strip() for p in spec.split("+") if p.strip()]
     if not parts:
         raise ConfigError("--draft is empty")
-    sources = [_one(p, target, tokenizer, (num_blocks, block_size), device, dtype) for p in parts]
+    sources = [_one(p, target, tokenizer, (num_blocks, block_size), device, dtype, quantization) for p in parts]
     return sources[0] if len(sources) == 1 else MergedSource(sources)
 
 
-def _one(part: str, target: Checkpoint, tokenizer: Tokenizer, pool: tuple[int, int], device, dtype) -> TokenSource:
+def _one(part: str, target: Checkpoint, tokenizer: Tokenizer, pool: tuple[int, int], device, dtype,
+         quantization: Optional[str] = None) -> TokenSource:
     if part == "ngram":
         return NgramSource()
     if part.startswith("self:"):
@@ -40,7 +45,7 @@ def _one(part: str, target: Checkpoint, tokenizer: Tokenizer, pool: tuple[int, i
         n = target.config.num_layers
         if not 1 <= k < n:
             raise ConfigError(f"--draft self:K needs 1 <= K < {n} (the target's layer count), got {k}")
-        model = build_stage(target, StageSpec(0, k, first=True, last=True), device, dtype)
+        model = build_stage(target, StageSpec(0, k, first=True, last=True), device, dtype, quantization)
         return DraftModelSource(model, *pool, f"self:{k}", tokenizer.fingerprint())
     ckpt = open_checkpoint(part)
     draft_tok = Tokenizer.from_path(part)
@@ -52,5 +57,5 @@ def _one(part: str, target: Checkpoint, tokenizer: Tokenizer, pool: tuple[int, i
         raise ConfigError(
             f"--draft {part}: vocabulary size {ckpt.config.vocab_size} differs from the target's "
             f"{target.config.vocab_size}")
-    model = build_stage(ckpt, StageSpec.whole(ckpt.config), device, dtype)
+    model = build_stage(ckpt, StageSpec.whole(ckpt.config), device, dtype, quantization)
     return DraftModelSource(model, *pool, part, draft_tok.fingerprint())

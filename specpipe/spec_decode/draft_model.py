@@ -6,8 +6,8 @@ prunes it with the same messages, so its cache too holds only committed tokens +
 One step's drafting for every request is one forward (`propose_many`).
 
 If the draft's block pool runs out for a request, that request only loses its draft: its draft
-KV is freed and it gets no more proposals (decoding stays correct, just unspeculated) until it
-finishes.
+KV is freed, it gets no proposals (decoding stays correct, just unspeculated), and
+`take_failures` tells the engine, which starts its drafting again (engine/core.py).
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ class DraftModelSource(TokenSource):
             raise ValueError("a draft model needs its embedding and its LM head")
         self.model, self.name = model, name
         self.tokenizer_fingerprint = tokenizer_fingerprint
-        self.slots = SlotTable(num_blocks, block_size)
+        # Horizon 0: the draft is fed synchronously, never a pruned node's row, so it remembers none.
+        self.slots = SlotTable(num_blocks, block_size, horizon=0)
         self.kv = model.make_kv_cache(self.slots.num_slots)
+        self._failed: list[int] = []
 
     def start(self, request_id: int) -> None:
         self.slots.admit(request_id)
@@ -55,6 +57,7 @@ class DraftModelSource(TokenSource):
             owner.append(i)
         out: list[dict[int, list[tuple[int, float]]]] = [{} for _ in calls]
         packed = run_packed(self.model, self.kv, self.slots, parts)
+        self._failed += packed.failed
         for i, logits in zip(owner, packed.outputs):  # logits (len(want), V)
             c = calls[i]
             if logits is None or not len(c.want):
@@ -71,3 +74,10 @@ class DraftModelSource(TokenSource):
 
     def finish(self, request_id):
         self.slots.release(request_id)
+
+    def take_failures(self) -> list[int]:
+        failed, self._failed = self._failed, []
+        return failed
+
+    def has_room(self, tokens: int) -> bool:
+        return self.slots.pool.num_free() * self.slots.block_size >= tokens

@@ -73,6 +73,15 @@ class TokenSource(ABC):
     def finish(self, request_id: int) -> None:
         """The request ended: free what the source holds for it."""
 
+    def take_failures(self) -> list[int]:
+        """Requests whose drafting state was lost since the last call (a model source's KV pool
+        ran out): they get no proposals until the engine starts them again (start + re-feed)."""
+        return []
+
+    def has_room(self, tokens: int) -> bool:
+        """Whether a request holding `tokens` tokens and nodes would fit now (a model source's pool)."""
+        return True
+
 
 class NgramIndex:
     """n-gram -> Counter of the tokens that followed it, over a token sequence that only grows.
@@ -199,6 +208,12 @@ class MergedSource(TokenSource):
     def finish(self, request_id):
         for s in self.sources:
             s.finish(request_id)
+
+    def take_failures(self):
+        return sorted({rid for s in self.sources for rid in s.take_failures()})
+
+    def has_room(self, tokens):
+        return all(s.has_room(tokens) for s in self.sources)
 
 
 def _merge(proposals: Sequence[dict[int, list[tuple[int, float]]]], want: Sequence[int],

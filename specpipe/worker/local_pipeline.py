@@ -17,6 +17,8 @@ class LocalPipeline:
 
     def __init__(self, workers: list[StageWorker]) -> None:
         self.workers = workers
+        for i, w in enumerate(workers):  # rows reach stage i (0-based) i steps after they were sent
+            w.slots.horizon = i + 1
         self.num_stages = len(workers)
         self.reported: Optional[list[dict]] = None
         self.steps = 0

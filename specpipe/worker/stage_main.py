@@ -2,17 +2,24 @@
 
     control <- driver, rows <- previous rank  ->  StageWorker.step  ->  rows -> next rank
                                                                   (last stage: results -> driver)
+
+A local driver starts each stage as a program of its own, `python -m specpipe.worker.stage_main
+--rank R ...` (`stage_argv` writes the arguments, `main` reads them), never by re-importing the
+user's script: so scripts without a main guard, scripts on standard input and notebooks work.
+Everything a stage needs is on its command line; the rest comes through the TCP store.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
+from typing import Optional
 
 import torch
 
-from specpipe.config import StageSpec
+from specpipe.config import LinkOptions, StageSpec
 from specpipe.distributed.transport import TAG_CONTROL, TAG_REPORT, TAG_RESULTS, TAG_ROWS, LinkError, Transport, short_error
 from specpipe.distributed.wire import decode_control, decode_rows_header, encode_report, encode_results, encode_rows
 from specpipe.loader import open_checkpoint
@@ -31,12 +38,12 @@ def send_rows(t: Transport, dst: int, batch: list) -> None:
 
 
 def run_stage(t: Transport, model_path: str, spec: StageSpec, num_blocks: int, block_size: int,
-              device: str, dtype: torch.dtype) -> None:
+              device: str, dtype: Optional[torch.dtype], quantization: Optional[str] = None) -> None:
     rank, num_stages = t.rank, t.world_size - 1
     t.start_heartbeat()
     try:
-        model = build_stage(open_checkpoint(model_path), spec, device, dtype)
-        worker = StageWorker(model, num_blocks, block_size)
+        model = build_stage(open_checkpoint(model_path), spec, device, dtype, quantization)
+        worker = StageWorker(model, num_blocks, block_size, horizon=rank)  # rank r is stage index r - 1
     except Exception as e:  # reported through the store so the driver can show it
         t.store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         raise
@@ -89,18 +96,22 @@ def cuda_index(rank: int, device_count: int, local_rank: str | None) -> int:
 
 def stage_process_main(rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
                        spec: StageSpec, num_blocks: int, block_size: int, device: str, dtype: torch.dtype, link,
-                       threads: int = 0, managed: bool = False) -> None:
-    """Entry point of a stage process (spawned locally, or one rank under torchrun).
+                       threads: int = 0, managed: bool = False, parent: int = 0,
+                       quantization: Optional[str] = None) -> None:
+    """Entry point of a stage process (started by a local driver, or one rank under torchrun).
 
-    `managed`: spawned by a local driver, which owns the stages' lifetime. Such a stage ignores
+    `managed`: started by a local driver, which owns the stages' lifetime. Such a stage ignores
     Ctrl-C (the terminal sends it to the whole process group; the driver finishes the step and
     shuts the stages down, or terminates them) and leaves error reporting to the driver.
+    `parent`: the driver's pid; if it died before the death signal was armed, exit at once.
     """
     import signal
 
     from specpipe.distributed.ranks import die_with_parent
 
     die_with_parent()
+    if parent and os.getppid() != parent:
+        sys.exit(1)  # the driver is already gone: nobody would ever stop us
     if managed:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     if threads:
@@ -114,7 +125,7 @@ def stage_process_main(rank: int, world_size: int, master_addr: str, master_port
         use_nccl = count >= world_size - 1 or "LOCAL_RANK" in os.environ
     try:
         t = Transport(rank, world_size, master_addr, master_port, link, device, use_nccl=use_nccl)
-        run_stage(t, model_path, spec, num_blocks, block_size, device, dtype)
+        run_stage(t, model_path, spec, num_blocks, block_size, device, dtype, quantization)
     except KeyboardInterrupt:
         pass
     except LinkError as e:
@@ -131,6 +142,49 @@ def stage_process_main(rank: int, world_size: int, master_addr: str, master_port
             t.close()
 
 
+def stage_argv(rank: int, world_size: int, master_addr: str, master_port: int, model_path: str, spec: StageSpec,
+               num_blocks: int, block_size: int, device: str, dtype: Optional[torch.dtype], link: LinkOptions,
+               threads: int = 0, quantization: Optional[str] = None) -> list[str]:
+    """The command-line arguments of a managed local stage (read back by `main`)."""
+    return ["--rank", str(rank), "--world-size", str(world_size), "--addr", master_addr, "--port", str(master_port),
+            "--model", model_path, "--layers", f"{spec.start}:{spec.end}", *(["--first"] if spec.first else []),
+            *(["--last"] if spec.last else []), "--num-blocks", str(num_blocks), "--block-size", str(block_size),
+            "--device", device, "--dtype", "auto" if dtype is None else str(dtype).removeprefix("torch."),
+            *(["--quantization", quantization] if quantization else []), "--delay-ms", repr(link.delay_ms),
+            "--bandwidth-mbps", repr(link.bandwidth_mbps), "--timeout-s", repr(link.timeout_s),
+            "--threads", str(threads), "--parent", str(os.getpid())]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m specpipe.worker.stage_main",
+                                description="one pipeline stage, started by a local SpecPipe driver")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--addr", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--layers", required=True, help="START:END, END exclusive")
+    p.add_argument("--first", action="store_true")
+    p.add_argument("--last", action="store_true")
+    p.add_argument("--num-blocks", type=int, required=True)
+    p.add_argument("--block-size", type=int, required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="activations (auto: float32, weights kept as stored)")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"])
+    p.add_argument("--delay-ms", type=float, default=0.0)
+    p.add_argument("--bandwidth-mbps", type=float, default=0.0)
+    p.add_argument("--timeout-s", type=float, default=30.0)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--parent", type=int, default=0, help="the driver's pid: exit if it is already gone")
+    a = p.parse_args(argv)
+    start, end = (int(x) for x in a.layers.split(":"))
+    stage_process_main(a.rank, a.world_size, a.addr, a.port, a.model, StageSpec(start, end, a.first, a.last),
+                       a.num_blocks, a.block_size, a.device, None if a.dtype == "auto" else getattr(torch, a.dtype),
+                       LinkOptions(a.delay_ms, a.bandwidth_mbps, a.timeout_s), a.threads, managed=True,
+                       parent=a.parent, quantization=a.quantization)
+
+
 def _store_note(t, key: str, value: str) -> None:
     """Best effort: the driver may already be gone."""
     if t is None:
@@ -139,3 +193,7 @@ def _store_note(t, key: str, value: str) -> None:
         t.store.set(key, value)
     except Exception:
         pass
+
+
+if __name__ == "__main__":
+    main()

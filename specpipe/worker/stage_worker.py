@@ -24,7 +24,7 @@ from specpipe.model.llama import LlamaStage
 from specpipe.model.stage import weight_nbytes
 from specpipe.sampling import SamplingParams, target_tokens
 from specpipe.kv.packed_forward import run_packed
-from specpipe.kv.slot_table import SlotTable
+from specpipe.kv.slot_table import MAX_HORIZON, SlotTable
 from specpipe.worker.memory import process_memory
 
 
@@ -32,10 +32,12 @@ SPAN_LOG = 1 << 16  # steps of compute spans kept between two reports
 
 
 class StageWorker:
-    def __init__(self, model: LlamaStage, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: LlamaStage, num_blocks: int, block_size: int, horizon: int = MAX_HORIZON) -> None:
+        """`horizon`: steps rows take at most from the driver to here (the stage's index + 1), so
+        the slot table knows how long a pruned node's row may still arrive."""
         self.model = model
         self.last = model.spec.last
-        self.slots = SlotTable(num_blocks, block_size)
+        self.slots = SlotTable(num_blocks, block_size, horizon)
         self.kv = model.make_kv_cache(self.slots.num_slots)
         self.sampling: dict[int, SamplingParams] = {}
         self.stats = StageStats(num_blocks=num_blocks, weight_bytes=weight_nbytes(model), kv_bytes=self.kv.nbytes())
@@ -59,6 +61,7 @@ class StageWorker:
     def step(self, control: Control, incoming: list[Rows]) -> list[Rows | Results]:
         """One pipeline step of this stage."""
         start = time.perf_counter_ns()
+        self.slots.tick()
         self.apply(control)
         self.stats.steps += 1
         out: list[Rows | Results] = []

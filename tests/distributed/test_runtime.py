@@ -174,7 +174,7 @@ def assert_clean_error(stderr: str, *needles: str) -> str:
 
 
 def test_killed_stage_fails_fast_and_cleanly(long_model):
-    run = start_long_run(long_model)
+    run = start_long_run(long_model, "--restart-stages", "0")  # tests/distributed/test_restart.py: with restarts
     try:
         family = descendants(run.proc.pid)
         stages = stage_pids(run.proc.pid)
@@ -193,7 +193,7 @@ def test_killed_stage_fails_fast_and_cleanly(long_model):
 
 
 def test_stopped_stage_is_named_after_the_stage_timeout(long_model):
-    run = start_long_run(long_model, "--stage-timeout", "5")
+    run = start_long_run(long_model, "--stage-timeout", "5", "--restart-stages", "0")
     stopped = None
     try:
         family = descendants(run.proc.pid)

@@ -1,4 +1,4 @@
-"""Engine core details: an error while drafting, and a tree too wide for the KV pool."""
+"""Engine core details: an error while drafting (the step's or one request's), and a tree too wide for the KV pool."""
 
 from __future__ import annotations
 
@@ -124,3 +124,94 @@ def test_what_add_request_accepts_can_be_admitted(ckpt):
             break
         core.step()
     assert fits.finish_reason == "length" and len(fits.output_ids) == 12
+
+
+class NaNForOne(NgramSource):
+    """Scores NaN for one request's children, as a draft model whose logits overflowed might."""
+
+    def __init__(self, victim_pid: int):
+        super().__init__()
+        self.victim = victim_pid
+
+    def propose_many(self, calls):
+        outs = super().propose_many(calls)
+        return [{n: [(t, float("nan")) for t, _ in c] for n, c in out.items()} if call.request_id == self.victim
+                else out for call, out in zip(calls, outs)]
+
+
+@pytest.mark.parametrize("mode", ["tree", "specpipe"])
+def test_a_drafting_fault_of_one_request_ends_that_request_only(ckpt, mode):
+    """A NaN in one request's draft scores makes TokenTree.expand raise: that request ends with
+    an error naming the cause, the step still returns, the others decode as if alone."""
+    pipe = pipeline(ckpt, 2)
+    prompts = [PROMPT, PROMPT[::-1], PROMPT[3:]]
+    want = []
+    for i, p in enumerate(prompts):
+        ref = Request(i, p, SamplingParams(max_tokens=12), frozenset())
+        decode(pipe, ref, "pp", kv_blocks=32, block_size=16)
+        want.append(ref.output_ids)
+    core = EngineCore(pipe, mode, NaNForOne(victim_pid=1), width=4, kv_blocks=32, block_size=16)
+    reqs = [Request(i, p, SamplingParams(max_tokens=12), frozenset()) for i, p in enumerate(prompts)]
+    for r in reqs:
+        core.add_request(r)
+    finished = []
+    while core.has_work():
+        finished += core.step()  # never raises: the fault is the request's, not the engine's
+    assert sorted(r.request_id for r in finished) == [0, 1, 2]
+    assert reqs[1].finish_reason == "error" and "drafting failed" in reqs[1].error and "nan" in reqs[1].error
+    assert [reqs[0].output_ids, reqs[2].output_ids] == [want[0], want[2]]
+    assert all(w.slots.total_in_use() == 0 for w in pipe.workers) and not core.requests
+
+
+def test_the_slot_tables_dropped_sets_stay_bounded_over_a_long_request(ckpt):
+    """Every stage and the draft remember pruned node ids only while their rows can still arrive,
+    not for the request's whole life; the output is still the plain decode's."""
+    from specpipe.config import StageSpec
+    from specpipe.spec_decode.draft_model import DraftModelSource
+
+    pipe = LocalPipeline([StageWorker(build_stage(ckpt, s), 64, 16) for s in partition_layers(4, 4)])
+    ref = Request(0, PROMPT, SamplingParams(max_tokens=60), frozenset())
+    decode(pipe, ref, "pp", kv_blocks=64, block_size=16)
+    draft = DraftModelSource(build_stage(ckpt, StageSpec(0, 1, True, True)), 64, 16, "self:1")
+    core = EngineCore(pipe, "specpipe", draft, width=4, kv_blocks=64, block_size=16)
+    req = Request(1, PROMPT, SamplingParams(max_tokens=60), frozenset())
+    core.add_request(req)
+    tables = [w.slots for w in pipe.workers] + [draft.slots]
+    most = [0] * len(tables)
+    while core.has_work():
+        core.step()
+        for i, t in enumerate(tables):
+            most[i] = max([most[i]] + [len(r.dropped) for r in t.requests.values()])
+    assert req.output_ids == ref.output_ids
+    assert req.stats.drafted - req.stats.hits > 150  # many nodes were pruned over its life
+    assert max(most) <= 4 * 4 * 6, most  # a few steps' prunings (width 4, up to 4 + 2 steps), not all
+
+
+def test_a_request_whose_draft_ran_out_of_kv_drafts_again(ckpt):
+    """A draft pool too small for two requests at once: the one that runs out is recomputed
+    (counted in its stats) and drafts again once the other has finished; tokens unchanged."""
+    from specpipe.config import StageSpec
+    from specpipe.spec_decode.draft_model import DraftModelSource
+
+    pipe = pipeline(ckpt, 2)
+    prompts, lens = [PROMPT, PROMPT[::-1] + PROMPT], [8, 24]
+    want = []
+    for i, (p, n) in enumerate(zip(prompts, lens)):
+        ref = Request(i, p, SamplingParams(max_tokens=n), frozenset())
+        decode(pipe, ref, "pp", kv_blocks=32, block_size=16)
+        want.append(ref.output_ids)
+    draft = DraftModelSource(build_stage(ckpt, StageSpec(0, 1, True, True)), 4, 16, "self:1")
+    core = EngineCore(pipe, "specpipe", draft, width=4, kv_blocks=32, block_size=16)
+    reqs = [Request(i, p, SamplingParams(max_tokens=n), frozenset()) for i, (p, n) in enumerate(zip(prompts, lens))]
+    for r in reqs:
+        core.add_request(r)
+    drafted_after_failure = 0
+    while core.has_work():
+        before = reqs[1].stats.drafted
+        core.step()
+        if reqs[1].stats.draft_failures:
+            drafted_after_failure += reqs[1].stats.drafted - before
+    assert [r.output_ids for r in reqs] == want
+    assert reqs[1].stats.draft_failures >= 1 and reqs[1].summary(2)["draft_failures"] >= 1
+    assert drafted_after_failure > 0  # its speculation came back
+    assert all(w.slots.total_in_use() == 0 for w in pipe.workers) and not draft.slots.requests

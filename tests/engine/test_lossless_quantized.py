@@ -9,10 +9,10 @@ draft (self:K) are built through the same quantized path. S = 1 and 2 in process
 from __future__ import annotations
 
 import pytest
+from engine_helpers import decode
 
 from specpipe.config import StageSpec
 from specpipe.loader.default_model import DefaultModelMissing, default_model_path
-from specpipe.engine.engine import decode
 from specpipe.kernels.qlinear import QuantLinear
 from specpipe.loader import open_checkpoint
 from specpipe.loader.partition import partition_layers

@@ -287,7 +287,8 @@ def test_disconnect_while_waiting_for_a_whole_response_frees_the_kv(server):
 
 def test_full_queue_429_then_dead_stage_fails_requests_and_health(model):
     s = Server(model, "--stages", "2", "--mode", "pp-cb", "--max-num-seqs", "1", "--max-queue", "1",
-               "--kv-memory", "16MiB", "--max-context", "1024", "--link-delay-ms", "5")
+               "--kv-memory", "16MiB", "--max-context", "1024", "--link-delay-ms", "5",
+               "--restart-stages", "0")  # a dead stage stays dead (tests/distributed/test_restart.py: restarts)
     try:
         long = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 900, "temperature": 0, "ignore_eos": True}
 

@@ -179,3 +179,40 @@ def test_paged_table_invariants(ops, num_blocks, block_size):
     for rid in list(m.requests):
         m.release(rid)
     assert m.blocks_in_use() == 0 and m.total_in_use() == 0 and m.pool.num_free() == num_blocks
+
+
+def test_a_pruned_row_arriving_late_is_discarded_and_then_forgotten():
+    """A stage at index 2 (horizon 3): a node pruned before its row arrived is discarded when it
+    comes (within the horizon), and the id is forgotten once no row of it can still come."""
+    m = SlotTable(8, 4, horizon=3)
+    m.admit(1)
+    m.tick()
+    m.plan(1, [-2, 0], [NO_PARENT, -2])
+    m.commit(1, [-2, 0])
+    m.computed(1)
+    m.tick()
+    m.plan(1, [1], [0])
+    m.drop(1, [1, 2, 3])  # 1 computed here: its row will not come again; 2 and 3 still travel
+    assert set(m.requests[1].dropped) == {2, 3}
+    for _ in range(3):
+        m.tick()
+    assert m.live_rows(1, [2, 4]) == [1]  # 2 arrives late: still discarded
+    with pytest.raises(KVStateError):
+        m.plan(1, [5], [2])  # and a child of it is refused
+    m.tick()
+    assert not m.requests[1].dropped  # past the horizon no row of 2 or 3 can come
+
+
+def test_dropped_stays_bounded_over_a_long_request():
+    """Every step a layer of nodes is sent and the previous one pruned while its rows are still
+    in flight (never arriving here: discarded upstream): `dropped` holds a few steps' worth."""
+    m = SlotTable(64, 4, horizon=3)
+    m.admit(1)
+    m.plan(1, [-2, 0], [NO_PARENT, -2])
+    m.commit(1, [-2, 0])
+    sizes = []
+    for step in range(2000):
+        m.tick()
+        m.drop(1, [10 * step + k for k in range(4)])
+        sizes.append(len(m.requests[1].dropped))
+    assert max(sizes) <= 4 * 4

@@ -307,6 +307,17 @@ def test_sentencepiece_streaming(spm):
     assert "".join(stream(spm, ids, prompt_ids=prompt)) == " hello hé 😀 hi"
 
 
+
+def test_a_requests_detokenizer_continues_its_prompt(spm):
+    """make_request gives the detokenizer the prompt's ids: SentencePiece keeps the space a
+    continuation needs ("hi" + "hello" streams " hello", not "hello")."""
+    from specpipe.engine.prompts import PromptProcessor
+    from specpipe.sampling import SamplingParams
+
+    req = PromptProcessor(spm, 1 << 16, 64).make_request("hi", SamplingParams(max_tokens=4), chat=False)
+    ids = spm.encode("hello", add_special_tokens=False)
+    assert "".join(req.detokenizer.add(i) for i in ids) + req.detokenizer.flush() == " hello"
+
 # --- errors and other families ------------------------------------------------------------------
 
 
