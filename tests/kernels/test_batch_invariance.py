@@ -9,14 +9,12 @@ call of its own (same context, same mask row) equals, bitwise, that row in the b
 
 from __future__ import annotations
 
-import json
-import shutil
 
 import gguf
 import numpy as np
 import pytest
+from checkpoint_helpers import bf16_copy
 import torch
-from safetensors.torch import load_file, save_file
 
 from specpipe.config import StageSpec
 from specpipe.kernels.ggml_types import BLOCKS
@@ -84,13 +82,6 @@ def test_float_linear_rows_do_not_depend_on_the_batch(weight_dtype):
 # --- model level ---------------------------------------------------------------------------------
 
 
-def bf16_copy(src, dst):
-    shutil.copytree(src, dst)
-    for f in dst.glob("*.safetensors"):
-        save_file({n: t.to(torch.bfloat16) for n, t in load_file(f).items()}, f, metadata={"format": "pt"})
-    cfg = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
-    return dst
 
 
 def mixed_batch(rng: np.random.Generator):

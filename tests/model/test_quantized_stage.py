@@ -3,14 +3,12 @@ at load when asked; the packed path with the reference kernel equals the float32
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 
 import gguf
 import pytest
+from checkpoint_helpers import bf16_copy
 import torch
-from safetensors.torch import load_file, save_file
 
 from specpipe.config import StageSpec
 from specpipe.loader.default_model import DefaultModelMissing, default_model_path
@@ -65,17 +63,10 @@ def test_smollm2_whole_holds_the_file_once(smol):
     assert weight_nbytes(model) <= 1.15 * size, (weight_nbytes(model), size)
 
 
-def bf16_dir(src, dst):
-    shutil.copytree(src, dst)
-    for f in dst.glob("*.safetensors"):
-        save_file({n: t.to(torch.bfloat16) for n, t in load_file(f).items()}, f, metadata={"format": "pt"})
-    cfg = json.loads((dst / "config.json").read_text())
-    (dst / "config.json").write_text(json.dumps({**cfg, "torch_dtype": "bfloat16"}))
-    return dst
 
 
 def test_bf16_checkpoint_stays_bf16_unless_float32_is_asked(tiny_llama_dir, tmp_path):
-    ckpt = open_checkpoint(bf16_dir(tiny_llama_dir, tmp_path / "bf16"))
+    ckpt = open_checkpoint(bf16_copy(tiny_llama_dir, tmp_path / "bf16"))
     kept = build_stage(ckpt, StageSpec.whole(ckpt.config), dtype=None)
     up = kept.layers["0"].mlp.up_proj
     assert isinstance(up, FloatLinear) and up.weight.dtype == torch.bfloat16

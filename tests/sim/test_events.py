@@ -3,7 +3,6 @@ runtime's rules (checked against hand-computed schedules)."""
 
 import pytest
 
-from specpipe.config import StageSpec
 from specpipe.costs.profile import CostProfile, Link
 from specpipe.engine.core import EngineCore
 from specpipe.loader import open_checkpoint
