@@ -142,7 +142,7 @@ def test_default_model_end_to_end():
     except DefaultModelMissing as e:
         pytest.skip(str(e))
     p = subprocess.run([sys.executable, "-m", "specpipe.entrypoints.cli", "generate", "--max-tokens", "12",
-                        "--json", "--mode", "specpipe", "What is the capital of France?"],
+                        "--json", "--mode", "specpipe", "Name the capital of France."],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     d = last_json(p.stdout)
