@@ -9,6 +9,8 @@ Tensors are loaded one at a time, so the peak is the stage plus one tensor in fl
 
 from __future__ import annotations
 
+import os
+
 from typing import Optional
 
 import gguf
@@ -64,6 +66,12 @@ def build_stage(ckpt: Checkpoint, spec: StageSpec, device: torch.device | str = 
     "float32" to dequantize every weight to float32 at load as SpecPipe did before (8.5x the
     memory of a Q4 file; kept for comparisons).
     """
+    if kernel is None:
+        # Until the native kernel's lossless failure is understood (issue 19's note: a tree step
+        # and a pp step of the same int8 model sample different tokens with it), a GGUF stage
+        # dequantizes to float32 at load, as before, unless SPECPIPE_KERNEL names a kernel
+        # (native, dequant, int4pack); --quantization keeps its blocks under the reference kernel.
+        kernel = os.environ.get("SPECPIPE_KERNEL") or ("float32" if quantization is None else None)
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     act = dtype or torch.float32

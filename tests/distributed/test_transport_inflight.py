@@ -11,7 +11,7 @@ from specpipe.sampling import SamplingParams
 def test_sends_in_flight_stay_bounded(tiny_model_dir):
     model = tiny_model_dir("llama", num_hidden_layers=2, max_position_embeddings=1024)
     engine = Engine(EngineConfig(model=str(model), stages=2, transport="processes", kv_memory="4MiB",
-                                 max_context=1024))
+                                 max_context=1024, restart_stages=0))  # the transport itself, unwrapped
     try:
         t = engine.pipeline.t
         req = engine.prompts.make_request("hello", SamplingParams(max_tokens=300), chat=False, ignore_eos=True)
