@@ -181,10 +181,15 @@ def test_prompts_are_tokenized_off_the_event_loop(server, engine, monkeypatch):
 # -- /health and /metrics ----------------------------------------------------------------------------
 
 def idle(server) -> None:
+    """No work left and no step running: the step count holds still for a while (has_work() alone
+    can read false while the engine thread is inside the step that delivers the last report)."""
     deadline = time.monotonic() + 30
-    while server.core.has_work():
+    while True:
+        steps = server.core.steps
+        time.sleep(0.3)
+        if not server.core.has_work() and server.core.steps == steps:
+            return
         assert time.monotonic() < deadline
-        time.sleep(0.05)
 
 
 def test_metrics_scrapes_cost_no_step(server):
