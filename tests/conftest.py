@@ -164,3 +164,15 @@ def tiny_llama_dir(tiny_model_dir) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tiny_model_dir) -> Path:
     return tiny_model_dir("qwen2")
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded default model's checkpoint (SmolLM2-135M Q4_1), or a skip saying it is missing."""
+    from specpipe.loader import open_checkpoint
+    from specpipe.loader.default_model import DefaultModelMissing, default_model_path
+
+    try:
+        return open_checkpoint(default_model_path())
+    except DefaultModelMissing as e:
+        pytest.skip(f"default model not installed: {e}")

@@ -18,7 +18,6 @@ from specpipe.costs.profile import CostProfile
 from engine_helpers import decode
 from specpipe.engine.modes.specpipe import AUTO_MAX_LAYERS
 from specpipe.loader import open_checkpoint
-from specpipe.loader.default_model import DefaultModelMissing, default_model_path
 from specpipe.loader.partition import partition_layers
 from specpipe.model.stage import build_stage
 from specpipe.request import Request
@@ -205,14 +204,6 @@ def test_eos_stops_cleanly_mid_tree(tiny8, mode):
               stop_ids={stop})
     assert req.output_ids == expected
     assert req.finish_reason == "stop"
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    try:
-        return open_checkpoint(default_model_path())
-    except DefaultModelMissing as e:
-        pytest.skip(f"default model not installed: {e}")
 
 
 @pytest.mark.parametrize("num_stages", [1, 2, 4, 8])

@@ -12,7 +12,6 @@ import pytest
 from engine_helpers import decode
 
 from specpipe.config import StageSpec
-from specpipe.loader.default_model import DefaultModelMissing, default_model_path
 from specpipe.kernels.qlinear import QuantLinear
 from specpipe.loader import open_checkpoint
 from specpipe.loader.partition import partition_layers
@@ -62,11 +61,8 @@ def test_tiny_quantized_at_load(tiny_model_dir, quantization, num_stages):
 
 
 @pytest.mark.parametrize("num_stages", [1, 2])
-def test_smollm2_int4pack(num_stages):
-    try:
-        ckpt = open_checkpoint(default_model_path())
-    except DefaultModelMissing as e:
-        pytest.skip(f"default model not installed: {e}")
+def test_smollm2_int4pack(smollm2, num_stages):
+    ckpt = smollm2
     prompt = [1, 9690, 198, 504, 3575, 282, 4649, 314, 7042, 30, 504, 3575, 282, 4649, 314, 7042, 30, 504, 3575]
     # n-gram only: the draft-model path is covered above, and each draft step would pay the
     # Q8_0 head (dequantized per call without the native kernel) once more.

@@ -15,19 +15,10 @@ from specpipe.kernels import native
 from specpipe.kernels.ggml_types import dequantize
 from specpipe.kernels.qlinear import FloatLinear, QuantEmbedding, QuantLinear
 from specpipe.loader import open_checkpoint
-from specpipe.loader.default_model import DefaultModelMissing, default_model_path
 from specpipe.model.runner import run_rows
 from specpipe.model.stage import build_stage, weight_nbytes
 
 Q = gguf.GGMLQuantizationType
-
-
-@pytest.fixture(scope="module")
-def smol():
-    try:
-        return open_checkpoint(default_model_path())
-    except DefaultModelMissing as e:
-        pytest.skip(f"default model not installed: {e}")
 
 
 def forward(model, data):
@@ -36,32 +27,32 @@ def forward(model, data):
     return run_rows(model, kv, data, list(range(n)), list(range(n)), list(range(n)), None)
 
 
-def test_smollm2_first_and_last_stage_equal_float32_path(smol):
+def test_smollm2_first_and_last_stage_equal_float32_path(smollm2):
     ids = torch.tensor([1, 9690, 198, 504, 3575, 282, 4649])
-    first = build_stage(smol, StageSpec(0, 2, True, False), kernel="dequant")
+    first = build_stage(smollm2, StageSpec(0, 2, True, False), kernel="dequant")
     assert isinstance(first.embed_tokens, QuantEmbedding) and first.embed_tokens.qtype == Q.Q8_0
     assert all(isinstance(m, QuantLinear) and m.qtype == Q.Q4_1 for n, m in first.named_modules()
                if n.endswith("_proj"))
     assert not any(p.numel() > 576 for p in first.parameters())  # only norms stay float
-    ref = build_stage(smol, StageSpec(0, 2, True, False), kernel="float32")
+    ref = build_stage(smollm2, StageSpec(0, 2, True, False), kernel="float32")
     # The reference kernel computes exactly the dequantized weights: bitwise the float32 path.
-    exact = build_stage(smol, StageSpec(0, 2, True, False), kernel="dequant")
+    exact = build_stage(smollm2, StageSpec(0, 2, True, False), kernel="dequant")
     hidden = forward(exact, ids)
     assert torch.equal(hidden, forward(ref, ids))
-    last = build_stage(smol, StageSpec(28, 30, False, True), kernel="dequant")  # tied head from the embedding's blocks
+    last = build_stage(smollm2, StageSpec(28, 30, False, True), kernel="dequant")  # tied head from the embedding's blocks
     assert isinstance(last.lm_head, QuantLinear) and last.lm_head.qtype == Q.Q8_0
-    ref_last = build_stage(smol, StageSpec(28, 30, False, True), kernel="float32")
+    ref_last = build_stage(smollm2, StageSpec(28, 30, False, True), kernel="float32")
     assert torch.equal(forward(last, hidden), forward(ref_last, hidden))
     # The native kernel (int8 activations, as llama.cpp), where built, stays close to it.
     if native.available():
-        fast = forward(build_stage(smol, StageSpec(0, 2, True, False), kernel="native"), ids)
+        fast = forward(build_stage(smollm2, StageSpec(0, 2, True, False), kernel="native"), ids)
         assert (fast - hidden).abs().max() <= 0.05 * hidden.abs().max()
 
 
-def test_smollm2_whole_holds_the_file_once(smol):
-    model = build_stage(smol, StageSpec.whole(smol.config), kernel="dequant")
+def test_smollm2_whole_holds_the_file_once(smollm2):
+    model = build_stage(smollm2, StageSpec.whole(smollm2.config), kernel="dequant")
     assert model.lm_head.packed.data_ptr() == model.embed_tokens.packed.data_ptr()  # tied: shared
-    size = os.path.getsize(smol.path)
+    size = os.path.getsize(smollm2.path)
     assert weight_nbytes(model) <= 1.15 * size, (weight_nbytes(model), size)
 
 
