@@ -155,7 +155,7 @@ class EngineCore:
         plan = self.scheduler.schedule(lambda rid: self.states[rid].want())
         for rid in plan.preempted:
             self._restart(rid)
-        self._ended: list[Request] = []  # requests a fault of their own ended during this step
+        self._ended = []  # requests a fault of their own ended during this step
         running = [self.states[rid] for rid in self.scheduler.running]
         for st in running:
             st.prepare(plan.grants[st.req.request_id])
