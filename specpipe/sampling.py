@@ -68,7 +68,7 @@ def target_tokens(logits: torch.Tensor, positions: Sequence[int], params: Sampli
         probs = _truncate(probs, params.top_k, params.top_p)
     # Inverse-CDF sampling over a fixed (descending-probability) order so that the draw is a
     # deterministic function of the distribution and the keyed uniform number.
-    sorted_p, order = probs.sort(dim=-1, descending=True)
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
     cdf = sorted_p.cumsum(dim=-1)
     out = []
     for i, pos in enumerate(positions):
@@ -79,7 +79,7 @@ def target_tokens(logits: torch.Tensor, positions: Sequence[int], params: Sampli
 
 
 def _truncate(probs: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    sorted_p, order = probs.sort(dim=-1, descending=True)
+    sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
     keep = torch.ones_like(sorted_p, dtype=torch.bool)
     if top_k:
         keep[:, top_k:] = False

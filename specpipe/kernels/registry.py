@@ -68,10 +68,7 @@ def get_kernel(name: str) -> Kernel:
 def choose_kernel(qtype: Q, device: torch.device | str, prefer: str | None = None) -> Kernel:
     """The most preferred kernel that supports `qtype` on `device` (`prefer`, a kernel name,
     goes first when it supports the type)."""
-    # The native kernel only when asked for: with it a tree step and a pp step of the same int8
-    # model gave different sampled tokens (tests/engine/test_lossless_quantized.py), not yet understood.
-    order = sorted((k for k in kernels() if k.name != "native" or prefer == "native"),
-                   key=lambda k: k.name != prefer)  # stable: the rest keep their order
+    order = sorted(kernels(), key=lambda k: k.name != prefer)  # stable: the rest keep their order
     for k in order:
         if k.supports(qtype, device):
             return k

@@ -23,6 +23,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from specpipe.kernels import native
+
 
 @dataclass
 class SegmentPlan:
@@ -83,20 +85,39 @@ ROW_TILE = 4  # rows per call padded to a multiple of this (see kernels/torch_ke
 ROW_CHUNK = 256  # rows per score matrix, bounding its memory at ROW_CHUNK x C per head
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+           scale: Optional[float] = None) -> torch.Tensor:
     """q: (T, Hq, D); k, v: (C, Hkv, D); mask: (T, C) bool or None. Returns (T, Hq, D).
 
-    Written out (scores, softmax, weighted sum) instead of F.scaled_dot_product_attention because
-    SDPA is not batch-invariant: a row's output changes with the number of rows in the call (it
-    picks kernels and blockings by the query length). Two batched matmuls with the rows padded
-    to a multiple of ROW_TILE, and a row-wise softmax, give every row the same arithmetic
-    whatever shares its call (tests/kernels/test_batch_invariance.py). Grouped-query attention:
-    the Hq / Hkv query heads that share a KV head are stacked into one matmul.
+    scale: the factor of the scores (default 1/sqrt(D)). Grouped-query attention: query head h
+    reads KV head h // (Hq / Hkv).
+
+    A row's result must depend only on the slots it sees, in their order -- not on the other
+    rows, on C, or on where masked slots sit -- so that a tree node's row equals the row plain
+    decoding computes for the same token (the lossless property). torch's matmul and softmax
+    group their additions by the call's shapes, so they cannot promise that
+    (tests/kernels/test_batch_invariance.py measures it); the native kernel fixes every sum's
+    order by the row alone (kernels/native/attention.c) and runs whenever it is built and the
+    activations are float32 on CPU.
     """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if q.dtype == torch.float32 and q.is_cpu and native.available():
+        return native.attention(q, k, v, mask, scale)
+    return attend_torch(q, k, v, mask, scale)
+
+
+def attend_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                 scale: float) -> torch.Tensor:
+    """The portable path: scores, exp and a weighted sum as batched matmuls, rows padded to a
+    multiple of ROW_TILE. On CPU the sums run in float64 (exact products, rounding errors near
+    2^-53), so rows computed in differently shaped calls can differ only where a float64 sum
+    falls on a float32 rounding boundary; on other devices they run in the activations' dtype.
+    The softmax denominator comes out of the same matmul as the numerators (a column of ones
+    after V), so masked slots add exact zeros to both."""
     t, hq, d = q.shape
     if t > ROW_CHUNK:
-        return torch.cat([attend(q[i:i + ROW_CHUNK], k, v, None if mask is None else mask[i:i + ROW_CHUNK])
-                          for i in range(0, t, ROW_CHUNK)])
+        return torch.cat([attend_torch(q[i:i + ROW_CHUNK], k, v, None if mask is None else mask[i:i + ROW_CHUNK],
+                                       scale) for i in range(0, t, ROW_CHUNK)])
     c, hkv, _ = k.shape
     g = hq // hkv
     pad = -t % ROW_TILE
@@ -105,10 +126,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
         if mask is not None:
             mask = torch.cat((mask, mask.new_ones(pad, c)))
     tp = t + pad
-    qh = q.permute(1, 0, 2).reshape(hkv, g * tp, d) * (1.0 / math.sqrt(d))  # (Hkv, g T', D)
-    scores = torch.matmul(qh, k.permute(1, 2, 0)).view(hkv, g, tp, c)  # (Hkv, g, T', C)
+    acc = torch.float64 if q.is_cpu else q.dtype
+    qh = q.permute(1, 0, 2).reshape(hkv, g * tp, d).to(acc)  # (Hkv, g T', D)
+    scores = torch.matmul(qh, k.permute(1, 2, 0).to(acc)).view(hkv, g, tp, c) * scale  # (Hkv, g, T', C)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(scores.float(), dim=-1).to(v.dtype).view(hkv, g * tp, c)
-    out = torch.matmul(p, v.permute(1, 0, 2)).view(hq, tp, d)  # (Hq, T', D)
+    e = torch.exp(scores - scores.amax(dim=-1, keepdim=True)).view(hkv, g * tp, c)
+    v1 = torch.cat((v.permute(1, 0, 2).to(acc), v.new_ones(hkv, c, 1, dtype=acc)), dim=-1)  # (Hkv, C, D + 1)
+    out = torch.matmul(e, v1)  # (Hkv, g T', D + 1)
+    out = (out[..., :d] / out[..., d:]).view(hq, tp, d).to(q.dtype)  # (Hq, T', D)
     return out.permute(1, 0, 2)[:t]  # (T, Hq, D)

@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from specpipe.config import StageSpec
+from specpipe.kernels import native
 from specpipe.kernels.ggml_types import FLOAT_TYPES
 from specpipe.kernels.qlinear import QuantEmbedding, QuantLinear
 from specpipe.kernels.registry import choose_kernel, get_kernel
@@ -51,6 +52,16 @@ def _packed(ckpt: Checkpoint, src: str, quantization: Optional[str], kernel: Opt
     return qtype, torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(w, qtype)))
 
 
+def default_kernel(device: torch.device | str, quantization: Optional[str]) -> Optional[str]:
+    """None (the registry's choice per type: the native kernel where it is built, on CPU) when
+    a packed weight can be multiplied fast here; otherwise "float32", SpecPipe's old way, since
+    the portable dequantize-per-call kernel is several times slower than float32 weights.
+    --quantization always keeps its blocks: it was asked for to save memory."""
+    if quantization is not None or (torch.device(device).type == "cpu" and native.available()):
+        return None
+    return "float32"
+
+
 def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
     path, _, leaf = name.rpartition(".")
     return (model.get_submodule(path) if path else model), leaf
@@ -67,11 +78,7 @@ def build_stage(ckpt: Checkpoint, spec: StageSpec, device: torch.device | str = 
     memory of a Q4 file; kept for comparisons).
     """
     if kernel is None:
-        # Until the native kernel's lossless failure is understood (issue 19's note: a tree step
-        # and a pp step of the same int8 model sample different tokens with it), a GGUF stage
-        # dequantizes to float32 at load, as before, unless SPECPIPE_KERNEL names a kernel
-        # (native, dequant, int4pack); --quantization keeps its blocks under the reference kernel.
-        kernel = os.environ.get("SPECPIPE_KERNEL") or ("float32" if quantization is None else None)
+        kernel = os.environ.get("SPECPIPE_KERNEL") or default_kernel(device, quantization)
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     act = dtype or torch.float32

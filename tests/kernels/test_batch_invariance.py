@@ -3,8 +3,9 @@
 Kernel level: every kernel this process can use, on every type it supports, and the float
 linear (float32 and bf16 weights): a row alone equals, bitwise, the same row among 1-63 others.
 Model level: a stage's forward over mixed segments (a tree under a context with its mask, a
-prompt chunk, a decode row), float32 / bf16-stored / Q8_0 / Q4_0 weights: each row computed in a
-call of its own (same context, same mask row) equals, bitwise, that row in the batch.
+prompt chunk, a decode row), float32 / bf16-stored / Q8_0 / Q4_0 weights, native and torch
+attention: each row computed in a call of its own (same context, same mask row) equals, bitwise,
+that row in the batch, and so does the row plain decoding computes (its visible slots alone).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from checkpoint_helpers import bf16_copy
 import torch
 
 from specpipe.config import StageSpec
+from specpipe.kernels import native
 from specpipe.kernels.ggml_types import BLOCKS
 from specpipe.kernels.qlinear import FloatLinear, QuantLinear
 from specpipe.kernels.registry import kernels
@@ -106,8 +108,14 @@ def mixed_batch(rng: np.random.Generator):
     return segments, positions, write, contexts, tokens
 
 
+ATTENTION = ["native", "torch"] if native.available() else ["torch"]
+
+
+@pytest.mark.parametrize("attention", ATTENTION)
 @pytest.mark.parametrize("variant", ["f32", "bf16-stored", "int8", "int4", "int4pack"])
-def test_stage_rows_do_not_depend_on_the_batch(tiny_llama_dir, tmp_path, variant):
+def test_stage_rows_do_not_depend_on_the_batch(tiny_llama_dir, tmp_path, variant, attention, monkeypatch):
+    if attention == "torch":
+        monkeypatch.setattr(native, "available", lambda: False)
     path = bf16_copy(tiny_llama_dir, tmp_path / "bf16") if variant == "bf16-stored" else tiny_llama_dir
     quant = {"int8": "int8", "int4": "int4", "int4pack": "int4"}.get(variant)
     model = build_stage(open_checkpoint(path), StageSpec(0, 4, True, True),
@@ -130,4 +138,10 @@ def test_stage_rows_do_not_depend_on_the_batch(tiny_llama_dir, tmp_path, variant
             one = SegmentPlan(1, seg.read_slots, None if seg.mask is None else seg.mask[i:i + 1])
             alone = run_segments(model, kv, tokens[row:row + 1], [positions[row]], [write[row]], [one])
             assert torch.equal(alone[0], batch[row]), f"{variant}: row {row} alone differs from the batch"
+            # As pp computes it: only the slots the row sees, none masked (a tree node's row must
+            # equal the committed token's row at the same position).
+            seen = [s for j, s in enumerate(seg.read_slots) if seg.mask is None or seg.mask[i, j]]
+            plain = run_segments(model, kv, tokens[row:row + 1], [positions[row]], [write[row]],
+                                 [SegmentPlan(1, seen, None)])
+            assert torch.equal(plain[0], batch[row]), f"{variant}: row {row} differs from its unmasked twin"
             row += 1

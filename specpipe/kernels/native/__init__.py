@@ -65,6 +65,10 @@ def _load() -> ctypes.CDLL | None:
         lib.sp_matmul.argtypes = [i32, ctypes.c_void_p, i64, i64, ctypes.c_void_p, i64, i64,
                                   ctypes.c_void_p, i32, i32]
         lib.sp_matmul.restype = i32
+        lib.sp_attention.argtypes = [ctypes.c_void_p, i64, i32, i32, i32, ctypes.c_void_p,
+                                     ctypes.c_void_p, i64, ctypes.c_void_p, ctypes.c_float,
+                                     ctypes.c_void_p, i32, i32]
+        lib.sp_attention.restype = i32
         for name in ("sp_isa_supported", "sp_type_supported"):
             getattr(lib, name).argtypes = [i32]
             getattr(lib, name).restype = i32
@@ -199,10 +203,42 @@ def matmul(
     return out
 
 
+# Below this many multiply-adds an attention call runs on the calling thread: waking OpenMP
+# threads costs more than a decode row's attention (the result is the same either way).
+_ATTENTION_THREADED_WORK = 1 << 20
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              scale: float, threads: int | None = None, *, isa: str | None = None) -> torch.Tensor:
+    """Attention of q (T, Hq, D) over k, v (C, Hkv, D), mask (T, C) bool or None -> (T, Hq, D),
+    all float32 CPU tensors. Each row's result depends only on the slots its mask lets it see,
+    in their order: not on C, on the masked slots, on the other rows or on ``threads``."""
+    lib = _lib if _lib is not None else _require()
+    t, hq, d = q.shape
+    c, hkv, _ = k.shape
+    if not all(x.dtype == torch.float32 and x.is_cpu for x in (q, k, v)):
+        raise TypeError("native attention takes float32 CPU tensors")
+    if k.shape != v.shape or k.shape[2] != d or hq % hkv:
+        raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if mask is not None and tuple(mask.shape) != (t, c):
+        raise ValueError(f"mask must be {(t, c)}, got {tuple(mask.shape)}")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    m = None if mask is None else mask.contiguous().view(torch.uint8)
+    out = torch.empty_like(q)
+    if threads is None:
+        threads = torch.get_num_threads() if t * hq * c * d >= _ATTENTION_THREADED_WORK else 1
+    rc = lib.sp_attention(q.data_ptr(), t, hq, hkv, d, k.data_ptr(), v.data_ptr(), c,
+                          None if m is None else m.data_ptr(), float(scale), out.data_ptr(),
+                          max(1, int(threads)), _isa_code(isa))
+    if rc != 0:
+        raise RuntimeError(f"sp_attention failed: {_ERRORS.get(rc, rc)}")
+    return out
+
+
 def _name(type_id: int) -> str:
     return gguf.GGMLQuantizationType(type_id).name
 
 
 __all__ = ["available", "unavailable_reason", "supported_types", "supported_isas", "isa",
            "reload_isa_code",
-           "matmul", "has_openmp", "LIBRARY"]
+           "matmul", "attention", "has_openmp", "LIBRARY"]

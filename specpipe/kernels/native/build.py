@@ -1,6 +1,6 @@
 """Build the native GGUF matmul: ``python -m specpipe.kernels.native.build``.
 
-Compiles ggml_matmul.c with the system C compiler into ``libspecpipe_native.so`` next to this file
+Compiles ggml_matmul.c and attention.c with the system C compiler into ``libspecpipe_native.so`` next to this file
 (one library for every CPU: the SIMD paths carry their own target attributes and are chosen at run
 time).  OpenMP is used when the compiler accepts ``-fopenmp``.  Never fails: without a working
 compiler it prints one warning line and exits 0, and SpecPipe runs without the native kernels.
@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCE = HERE / "ggml_matmul.c"
+SOURCES = [HERE / "ggml_matmul.c", HERE / "attention.c"]
 LIB_NAME = "libspecpipe_native.so"
 LIBRARY = HERE / LIB_NAME
 # -ffp-contract=off: no path may fuse a multiply-add that another does not (the SIMD paths must
@@ -30,7 +30,7 @@ def _compiler() -> str | None:
 
 
 def _compile(cc: str, flags: list[str], out: Path) -> subprocess.CompletedProcess:
-    cmd = [cc, *BASE_FLAGS, *flags, "-o", str(out), str(SOURCE), "-lm"]
+    cmd = [cc, *BASE_FLAGS, *flags, "-o", str(out), *map(str, SOURCES), "-lm"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 

@@ -16,6 +16,10 @@ enum { SP_OK = 0, SP_ERR_TYPE = 1, SP_ERR_SHAPE = 2, SP_ERR_ISA = 3, SP_ERR_MEMO
  * row-major and contiguous.  threads: OpenMP threads for this call (1 = the calling thread). */
 int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, int64_t n,
               int64_t row_bytes, float *y, int threads, int isa);
+/* Attention, each row's sums in an order fixed by that row alone (see attention.c):
+ * q (t, hq, d), k and v (c, hkv, d), mask (t, c) bytes or NULL, out (t, hq, d), all float32. */
+int sp_attention(const float *q, int64_t t, int hq, int hkv, int d, const float *k, const float *v,
+                 int64_t c, const uint8_t *mask, float scale, float *out, int threads, int isa);
 int sp_isa_supported(int isa);
 int sp_best_isa(void);
 int sp_type_supported(int type);

@@ -1,0 +1,128 @@
+/* Attention whose every output row depends only on the keys that row sees, in their order.
+ *
+ * out[i, h] = sum_j softmax_j(scale * q[i, h] . k[j, g]) v[j, g] over the read slots j that
+ * mask[i, j] allows (all when mask is NULL), g = h / (hq / hkv) the KV head of query head h.
+ *
+ * Why not torch: a matmul (and torch.softmax) groups its additions by the shapes of the call,
+ * so a row's result changes with the number of read slots C and with where the masked ones sit
+ * (measured in tests/kernels/test_batch_invariance.py).  A tree node's row and the same token's
+ * row computed by plain decoding must agree bitwise for speculation to be lossless.  Here every
+ * sum has one order, fixed by the row alone:
+ *   - q . k over D: eight lane accumulators over consecutive chunks of eight values (a tail
+ *     goes to lanes 0..), then the lanes folded as ((0+1)+(2+3))+((4+5)+(6+7));
+ *   - the maximum (exact in any order), exp(s - max) with the C library's expf;
+ *   - the denominator and each output value: one running sum over the visible slots in read
+ *     order (a masked slot is skipped, not added as zero, so nothing depends on C).
+ * The vector type is lane-wise only (no horizontal operations before the fixed fold) and the
+ * build has -ffp-contract=off, so every ISA the compiler picks gives the same bits.
+ *
+ * Layouts (row-major, contiguous): q (t, hq, d), k and v (c, hkv, d), mask (t, c) bytes
+ * (nonzero = may attend), out (t, hq, d).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "ggml_matmul.h"
+
+typedef float v8 __attribute__((vector_size(32)));
+
+#define SP_ATT_INLINE static inline __attribute__((always_inline))
+
+SP_ATT_INLINE v8 load8(const float *p) {
+  v8 r;
+  memcpy(&r, p, sizeof r);
+  return r;
+}
+
+SP_ATT_INLINE float dot(const float *a, const float *b, int d) {
+  v8 acc = {0};
+  int i = 0;
+  for (; i + 8 <= d; i += 8) acc += load8(a + i) * load8(b + i);
+  for (int r = 0; i < d; i++, r++) acc[r] += a[i] * b[i];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+/* one (row, query head): s is scratch for c scores */
+SP_ATT_INLINE void attend_one(const float *q, const float *k, const float *v, const uint8_t *mask,
+                              int64_t c, int hkv, int g, int d, float scale, float *s, float *out) {
+  const int64_t stride = (int64_t)hkv * d;
+  float m = -INFINITY;
+  for (int64_t j = 0; j < c; j++) {
+    if (mask && !mask[j]) continue;
+    s[j] = dot(q, k + j * stride + (int64_t)g * d, d) * scale;
+    if (s[j] > m) m = s[j];
+  }
+  for (int i = 0; i < d; i++) out[i] = 0.0f;
+  float sum = 0.0f;
+  for (int64_t j = 0; j < c; j++) {
+    if (mask && !mask[j]) continue;
+    const float e = expf(s[j] - m);
+    const float *vj = v + j * stride + (int64_t)g * d;
+    sum += e;
+    int i = 0;
+    for (; i + 8 <= d; i += 8) {
+      v8 o = load8(out + i) + load8(vj + i) * e;
+      memcpy(out + i, &o, sizeof o);
+    }
+    for (; i < d; i++) out[i] += vj[i] * e;
+  }
+  for (int i = 0; i < d; i++) out[i] /= sum;
+}
+
+SP_ATT_INLINE int attention_body(const float *q, int64_t t, int hq, int hkv, int d, const float *k,
+                                 const float *v, int64_t c, const uint8_t *mask, float scale,
+                                 float *out, int threads) {
+  const int64_t pairs = t * hq;
+  const int group = hq / hkv;
+  int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+  {
+    float *s = malloc((size_t)(c > 0 ? c : 1) * sizeof(float));
+    if (!s) {
+      failed = 1;
+    } else {
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < pairs; p++) {
+        const int64_t i = p / hq;
+        const int h = (int)(p % hq);
+        attend_one(q + p * d, k, v, mask ? mask + i * c : NULL, c, hkv, h / group, d, scale, s,
+                   out + p * d);
+      }
+      free(s);
+    }
+  }
+  return failed ? SP_ERR_MEMORY : SP_OK;
+}
+
+static int attention_portable(const float *q, int64_t t, int hq, int hkv, int d, const float *k,
+                              const float *v, int64_t c, const uint8_t *mask, float scale,
+                              float *out, int threads) {
+  return attention_body(q, t, hq, hkv, d, k, v, c, mask, scale, out, threads);
+}
+
+#if defined(__x86_64__) || defined(__i386__)
+__attribute__((target("avx2"))) static int attention_avx2(const float *q, int64_t t, int hq,
+                                                          int hkv, int d, const float *k,
+                                                          const float *v, int64_t c,
+                                                          const uint8_t *mask, float scale,
+                                                          float *out, int threads) {
+  return attention_body(q, t, hq, hkv, d, k, v, c, mask, scale, out, threads);
+}
+#endif
+
+int sp_attention(const float *q, int64_t t, int hq, int hkv, int d, const float *k, const float *v,
+                 int64_t c, const uint8_t *mask, float scale, float *out, int threads, int isa) {
+  if (t < 0 || c < 1 || hq < 1 || hkv < 1 || d < 1 || hq % hkv) return SP_ERR_SHAPE;
+  if (threads < 1) threads = 1;
+#if defined(__x86_64__) || defined(__i386__)
+  if (isa == SP_ISA_AVX2 || isa == SP_ISA_AVX512VNNI)
+    return attention_avx2(q, t, hq, hkv, d, k, v, c, mask, scale, out, threads);
+#endif
+  (void)isa;
+  return attention_portable(q, t, hq, hkv, d, k, v, c, mask, scale, out, threads);
+}
