@@ -15,7 +15,7 @@ from specpipe.config import DEFAULT_DRAFT, MODES, SPECULATIVE_MODES, ConfigError
 from specpipe.costs.profile import CostProfile, load_profile
 from specpipe.distributed.ranks import RankEnv
 from specpipe.engine.core import EngineCore, spec_reserve
-from specpipe.engine.kv_pool import pool_blocks
+from specpipe.engine.kv_pool import held_weight_bytes, pool_blocks
 from specpipe.engine.prompts import PromptProcessor
 from specpipe.engine.start_pipeline import start_pipeline
 from specpipe.loader import open_checkpoint
@@ -47,7 +47,8 @@ class Engine:
         self.stage_specs = partition_layers(cfg.num_layers, config.stages, config.stage_layers)
         reserve = spec_reserve(config.mode, config.tree_width, config.tree_depth, config.stages,
                                config.layers_per_step)
-        self.num_blocks = pool_blocks(config, cfg, self.stage_specs, reserve)
+        self.num_blocks = pool_blocks(config, cfg, self.stage_specs, reserve,
+                                      weight_bytes=held_weight_bytes(self.checkpoint, config))
         # A draft model holds what a stage holds plus the layers it drafted ahead of the rows sent
         # (up to one speculative reserve per running request): room for that, so it rarely runs out.
         self.draft_blocks = self.num_blocks + config.max_num_seqs * -(-reserve // config.block_size)

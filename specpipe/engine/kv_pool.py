@@ -5,8 +5,9 @@ same number of blocks: the fewest that any stage's memory allows, since the driv
 requests against one pool. A stage with more layers needs more bytes per block.
 
   --kv-memory 2GiB              bytes for the KV cache of each stage
-  --kv-memory-fraction 0.25     else: this share of the memory free now, split among the stages
-                                that share this machine (CPU) or this GPU
+  --kv-memory-fraction 0.25     else: this share of the memory that stays free once the stages
+                                on this machine (CPU) or this GPU hold their weights, split
+                                among those stages
 
 The pool is also capped at what `max_num_seqs` requests of `max_context` tokens plus their trees
 can ever use, so a small model on a big machine does not reserve memory it never touches.
@@ -14,10 +15,14 @@ can ever use, so a small model on a big machine does not reserve memory it never
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
+import gguf
+
 from specpipe.config import EngineConfig, ModelConfig, StageSpec, parse_bytes
+from specpipe.loader.checkpoint import Checkpoint
 
 
 def bytes_per_token(cfg: ModelConfig, spec: StageSpec, dtype_bytes: int) -> int:
@@ -41,16 +46,38 @@ def available_memory(device: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
+def held_weight_bytes(ckpt: Checkpoint, config: EngineConfig, share: float = 1.0) -> int:
+    """Bytes the stages will hold for `share` of the model's weights once loaded (the memory a
+    KV pool sized from free memory must leave them): a GGUF file's own size where its blocks stay
+    packed, else every tensor at the activations' width (or --quantization's block size)."""
+    import torch
+
+    from specpipe.model.stage import QUANTIZATIONS, default_kernel
+
+    path = Path(ckpt.path)
+    if path.is_file() and default_kernel(config.device, config.quantization) is None:
+        return int(path.stat().st_size * share)
+    if config.quantization is not None:
+        qtype = QUANTIZATIONS[config.quantization]
+        values, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+        width = nbytes / values
+    else:
+        width = torch.empty(0, dtype=config.torch_dtype()).element_size()
+    return int(sum(math.prod(ckpt.shape(n)) for n in ckpt.names()) * width * share)
+
+
 def pool_blocks(config: EngineConfig, cfg: ModelConfig, specs: list[StageSpec], spec_reserve: int,
-                sharing: Optional[int] = None) -> int:
-    """Blocks per stage. `sharing`: stages sharing this machine's memory (default: all of them)."""
+                sharing: Optional[int] = None, weight_bytes: int = 0) -> int:
+    """Blocks per stage. `sharing`: stages sharing this machine's memory (default: all of them);
+    `weight_bytes`: what those stages will hold in weights, not yet loaded (held_weight_bytes)."""
     import torch
 
     dtype_bytes = torch.empty(0, dtype=config.torch_dtype()).element_size()
     if config.kv_memory is not None:
         budget = parse_bytes(config.kv_memory)
     else:
-        budget = int(available_memory(config.device) * config.kv_memory_fraction / (sharing or len(specs)))
+        free = max(0, available_memory(config.device) - weight_bytes)
+        budget = int(free * config.kv_memory_fraction / (sharing or len(specs)))
     per_block = max(bytes_per_token(cfg, s, dtype_bytes) for s in specs) * config.block_size
     blocks = budget // max(per_block, 1)
     per_request = -(-(config.max_context + spec_reserve) // config.block_size)

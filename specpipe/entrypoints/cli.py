@@ -231,19 +231,22 @@ def _serve_stage(config, env) -> int:
     import os
 
     from specpipe.engine.core import spec_reserve
-    from specpipe.engine.kv_pool import pool_blocks
+    from specpipe.engine.kv_pool import held_weight_bytes, pool_blocks
     from specpipe.engine.start_pipeline import torchrun_stage
     from specpipe.loader import open_checkpoint
     from specpipe.loader.default_model import default_model_path
     from specpipe.loader.partition import partition_layers
 
     path = config.model or str(default_model_path())
-    cfg = open_checkpoint(path).config
+    ckpt = open_checkpoint(path)
+    cfg = ckpt.config
     specs = partition_layers(cfg.num_layers, config.stages, config.stage_layers)
     # The pool this machine's memory allows (shared with the other ranks on it); the driver admits
     # requests against the smallest pool that any stage reports.
     reserve = spec_reserve(config.mode, config.tree_width, config.tree_depth, config.stages, config.layers_per_step)
-    blocks = pool_blocks(config, cfg, specs, reserve, sharing=int(os.environ.get("LOCAL_WORLD_SIZE", len(specs))))
+    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", len(specs)))
+    blocks = pool_blocks(config, cfg, specs, reserve, sharing,
+                         held_weight_bytes(ckpt, config, share=min(1.0, sharing / len(specs))))
     return torchrun_stage(env, path, specs, blocks, config.block_size, config.device, config.torch_dtype(),
                           config.link(), config.quantization)
 

@@ -22,7 +22,7 @@ from specpipe.config import StageSpec
 from specpipe.kernels import native
 from specpipe.kernels.ggml_types import FLOAT_TYPES
 from specpipe.kernels.qlinear import QuantEmbedding, QuantLinear
-from specpipe.kernels.registry import choose_kernel, get_kernel
+from specpipe.kernels.registry import choose_kernel, get_kernel, kernels
 from specpipe.loader.checkpoint import Checkpoint, CheckpointError
 from specpipe.model.llama import LlamaStage, rope_inv_freq
 
@@ -79,6 +79,9 @@ def build_stage(ckpt: Checkpoint, spec: StageSpec, device: torch.device | str = 
     """
     if kernel is None:
         kernel = os.environ.get("SPECPIPE_KERNEL") or default_kernel(device, quantization)
+    names = ["float32"] + [k.name for k in kernels()]
+    if kernel is not None and kernel not in names:
+        raise ValueError(f"unknown kernel {kernel!r} (SPECPIPE_KERNEL?); this machine has: {', '.join(names)}")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     act = dtype or torch.float32

@@ -259,3 +259,49 @@ def test_c_isacheck_neon_under_qemu(tmp_path):
     hashes = lambda s: [ln for ln in s.splitlines() if "portable fnv" in ln]  # noqa: E731
     if x86:
         assert hashes(arm) == hashes(x86)
+
+
+# --- attention ------------------------------------------------------------------------------------
+
+
+def attention_case(c: int, t: int = 7, hq: int = 6, hkv: int = 2, d: int = 72, seed: int = 0):
+    """q, k, v and a random mask (every row sees slot 0): d = 72 exercises the 8-lane tail."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(n, h, d, generator=g) for n, h in ((t, hq), (c, hkv), (c, hkv)))
+    mask = torch.rand(t, c, generator=g) < 0.6
+    mask[:, 0] = True
+    return q, k, v, mask
+
+
+def reference_attention(q, k, v, mask, scale):
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(g, 1).double(), v.repeat_interleave(g, 1).double()
+    s = torch.einsum("thd,chd->htc", q.double(), kk) * scale
+    s = s.masked_fill(~mask[None], float("-inf"))
+    return torch.einsum("htc,chd->thd", torch.softmax(s, -1), vv).float()
+
+
+@pytest.mark.parametrize("c", [1, 3, 8, 15, 30, 257])
+def test_attention_rows_see_only_their_slots(c):
+    """A row equals, bitwise, the row computed over its visible slots alone (no mask, fewer
+    slots), whatever the thread count or ISA path; and it is softmax attention."""
+    q, k, v, mask = attention_case(c)
+    full = native.attention(q, k, v, mask, 0.125)
+    assert torch.allclose(full, reference_attention(q, k, v, mask, 0.125), atol=1e-5)
+    assert torch.equal(native.attention(q, k, v, mask, 0.125, threads=2), full)
+    for isa in native.supported_isas():
+        assert torch.equal(native.attention(q, k, v, mask, 0.125, isa=isa), full), isa
+    for i in range(q.shape[0]):
+        seen = mask[i].nonzero().squeeze(1)
+        alone = native.attention(q[i:i + 1], k[seen], v[seen], None, 0.125)
+        assert torch.equal(alone[0], full[i]), f"row {i}"
+
+
+def test_attention_input_validation():
+    q, k, v, mask = attention_case(4)
+    with pytest.raises(TypeError):
+        native.attention(q.double(), k, v, mask, 1.0)
+    with pytest.raises(ValueError):
+        native.attention(q, k, v[:, :1], mask, 1.0)
+    with pytest.raises(ValueError):
+        native.attention(q, k, v, mask[:, :2], 1.0)
