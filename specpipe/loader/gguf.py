@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import re
+import struct
 from pathlib import Path
 from typing import Any, Optional
 
@@ -108,6 +109,58 @@ class _BoundedReader(gguf.GGUFReader):
             end = int(offset) + np.dtype(dtype).itemsize * int(count)
             raise _Truncated(end, self.data.shape[0])
         return arr
+
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        """Skip the key/value section instead of building a numpy view per array item (the
+        stock reader needs tens of seconds for a 151k-token vocabulary; the loader reads the
+        metadata with loader/gguf_metadata.py). Only general.alignment, which the reader itself
+        needs to find the tensor data, is built as the stock reader would."""
+        order = "<" if self.byte_order == "I" else ">"
+        u32, u64 = struct.Struct(order + "I"), struct.Struct(order + "Q")
+        size = self.data.shape[0]
+
+        def read(fmt: struct.Struct, at: int) -> int:
+            if at + fmt.size > size:
+                raise _Truncated(at + fmt.size, size)
+            return fmt.unpack_from(self.data, at)[0]
+
+        def skip_string(at: int) -> int:
+            end = at + 8 + read(u64, at)
+            if end > size:
+                raise _Truncated(end, size)
+            return end
+
+        def skip_value(vtype: int, at: int, depth: int = 0) -> int:
+            if vtype == 8:  # string
+                return skip_string(at)
+            if vtype in _SCALAR_BYTES:
+                return at + _SCALAR_BYTES[vtype]
+            if vtype != 9 or depth > 8:  # array (nested at most a few levels in any real file)
+                raise ValueError(f"unknown or too deeply nested value type {vtype}")
+            etype, count = read(u32, at), read(u64, at + 4)
+            at += 12
+            if etype in _SCALAR_BYTES:
+                end = at + count * _SCALAR_BYTES[etype]
+                if end > size:
+                    raise _Truncated(end, size)
+                return end
+            for _ in range(count):
+                at = skip_value(etype, at, depth + 1)
+            return at
+
+        for _ in range(int(count)):
+            start = offs
+            key_end = skip_string(offs)
+            key = bytes(self.data[offs + 8:key_end]).decode("utf-8", "replace")
+            offs = skip_value(read(u32, key_end), key_end + 4)
+            if key == "general.alignment":
+                super()._build_fields(start, 1)
+        return offs
+
+
+# GGUF value type -> bytes of one item (8 = string and 9 = array are variable)
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 
 
 def _open_reader(path: Path) -> gguf.GGUFReader:
