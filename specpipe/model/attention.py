@@ -16,6 +16,7 @@ Glossary:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -79,12 +80,32 @@ class AttentionMetadata:
         )
 
 
+def within_window(meta: AttentionMetadata, slot_positions: torch.Tensor, window: int) -> AttentionMetadata:
+    """The metadata of a sliding-window layer: each row also may not attend to keys `window` or
+    more positions behind it (Hugging Face's rule: key position > query position - window).
+    slot_positions: (num_slots,) the position each cache slot holds (KVCache.positions). A row
+    always sees itself, and its mask depends on its own position and context only."""
+    segments = []
+    for seg in meta.segments:
+        q_pos = meta.positions[seg.start:seg.end]  # (rows,)
+        k_pos = slot_positions.index_select(0, seg.read_slots)  # (C,)
+        near = (q_pos[:, None] - k_pos[None, :]) < window  # (rows, C)
+        if bool(near.all()):
+            segments.append(seg)
+            continue
+        mask = near if seg.mask is None else seg.mask & near
+        segments.append(dataclasses.replace(seg, mask=mask))
+    return dataclasses.replace(meta, segments=segments)
+
+
 ROW_TILE = 4  # rows per call padded to a multiple of this (see kernels/torch_kernels.py)
 ROW_CHUNK = 256  # rows per score matrix, bounding its memory at ROW_CHUNK x C per head
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """q: (T, Hq, D); k, v: (C, Hkv, D); mask: (T, C) bool or None. Returns (T, Hq, D).
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+           scale: Optional[float] = None) -> torch.Tensor:
+    """q: (T, Hq, D); k, v: (C, Hkv, D); mask: (T, C) bool or None; scale: the scores' factor
+    (default 1/sqrt(D)). Returns (T, Hq, D).
 
     Written out (scores, softmax, weighted sum) instead of F.scaled_dot_product_attention because
     SDPA is not batch-invariant: a row's output changes with the number of rows in the call (it
@@ -95,8 +116,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
     """
     t, hq, d = q.shape
     if t > ROW_CHUNK:
-        return torch.cat([attend(q[i:i + ROW_CHUNK], k, v, None if mask is None else mask[i:i + ROW_CHUNK])
-                          for i in range(0, t, ROW_CHUNK)])
+        return torch.cat([attend(q[i:i + ROW_CHUNK], k, v, None if mask is None else mask[i:i + ROW_CHUNK],
+                                 scale) for i in range(0, t, ROW_CHUNK)])
     c, hkv, _ = k.shape
     g = hq // hkv
     pad = -t % ROW_TILE
@@ -105,7 +126,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
         if mask is not None:
             mask = torch.cat((mask, mask.new_ones(pad, c)))
     tp = t + pad
-    qh = q.permute(1, 0, 2).reshape(hkv, g * tp, d) * (1.0 / math.sqrt(d))  # (Hkv, g T', D)
+    qh = q.permute(1, 0, 2).reshape(hkv, g * tp, d) * (scale or 1.0 / math.sqrt(d))  # (Hkv, g T', D)
     scores = torch.matmul(qh, k.permute(1, 2, 0)).view(hkv, g, tp, c)  # (Hkv, g, T', C)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
