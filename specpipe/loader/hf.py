@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Optional
 
 import torch
 from safetensors import safe_open
 
 from specpipe.config import ConfigError, ModelConfig
-from specpipe.loader.checkpoint import Checkpoint, CheckpointError
+from specpipe.loader.checkpoint import Checkpoint, CheckpointError, fused_parts
 from specpipe.loader import PICKLE_SUFFIXES
 
 
@@ -35,22 +34,6 @@ def canonical(hf_name: str) -> str:
     for pattern, repl in _MIXTRAL:
         hf_name = pattern.sub(repl, hf_name)
     return hf_name
-
-
-def fused_parts(name: str, cfg: ModelConfig) -> Optional[list[tuple[str, int, int]]]:
-    """Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj: the canonical tensors
-    they hold, as (name, first row, end row) of the fused matrix; None for any other tensor."""
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    for fused, parts in ((".self_attn.qkv_proj.", (("q_proj", q), ("k_proj", kv), ("v_proj", kv))),
-                         (".mlp.gate_up_proj.", (("gate_proj", cfg.intermediate_size),
-                                                 ("up_proj", cfg.intermediate_size)))):
-        if fused in name:
-            out, row = [], 0
-            for part, rows in parts:
-                out.append((name.replace(fused, f".{fused.split('.')[1]}.{part}."), row, row + rows))
-                row += rows
-            return out
-    return None
 
 
 class HFCheckpoint(Checkpoint):
