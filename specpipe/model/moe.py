@@ -23,6 +23,21 @@ from specpipe.config import ModelConfig
 from specpipe.kernels.qlinear import FloatLinear
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+# torch's vectorised elementwise kernels (silu, gelu) on this AVX-512 CPU give an element other
+# bits when it falls in a loop's remainder than in its main body, so with a row width that is
+# not a multiple of 32 (a 48-wide tiny expert) a row's activations depended on how many rows
+# shared the call. Rows padded to a multiple of LANES columns put every element in the same place
+# of the loop whatever the row count. Real models' widths are multiples of 64: no copy there.
+LANES = 64
+
+
+def gated(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up, (T, I) each, with every row's result independent of T (see LANES)."""
+    cols = gate.shape[-1]
+    pad = -cols % LANES
+    if not pad:
+        return act(gate) * up
+    return (act(F.pad(gate, (0, pad))) * F.pad(up, (0, pad)))[:, :cols]
 
 
 class MLP(nn.Module):
@@ -36,7 +51,7 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(gated(self.act, self.gate_proj(x), self.up_proj(x)))
 
 
 class SparseMoE(nn.Module):
