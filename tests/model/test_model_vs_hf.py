@@ -1,7 +1,8 @@
 """The model against Hugging Face transformers as the reference, in float32.
 
-Covers: Llama (untied / tied / llama3 RoPE scaling), Qwen2 and Mistral on tiny random weights,
-prefill then KV-cached decode; sharded safetensors; the real SmolLM2 GGUF against transformers'
+Covers: Llama (untied / tied / llama3 RoPE scaling), Qwen2, Mistral (with and without a sliding
+window), Qwen3, Qwen3-MoE, Mixtral, Gemma 3 (text, and a gemma3 multimodal directory) and Phi-3
+(LongRoPE short and long) on tiny random weights, prefill then KV-cached decode; sharded safetensors; the real SmolLM2 GGUF against transformers'
 own GGUF loader (logits and greedy tokens); stage slices chained against the whole model; tree
 attention against plain sequences; and loader/model errors for bad checkpoints.
 """
@@ -359,12 +360,16 @@ def test_directory_without_config(tmp_path):
         open_checkpoint(tmp_path)
 
 
-def test_unknown_model_type(tmp_path, tiny_llama_dir):
+@pytest.mark.parametrize("model_type, message", [
+    ("gpt2", "unsupported model_type 'gpt2' in config.json; SpecPipe runs llama"),
+    ("deepseek_v3", r"unsupported model_type 'deepseek_v3' in config.json \(it needs multi-head latent attention"),
+])
+def test_unknown_model_type(tmp_path, tiny_llama_dir, model_type, message):
     cfg = json.loads((tiny_llama_dir / "config.json").read_text())
-    cfg["model_type"] = "gpt2"
+    cfg["model_type"] = model_type
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     shutil.copy(tiny_llama_dir / "model.safetensors", tmp_path)
-    with pytest.raises(CheckpointError, match="unsupported model_type 'gpt2'"):
+    with pytest.raises(CheckpointError, match=message):
         open_checkpoint(tmp_path)
 
 
@@ -423,3 +428,23 @@ def test_missing_shard_is_named(tmp_path, tiny_model_dir):
     victim.unlink()
     with pytest.raises(CheckpointError, match=f"missing: {victim.name}"):
         open_checkpoint(dst)
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_text_model(tiny_model_dir, tmp_path):
+    """A `gemma3` directory (4B-27B layout: text settings in text_config, which omits the values
+    equal to Gemma3TextConfig's defaults; weights under language_model.*; a vision tower) loads
+    as its text model."""
+    src = tiny_model_dir("gemma3_text", seed=10)
+    text = json.loads((src / "config.json").read_text())
+    text.pop("rms_norm_eps")  # 1e-6, the default a real text_config leaves out
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text,
+                                                      "vision_config": {"model_type": "siglip_vision_model"}}))
+    weights = {f"language_model.model.{k.removeprefix('model.')}": v
+               for k, v in load_file(src / "model.safetensors").items()}
+    weights["vision_tower.vision_model.post_layernorm.weight"] = torch.ones(4)
+    save_file(weights, tmp_path / "model.safetensors")
+    tokens = random_tokens(20, 300, seed=3)
+    want = prefill_then_decode([whole_model(src)], tokens, 16)
+    ours = whole_model(tmp_path)
+    assert ours.cfg.arch == "gemma3" and ours.cfg.rms_norm_eps == 1e-6
+    assert torch.equal(prefill_then_decode([ours], tokens, 16), want)
