@@ -29,7 +29,7 @@ from specpipe.costs import roofline
 from specpipe.costs.measure import profile_stages
 from specpipe.engine.core import EngineCore
 from specpipe.loader.partition import partition_layers
-from specpipe.model.llama import LlamaStage, rope_inv_freq
+from specpipe.model.llama import LlamaStage
 from specpipe.request import Request
 from specpipe.sampling import SamplingParams
 from specpipe.spec_decode.sources import NgramSource
@@ -54,7 +54,7 @@ def random_stage(cfg: ModelConfig, spec: StageSpec, device, dtype, seed: int = 0
     with torch.device("meta"):
         model = LlamaStage(cfg, spec)
     model = model.to_empty(device="cpu")
-    model.inv_freq.copy_(rope_inv_freq(cfg))  # a buffer built on the meta device holds no values
+    model.init_rope()  # a buffer built on the meta device holds no values
     gen = torch.Generator().manual_seed(seed + spec.start)
     for name, p in model.named_parameters():
         with torch.no_grad():

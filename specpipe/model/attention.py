@@ -16,6 +16,7 @@ Glossary:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -79,6 +80,24 @@ class AttentionMetadata:
             write_slots=torch.tensor(write_slots, dtype=torch.long, device=device),
             segments=out,
         )
+
+
+def within_window(meta: AttentionMetadata, slot_positions: torch.Tensor, window: int) -> AttentionMetadata:
+    """The metadata of a sliding-window layer: each row also may not attend to keys `window` or
+    more positions behind it (Hugging Face's rule: key position > query position - window).
+    slot_positions: (num_slots,) the position each cache slot holds (KVCache.positions). A row
+    always sees itself, and its mask depends on its own position and context only."""
+    segments = []
+    for seg in meta.segments:
+        q_pos = meta.positions[seg.start:seg.end]  # (rows,)
+        k_pos = slot_positions.index_select(0, seg.read_slots)  # (C,)
+        near = (q_pos[:, None] - k_pos[None, :]) < window  # (rows, C)
+        if bool(near.all()):
+            segments.append(seg)
+            continue
+        mask = near if seg.mask is None else seg.mask & near
+        segments.append(dataclasses.replace(seg, mask=mask))
+    return dataclasses.replace(meta, segments=segments)
 
 
 ROW_TILE = 4  # rows per call padded to a multiple of this (see kernels/torch_kernels.py)

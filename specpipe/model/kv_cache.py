@@ -23,7 +23,12 @@ class KVCache:
         # does not touch all its pages up front.
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
+        # The position each slot holds, for sliding-window layers' masks (attention.within_window).
+        self.positions = torch.zeros(num_slots, dtype=torch.long, device=device)
         self.num_slots = num_slots
+
+    def write_positions(self, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        self.positions.index_copy_(0, slots, positions)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         """Store the new rows' K/V (T, Hkv, D) in their slots (T,)."""

@@ -1,4 +1,21 @@
-"""One readable Llama-family decoder (Llama 2/3, Qwen2, SmolLM2, Mistral), buildable as a slice.
+"""One readable decoder for every family SpecPipe runs, buildable as a slice.
+
+Llama 2/3, SmolLM2, Mistral, Qwen2 and Qwen3 are this decoder as written; the other families
+switch on a few named options of ModelConfig, each used in exactly one place here:
+
+    option            families            where
+    qk_norm           Qwen3, Gemma 3      Attention: RMSNorm over each query and key head
+    query_scale       Gemma 3             Attention: scores scaled by query_pre_attn_scalar^-0.5
+    rope_dim          Phi-3               Rope.apply: only the first rope_dim dims rotate
+    rope_scaling      Llama 3, Gemma 3, Phi-3 (model/rope.py: llama3, linear, longrope)
+    sliding_layers    Gemma 3, Mistral    LlamaStage.forward: those layers see the last window only,
+                                          with their own RoPE base (rope_local_theta) if set
+    norm_plus_one     Gemma               RMSNorm scales by (1 + weight)
+    sandwich_norms    Gemma 3             DecoderLayer: sublayer outputs normalised too
+    hidden_act        Gemma (GeGLU)       MLP (model/moe.py)
+    moe               Mixtral, Qwen3-MoE  DecoderLayer: SparseMoE instead of MLP on its layers
+    embed_scale       Gemma               LlamaStage.forward: embeddings times sqrt(hidden)
+    final_softcap     Gemma (if set)      LlamaStage.forward: cap * tanh(logits / cap)
 
 A `LlamaStage` holds layers [start, end) of the model, plus the token embedding when it is the
 first stage and the final norm + LM head when it is the last; the whole model is the stage
@@ -12,54 +29,32 @@ attention runs per segment of the metadata (see attention.py).
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from specpipe.config import ModelConfig, RopeScaling, StageSpec
+from specpipe.config import ModelConfig, StageSpec
 from specpipe.kernels.qlinear import FloatLinear
-from specpipe.model.attention import AttentionMetadata, attend
+from specpipe.model.attention import AttentionMetadata, attend, within_window
 from specpipe.model.kv_cache import KVCache
+from specpipe.model.moe import MLP, SparseMoE
+from specpipe.model.rope import Rope, local_rope_differs, rope_attention_factor, rope_inv_freq
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, plus_one: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.eps, self.plus_one = eps, plus_one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in float32 as the reference implementations do, then cast back.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:  # Gemma stores weight - 1 and scales in float32
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies (D/2,), with Llama 3's frequency-dependent scaling when configured."""
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    s: Optional[RopeScaling] = cfg.rope_scaling
-    if s is None:
-        return inv.float()
-    # Llama 3: keep high frequencies, divide low ones by `factor`, blend smoothly in between.
-    low_wavelen = s.original_max_position / s.low_freq_factor
-    high_wavelen = s.original_max_position / s.high_freq_factor
-    wavelen = 2 * math.pi / inv
-    smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
-    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
-    scaled = torch.where(mid, (1 - smooth) * inv / s.factor + smooth * inv, scaled)
-    return scaled.float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, heads, D); cos/sin: (T, 1, D). Hugging Face's rotate-half convention."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class Attention(nn.Module):
@@ -71,44 +66,50 @@ class Attention(nn.Module):
         self.k_proj = FloatLinear(cfg.hidden_size, self.hkv * self.d, bias=bias)
         self.v_proj = FloatLinear(cfg.hidden_size, self.hkv * self.d, bias=bias)
         self.o_proj = FloatLinear(self.hq * self.d, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, cfg.norm_plus_one)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, cfg.norm_plus_one)
+        self.qk_norm, self.scale = cfg.qk_norm, cfg.query_scale
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                kv: KVCache, layer: int) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata, kv: KVCache, layer: int) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, self.hq, self.d), cos, sin)  # (T, Hq, D)
-        k = apply_rope(self.k_proj(x).view(t, self.hkv, self.d), cos, sin)  # (T, Hkv, D)
+        q = self.q_proj(x).view(t, self.hq, self.d)  # (T, Hq, D)
+        k = self.k_proj(x).view(t, self.hkv, self.d)  # (T, Hkv, D)
         v = self.v_proj(x).view(t, self.hkv, self.d)  # (T, Hkv, D)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope.apply(q), rope.apply(k)
         kv.write(layer, k, v, meta.write_slots)  # every segment's rows first: a segment may read another's
         outs = []
         for seg in meta.segments:
             k_seg, v_seg = kv.read(layer, seg)  # (C, Hkv, D)
-            outs.append(attend(q[seg.start:seg.end], k_seg, v_seg, seg.mask))  # (rows, Hq, D)
+            outs.append(attend(q[seg.start:seg.end], k_seg, v_seg, seg.mask, self.scale))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (T, Hq, D)
         return self.o_proj(out.reshape(t, self.hq * self.d))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_proj = FloatLinear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = FloatLinear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = FloatLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        h, eps, plus_one = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one
+        self.input_layernorm = RMSNorm(h, eps, plus_one)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        # Llama: the MLP's input norm. Gemma 3 (sandwich): the attention output's norm.
+        self.post_attention_layernorm = RMSNorm(h, eps, plus_one)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(h, eps, plus_one)
+            self.post_feedforward_layernorm = RMSNorm(h, eps, plus_one)
+        self.mlp = SparseMoE(cfg) if cfg.is_sparse(index) else MLP(h, cfg.intermediate_size, cfg.hidden_act)
+        self.sliding = cfg.is_sliding(index)
 
-    def forward(self, x, cos, sin, meta, kv, layer):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, rope, meta, kv, layer):
+        a = self.self_attn(self.input_layernorm(x), rope, meta, kv, layer)
+        if not self.sandwich:
+            x = x + a
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(a)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class LlamaStage(nn.Module):
@@ -121,13 +122,25 @@ class LlamaStage(nn.Module):
         if spec.first:
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # Keyed by the global layer index so that names match the checkpoint's.
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg) for i in range(spec.start, spec.end)})
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(spec.start, spec.end)})
         if spec.last:
-            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
             self.lm_head = FloatLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
             if cfg.tie_word_embeddings and spec.first:
                 self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.init_rope(None)
+
+    def init_rope(self, device: torch.device | str | None = "cpu") -> None:
+        """(Re)build the RoPE tables on `device` (None: the current default device). They are not
+        in the checkpoint, and built on the meta device they hold no values, so the loader calls
+        this again. `inv_freq_local`: the sliding layers' own base, when they have one."""
+        def table(local: bool) -> torch.Tensor:
+            t = rope_inv_freq(self.cfg, local)
+            return t if device is None else t.to(device)
+
+        self.register_buffer("inv_freq", table(False), persistent=False)
+        if local_rope_differs(self.cfg):
+            self.register_buffer("inv_freq_local", table(True), persistent=False)
 
     @property
     def num_layers(self) -> int:
@@ -146,15 +159,27 @@ class LlamaStage(nn.Module):
         (all rows when None): prefill needs only the last row's logits, so the LM head, the
         largest matrix, runs only on the rows whose token is wanted.
         """
+        cfg = self.cfg
         if self.spec.first:
             x = self.embed_tokens(x).to(self.act_dtype)  # (T, H)
-        freqs = meta.positions.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]  # (T, D/2)
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, D)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+            if cfg.embed_scale != 1.0:
+                x = x * cfg.embed_scale
+        rope = Rope.at(meta.positions, self.inv_freq, x.dtype, rope_attention_factor(cfg))
+        # Sliding-window layers: the same rows under masks that also hide keys beyond the window,
+        # and (Gemma 3) RoPE of their own base. Built once per call, only if this stage has such layers.
+        local_rope, local_meta = rope, meta
+        if any(layer.sliding for layer in self.layers.values()):
+            kv.write_positions(meta.positions, meta.write_slots)
+            local_meta = within_window(meta, kv.positions, cfg.sliding_window)
+            if local_rope_differs(cfg):
+                local_rope = Rope.at(meta.positions, self.inv_freq_local, x.dtype, rope_attention_factor(cfg, True))
         for i, layer in enumerate(self.layers.values()):
-            x = layer(x, cos, sin, meta, kv, i)
+            x = layer(x, local_rope if layer.sliding else rope, local_meta if layer.sliding else meta, kv, i)
         if not self.spec.last:
             return x
         if head_rows is not None:
             x = x.index_select(0, head_rows)
-        return self.lm_head(self.norm(x)).float()  # (R, V)
+        logits = self.lm_head(self.norm(x)).float()  # (R, V)
+        if cfg.final_softcap:
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+        return logits

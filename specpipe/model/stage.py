@@ -24,7 +24,7 @@ from specpipe.kernels.ggml_types import FLOAT_TYPES
 from specpipe.kernels.qlinear import QuantEmbedding, QuantLinear
 from specpipe.kernels.registry import choose_kernel, get_kernel, kernels
 from specpipe.loader.checkpoint import Checkpoint, CheckpointError
-from specpipe.model.llama import LlamaStage, rope_inv_freq
+from specpipe.model.llama import LlamaStage
 
 Q = gguf.GGMLQuantizationType
 QUANTIZATIONS = {"int8": Q.Q8_0, "int4": Q.Q4_0}
@@ -90,7 +90,7 @@ def build_stage(ckpt: Checkpoint, spec: StageSpec, device: torch.device | str = 
     # an uninitialised float32 copy of the weights it keeps quantized.
     with torch.device("meta"):
         model = LlamaStage(cfg, spec, act)
-    model.inv_freq = rope_inv_freq(cfg).to(device)
+    model.init_rope(device)
     available = ckpt.names()
     tied = spec.first and spec.last and cfg.tie_word_embeddings
 

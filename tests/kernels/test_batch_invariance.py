@@ -3,9 +3,11 @@
 Kernel level: every kernel this process can use, on every type it supports, and the float
 linear (float32 and bf16 weights): a row alone equals, bitwise, the same row among 1-63 others.
 Model level: a stage's forward over mixed segments (a tree under a context with its mask, a
-prompt chunk, a decode row), float32 / bf16-stored / Q8_0 / Q4_0 weights, native and torch
-attention: each row computed in a call of its own (same context, same mask row) equals, bitwise,
-that row in the batch, and so does the row plain decoding computes (its visible slots alone).
+prompt chunk, a decode row), float32 / bf16-stored / Q8_0 / Q4_0 weights, the families whose
+rows take other paths (mixture of experts, sliding window), native and torch attention: each row
+computed in a call of its own (same context, same mask row) equals, bitwise, that row in the
+batch, and so does the row plain decoding computes (its visible slots alone). Also the sparse
+MLP alone: a row routed by itself equals that row among many.
 """
 
 from __future__ import annotations
@@ -81,6 +83,24 @@ def test_float_linear_rows_do_not_depend_on_the_batch(weight_dtype):
             assert_invariant(layer, torch.randn(ROWS, k, generator=g))
 
 
+def test_moe_rows_do_not_depend_on_the_batch(tiny_model_dir):
+    """A sparse MLP's row, routed and summed alone, equals the same row among 63 others, bitwise
+    (each expert then runs on a different set of rows)."""
+    from specpipe.model.moe import SparseMoE
+
+    model = build_stage(open_checkpoint(tiny_model_dir("qwen3_moe")), StageSpec(0, 1, True, False))
+    moe = model.layers["0"].mlp
+    assert isinstance(moe, SparseMoE)
+    x = torch.randn(ROWS, 64, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        chosen, _ = moe.route(x)
+        assert len(torch.unique(chosen)) == 4  # every expert has rows: the grouping is exercised
+        assert_invariant(moe, x)
+        full = moe(x)
+        for i in range(ROWS):  # every row alone, whichever experts it chose
+            assert torch.equal(moe(x[i:i + 1])[0], full[i]), f"row {i} alone differs"
+
+
 # --- model level ---------------------------------------------------------------------------------
 
 
@@ -108,23 +128,34 @@ def mixed_batch(rng: np.random.Generator):
     return segments, positions, write, contexts, tokens
 
 
+# Families whose rows take other paths: experts chosen per row (qwen3_moe, and int8 experts on
+# the quantized seam), a sliding window shorter than the contexts (gemma3_text, window 6),
+# partial rotary with LongRoPE (phi3).
+FAMILY_VARIANTS = {"qwen3_moe": ("qwen3_moe", {}), "gemma3": ("gemma3_text", {}), "phi3": ("phi3", {}),
+                   # Q8_0 blocks need rows of a multiple of 32: the tiny expert's 48 is widened
+                   "qwen3_moe-int8": ("qwen3_moe", dict(moe_intermediate_size=64))}
 ATTENTION = ["native", "torch"] if native.available() else ["torch"]
 
 
 @pytest.mark.parametrize("attention", ATTENTION)
-@pytest.mark.parametrize("variant", ["f32", "bf16-stored", "int8", "int4", "int4pack"])
-def test_stage_rows_do_not_depend_on_the_batch(tiny_llama_dir, tmp_path, variant, attention, monkeypatch):
+@pytest.mark.parametrize("variant", ["f32", "bf16-stored", "int8", "int4", "int4pack", *FAMILY_VARIANTS])
+def test_stage_rows_do_not_depend_on_the_batch(tiny_llama_dir, tiny_model_dir, tmp_path, variant, attention,
+                                               monkeypatch):
     if attention == "torch":
         monkeypatch.setattr(native, "available", lambda: False)
     path = bf16_copy(tiny_llama_dir, tmp_path / "bf16") if variant == "bf16-stored" else tiny_llama_dir
-    quant = {"int8": "int8", "int4": "int4", "int4pack": "int4"}.get(variant)
+    if variant in FAMILY_VARIANTS:
+        family, overrides = FAMILY_VARIANTS[variant]
+        path = tiny_model_dir(family, **overrides)
+    quant = {"int8": "int8", "int4": "int4", "int4pack": "int4", "qwen3_moe-int8": "int8"}.get(variant)
     model = build_stage(open_checkpoint(path), StageSpec(0, 4, True, True),
                         dtype=None if variant == "bf16-stored" else torch.float32, quantization=quant,
                         kernel="int4pack" if variant == "int4pack" else None)
     if variant == "bf16-stored":
         assert model.layers["0"].mlp.up_proj.weight.dtype == torch.bfloat16
     if quant:
-        assert isinstance(model.layers["0"].mlp.up_proj, QuantLinear)
+        mlp = model.layers["0"].mlp
+        assert isinstance(mlp.experts[0].up_proj if hasattr(mlp, "experts") else mlp.up_proj, QuantLinear)
     rng = np.random.default_rng(0)
     kv = model.make_kv_cache(48)
     segments, positions, write, contexts, tokens = mixed_batch(rng)

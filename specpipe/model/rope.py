@@ -1,0 +1,85 @@
+"""Rotary position embeddings: the frequency table of each family's RoPE variant, and its use.
+
+    plain     inv_freq[i] = theta^(-2i/R)                      (R = rotated dims of a head)
+    llama3    low frequencies divided by `factor`, high ones kept, blended in between
+    linear    every frequency divided by `factor` (Gemma 3's global layers)
+    longrope  inv_freq[i] / ext[i], with Phi-3's short or long per-frequency factors, and
+              cos/sin scaled by the attention factor
+
+Partial rotary (Phi-3): only the first R of a head's D dims rotate; the rest pass unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+import torch
+
+from specpipe.config import LinearRope, LongRope, ModelConfig, RopeScaling
+
+
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies (R/2,) of the global layers, or of the sliding ones with their own
+    base (Gemma 3's rope_local_theta, never scaled) when `local`."""
+    r = cfg.rotary_dim
+    exponents = torch.arange(0, r, 2, dtype=torch.float64) / r
+    if local and cfg.rope_local_theta is not None:
+        return (1.0 / cfg.rope_local_theta ** exponents).float()
+    s = cfg.rope_scaling
+    if isinstance(s, LongRope):  # float32 throughout, as transformers computes it
+        ext = torch.tensor(s.factors, dtype=torch.float32)
+        return 1.0 / (ext * cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.int64).float() / r))
+    inv = 1.0 / (cfg.rope_theta ** exponents)
+    if isinstance(s, LinearRope):
+        return (inv / s.factor).float()
+    if isinstance(s, RopeScaling):
+        return llama3_scaled(inv, s).float()
+    return inv.float()
+
+
+def llama3_scaled(inv: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3: keep high frequencies, divide low ones by `factor`, blend smoothly in between."""
+    low_wavelen = s.original_max_position / s.low_freq_factor
+    high_wavelen = s.original_max_position / s.high_freq_factor
+    wavelen = 2 * math.pi / inv
+    smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    scaled = torch.where(wavelen > low_wavelen, inv / s.factor, inv)
+    mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return torch.where(mid, (1 - smooth) * inv / s.factor + smooth * inv, scaled)
+
+
+def rope_attention_factor(cfg: ModelConfig, local: bool = False) -> float:
+    s = cfg.rope_scaling
+    return s.attention_factor if isinstance(s, LongRope) and not (local and cfg.rope_local_theta) else 1.0
+
+
+@dataclass
+class Rope:
+    """cos/sin of this call's rows: (T, 1, R) each; R may be less than the head dim."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @staticmethod
+    def at(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> "Rope":
+        freqs = positions.to(inv_freq.dtype)[:, None] * inv_freq[None, :]  # (T, R/2)
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # (T, 1, R)
+        cos, sin = emb.cos(), emb.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        return Rope(cos.to(dtype), sin.to(dtype))
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (T, heads, D). Hugging Face's rotate-half convention on the first R dims."""
+        r = self.cos.shape[-1]
+        rot, rest = (x, None) if r == x.shape[-1] else (x[..., :r], x[..., r:])
+        x1, x2 = rot.chunk(2, dim=-1)
+        out = rot * self.cos + torch.cat((-x2, x1), dim=-1) * self.sin
+        return out if rest is None else torch.cat((out, rest), dim=-1)
+
+
+def local_rope_differs(cfg: ModelConfig) -> bool:
+    return bool(cfg.sliding_layers) and cfg.rope_local_theta is not None
+
+
+__all__ = ["Rope", "rope_inv_freq", "rope_attention_factor", "local_rope_differs", "llama3_scaled"]
