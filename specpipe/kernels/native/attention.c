@@ -11,8 +11,9 @@
  *   - q . k over D: eight lane accumulators over consecutive chunks of eight values (a tail
  *     goes to lanes 0..), then the lanes folded as ((0+1)+(2+3))+((4+5)+(6+7));
  *   - the maximum (exact in any order), exp(s - max) with the C library's expf;
- *   - the denominator and each output value: one running sum over the visible slots in read
- *     order (a masked slot is skipped, not added as zero, so nothing depends on C).
+ *   - the denominator and each output value: one running sum in double over the visible slots
+ *     in read order (a masked slot is skipped, not added as zero, so nothing depends on C),
+ *     rounded to float once at the end.
  * The vector type is lane-wise only (no horizontal operations before the fixed fold) and the
  * build has -ffp-contract=off, so every ISA the compiler picks gives the same bits.
  *
@@ -49,7 +50,8 @@ SP_ATT_INLINE float dot(const float *a, const float *b, int d) {
 
 /* one (row, query head): s is scratch for c scores */
 SP_ATT_INLINE void attend_one(const float *q, const float *k, const float *v, const uint8_t *mask,
-                              int64_t c, int hkv, int g, int d, float scale, float *s, float *out) {
+                              int64_t c, int hkv, int g, int d, float scale, float *s, double *acc,
+                              float *out) {
   const int64_t stride = (int64_t)hkv * d;
   float m = -INFINITY;
   for (int64_t j = 0; j < c; j++) {
@@ -57,21 +59,16 @@ SP_ATT_INLINE void attend_one(const float *q, const float *k, const float *v, co
     s[j] = dot(q, k + j * stride + (int64_t)g * d, d) * scale;
     if (s[j] > m) m = s[j];
   }
-  for (int i = 0; i < d; i++) out[i] = 0.0f;
-  float sum = 0.0f;
+  double sum = 0.0;
+  for (int i = 0; i < d; i++) acc[i] = 0.0;
   for (int64_t j = 0; j < c; j++) {
     if (mask && !mask[j]) continue;
-    const float e = expf(s[j] - m);
+    const double e = expf(s[j] - m);
     const float *vj = v + j * stride + (int64_t)g * d;
     sum += e;
-    int i = 0;
-    for (; i + 8 <= d; i += 8) {
-      v8 o = load8(out + i) + load8(vj + i) * e;
-      memcpy(out + i, &o, sizeof o);
-    }
-    for (; i < d; i++) out[i] += vj[i] * e;
+    for (int i = 0; i < d; i++) acc[i] += e * vj[i]; /* lane i: its own running sum over j */
   }
-  for (int i = 0; i < d; i++) out[i] /= sum;
+  for (int i = 0; i < d; i++) out[i] = (float)(acc[i] / sum);
 }
 
 SP_ATT_INLINE int attention_body(const float *q, int64_t t, int hq, int hkv, int d, const float *k,
@@ -82,19 +79,18 @@ SP_ATT_INLINE int attention_body(const float *q, int64_t t, int hq, int hkv, int
   int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
   {
-    float *s = malloc((size_t)(c > 0 ? c : 1) * sizeof(float));
-    if (!s) {
-      failed = 1;
-    } else {
+    float *s = malloc((size_t)c * sizeof(float));
+    double *acc = malloc((size_t)d * sizeof(double));
+    if (!s || !acc) failed = 1;
+    /* every thread reaches the loop (and its barrier), with or without its scratch */
 #pragma omp for schedule(static)
-      for (int64_t p = 0; p < pairs; p++) {
-        const int64_t i = p / hq;
-        const int h = (int)(p % hq);
-        attend_one(q + p * d, k, v, mask ? mask + i * c : NULL, c, hkv, h / group, d, scale, s,
-                   out + p * d);
-      }
-      free(s);
+    for (int64_t p = 0; p < pairs; p++) {
+      if (!s || !acc) continue;
+      attend_one(q + p * d, k, v, mask ? mask + (p / hq) * c : NULL, c, hkv, (int)(p % hq) / group,
+                 d, scale, s, acc, out + p * d);
     }
+    free(s);
+    free(acc);
   }
   return failed ? SP_ERR_MEMORY : SP_OK;
 }
