@@ -7,7 +7,9 @@ SpecPipe itself (no model files, no network). Under 10 minutes on one data-centr
 1. Correctness: a small random-weight Llama decodes the same greedy tokens on the device as on
    the CPU in float32, and every speculative mode (tree, specpipe with 1 and 2 layers per step,
    n-gram source) gives the tokens of pp on the device (lossless); in bf16 the agreement is
-   reported (near-ties may round differently in batches of different shapes).
+   reported (near-ties may round differently in batches of different shapes). The same with
+   Q8_0 weights (issue 19's quantized layer on the device's kernel): CPU and device agree, and
+   every mode gives pp's tokens.
 2. Profiles: stage slices of Llama-3-8B- and Llama-3.1-70B-shaped random-weight layers in bf16,
    measured through the stages' own step (`specpipe profile`'s method) at rows 1..256 and
    contexts 256..4096; written as cost profiles beside a table of measured / roofline time for
@@ -22,12 +24,14 @@ import sys
 import time
 from pathlib import Path
 
+import gguf
 import torch
 
 from specpipe.config import ModelConfig, StageSpec
 from specpipe.costs import roofline
 from specpipe.costs.measure import profile_stages
 from specpipe.engine.core import EngineCore
+from specpipe.kernels.qlinear import FloatLinear, QuantLinear
 from specpipe.loader.partition import partition_layers
 from specpipe.model.llama import LlamaStage
 from specpipe.request import Request
@@ -36,6 +40,7 @@ from specpipe.spec_decode.sources import NgramSource
 from specpipe.worker.local_pipeline import LocalPipeline
 from specpipe.worker.stage_worker import StageWorker
 
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
 SHAPES = {  # name -> (hidden, intermediate, heads, kv heads, layers, vocab)
     "llama-3-8b": (4096, 14336, 32, 8, 32, 128256),
     "llama-3.1-70b": (8192, 28672, 64, 8, 80, 128256),
@@ -62,9 +67,24 @@ def random_stage(cfg: ModelConfig, spec: StageSpec, device, dtype, seed: int = 0
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def decode_on(device, dtype, mode: str, layers=1) -> list[int]:
+def quantized(model: LlamaStage, device) -> LlamaStage:
+    """Every projection of a CPU float32 stage as Q8_0 blocks on `device` (--quantization int8's
+    path: the registry's kernel for the device, dequantize-per-call on CUDA)."""
+    for name, m in list(model.named_modules()):
+        if isinstance(m, FloatLinear):
+            packed = torch.from_numpy(gguf.quants.quantize(m.weight.float().numpy(), Q8_0))
+            parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+            setattr(parent, name.rpartition(".")[2],
+                    QuantLinear(packed.to(device), Q8_0, m.in_features, m.out_features, m.bias))
+    return model.to(device)
+
+
+def decode_on(device, dtype, mode: str, layers=1, quantize: bool = False) -> list[int]:
     cfg = config("tiny")
-    workers = [StageWorker(random_stage(cfg, s, device, dtype), 64, 16) for s in partition_layers(cfg.num_layers, 2)]
+    specs = partition_layers(cfg.num_layers, 2)
+    stages = ([quantized(random_stage(cfg, s, "cpu", torch.float32), device) for s in specs] if quantize
+              else [random_stage(cfg, s, device, dtype) for s in specs])
+    workers = [StageWorker(m, 64, 16) for m in stages]
     req = Request(0, [5, 17, 33, 90, 5, 17, 33, 90, 5, 17, 120, 7], SamplingParams(max_tokens=40), frozenset())
     source = NgramSource() if mode != "pp" else None
     EngineCore(LocalPipeline(workers), mode, source, width=4, depth=3, layers=layers).run([req])
@@ -87,10 +107,16 @@ def check_tokens(device) -> dict:
         out16 = decode_on(device, torch.bfloat16, mode, d)
         first = next((i for i, (a, b) in enumerate(zip(out16, ref16)) if a != b), len(ref16))
         agree16[f"{mode} d={d}"] = round(first / len(ref16), 3)
+    q8 = decode_on(device, torch.float32, "pp", quantize=True)
+    lossless_q8 = {f"{mode} d={d}": decode_on(device, torch.float32, mode, d, quantize=True) == q8 for mode, d in MODES}
     out = {"cpu_vs_device_fp32_same": cpu == dev32, "lossless_fp32_on_device": lossless,
-           "bf16_agreement_with_pp": agree16}
+           "bf16_agreement_with_pp": agree16,
+           "q8_0_cpu_vs_device_same": decode_on("cpu", torch.float32, "pp", quantize=True) == q8,
+           "lossless_q8_0_on_device": lossless_q8}
     print(f"greedy tokens, CPU fp32 vs {device} fp32: {'same' if cpu == dev32 else 'DIFFERENT'}; each speculative "
-          f"mode vs pp on {device}, fp32: {lossless}; bf16 (share before the first difference): {agree16}", flush=True)
+          f"mode vs pp on {device}, fp32: {lossless}; bf16 (share before the first difference): {agree16}; "
+          f"Q8_0 weights, CPU vs {device}: {'same' if out['q8_0_cpu_vs_device_same'] else 'DIFFERENT'}, "
+          f"each mode vs pp: {lossless_q8}", flush=True)
     return out
 
 
@@ -132,7 +158,9 @@ def main() -> None:
     summary["seconds"] = round(time.perf_counter() - t0, 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"wrote {out} in {summary['seconds']} s", flush=True)
-    if not summary["tokens"]["cpu_vs_device_fp32_same"] or not all(summary["tokens"]["lossless_fp32_on_device"].values()):
+    tok = summary["tokens"]
+    if not tok["cpu_vs_device_fp32_same"] or not all(tok["lossless_fp32_on_device"].values()) \
+            or not all(tok["lossless_q8_0_on_device"].values()):
         sys.exit(1)
 
 
