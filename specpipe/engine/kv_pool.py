@@ -55,7 +55,7 @@ def held_weight_bytes(ckpt: Checkpoint, config: EngineConfig, share: float = 1.0
     from specpipe.model.stage import QUANTIZATIONS, default_kernel
 
     path = Path(ckpt.path)
-    if path.is_file() and default_kernel(config.device, config.quantization) is None:
+    if path.is_file() and default_kernel(config.device, config.quantization) != "float32":
         return int(path.stat().st_size * share)
     if config.quantization is not None:
         qtype = QUANTIZATIONS[config.quantization]

@@ -53,10 +53,13 @@ def _packed(ckpt: Checkpoint, src: str, quantization: Optional[str], kernel: Opt
 
 
 def default_kernel(device: torch.device | str, quantization: Optional[str]) -> Optional[str]:
-    """None (the registry's choice per type: the native kernel where it is built, on CPU) when
-    a packed weight can be multiplied fast here; otherwise "float32", SpecPipe's old way, since
-    the portable dequantize-per-call kernel is several times slower than float32 weights.
-    --quantization always keeps its blocks: it was asked for to save memory."""
+    """SPECPIPE_KERNEL when set; else None (the registry's choice per type: the native kernel
+    where it is built, on CPU) when a packed weight can be multiplied fast here; otherwise
+    "float32", SpecPipe's old way, since the portable dequantize-per-call kernel is several times
+    slower than float32 weights. --quantization always keeps its blocks: it was asked for to
+    save memory."""
+    if os.environ.get("SPECPIPE_KERNEL"):
+        return os.environ["SPECPIPE_KERNEL"]
     if quantization is not None or (torch.device(device).type == "cpu" and native.available()):
         return None
     return "float32"
@@ -78,7 +81,7 @@ def build_stage(ckpt: Checkpoint, spec: StageSpec, device: torch.device | str = 
     memory of a Q4 file; kept for comparisons).
     """
     if kernel is None:
-        kernel = os.environ.get("SPECPIPE_KERNEL") or default_kernel(device, quantization)
+        kernel = default_kernel(device, quantization)
     names = ["float32"] + [k.name for k in kernels()]
     if kernel is not None and kernel not in names:
         raise ValueError(f"unknown kernel {kernel!r} (SPECPIPE_KERNEL?); this machine has: {', '.join(names)}")
