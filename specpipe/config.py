@@ -72,6 +72,8 @@ class ModelConfig:
     @staticmethod
     def from_hf_dict(cfg: dict) -> "ModelConfig":
         """Build from a Hugging Face config.json dictionary."""
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"config.json must hold a JSON object, got {type(cfg).__name__}")
         model_type = cfg.get("model_type", "")
         arch = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}.get(model_type)
         if arch is None:
@@ -122,6 +124,11 @@ class ModelConfig:
             )
         except KeyError as e:
             raise ConfigError(f"config.json is missing the field {e.args[0]!r}") from None
+        except ConfigError:
+            raise
+        except (ValueError, TypeError, AttributeError, ZeroDivisionError, OverflowError) as e:
+            # A hostile or broken file ("x" where a size belongs, a list, a zero head count).
+            raise ConfigError(f"config.json has a value of the wrong type or range ({e})") from None
 
 
 @dataclass(frozen=True)

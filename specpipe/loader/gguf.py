@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from specpipe.config import SUPPORTED_ARCHITECTURES, ConfigError, ModelConfig, RopeScaling
-from specpipe.loader.checkpoint import Checkpoint, CheckpointError
+from specpipe.loader.checkpoint import Checkpoint, CheckpointError, check_config_against_tensors
 from specpipe.loader.gguf_metadata import GGUFMetadataError, read_gguf_metadata
 
 # Architectures whose Q/K rows llama.cpp's converter permutes. llama.cpp itself calls
@@ -317,6 +317,7 @@ class GGUFCheckpoint(Checkpoint):
             raise CheckpointError(f"{self.path.name}: {e.reason}") from None
         self.config = _read_config(meta, {**extras, **self._tensors}, self.path.name)
         self._permuted = self.config.arch in PERMUTED_ARCHS
+        check_config_against_tensors(self)
 
     def names(self) -> set[str]:
         return set(self._tensors)
