@@ -56,7 +56,7 @@ class EngineCore:
     def __init__(self, pipeline: Pipeline, mode: str, source: Optional[TokenSource] = None, *,
                  width: int = 8, depth: int = 4, layers: int | str = 1, kv_blocks: int = 1 << 16, block_size: int = 16,
                  max_num_seqs: int = 32, step_rows: Optional[int] = 64, max_waiting: int = 1024,
-                 pids: Optional[Iterator[int]] = None, cost_profile: Optional["CostProfile"] = None) -> None:
+                 max_waiting_per_client: Optional[int] = None, pids: Optional[Iterator[int]] = None, cost_profile: Optional["CostProfile"] = None) -> None:
         """`cost_profile`: what `--layers-per-step auto` prices rows and draft forwards with."""
         if mode in SPECULATIVE_MODES and source is None:
             raise ConfigError(f"mode {mode} needs a speculative source")
@@ -67,7 +67,8 @@ class EngineCore:
             cost = StepCost(cost_profile, pipeline.num_stages) if cost_profile is not None else None
             self.auto_plan = AutoPlan(HitProfile(width), pipeline.num_stages, cost)
         self.scheduler = Scheduler(BlockManager(kv_blocks, block_size), max_num_seqs,
-                                   step_rows if mode in BUDGETED_MODES else None, max_waiting)
+                                   step_rows if mode in BUDGETED_MODES else None, max_waiting,
+                                   max_waiting_per_client=max_waiting_per_client)
         self.requests: dict[int, Request] = {}
         self.states: dict[int, ModeState] = {}  # request id -> its current state machine
         self._pids = pids if pids is not None else itertools.count()

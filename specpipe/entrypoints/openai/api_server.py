@@ -51,7 +51,7 @@ ERROR_STATUSES = {
     401: "Missing or wrong API key",
     404: "Unknown model",
     413: "Request body over --max-body-bytes",
-    429: "The waiting queue is full (--max-queue)",
+    429: "The waiting queue is full (--max-queue), or this client's share of it (--max-queue-per-client)",
     500: "The request failed inside the engine",
     503: "The engine cannot serve (a stage failed, or it stalled); beyond --max-concurrency uvicorn answers "
          "a bare text/plain 503",
