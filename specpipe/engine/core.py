@@ -110,6 +110,25 @@ class EngineCore:
         self.states[req.request_id] = state
         self.observer.added(req)
 
+    def follow_text(self, finished: list[Request]) -> list[Request]:
+        """Detokenize what the last step committed, between steps (the step itself never does; a
+        server does this on its output thread, AsyncEngine), streaming it to `on_text`; end the
+        requests a stop string ended, and return those."""
+        stopped = []
+        for req in [*self.requests.values(), *finished]:
+            out = req.output
+            if out is None or out.kept is not None:
+                continue
+            piece = out.feed(req.output_ids[out.seen:], req.finish_reason)
+            if out.kept is not None:
+                if not req.finished:
+                    self.abort(req.request_id, "stop")
+                    stopped.append(req)
+                req.keep(out.kept)
+            if piece and req.on_text is not None:
+                req.on_text(piece)
+        return stopped
+
     def spec_reserve(self) -> int:
         return spec_reserve(self.mode, self.width, self.depth, self.pipe.num_stages, self.layers)
 
@@ -133,7 +152,8 @@ class EngineCore:
                     except QueueFull:
                         break
                     todo.pop()
-                for req in self.step():
+                finished = self.step()
+                for req in finished + self.follow_text(finished):
                     if on_finish is not None:
                         on_finish(req)
         except BaseException as e:
