@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -85,18 +86,14 @@ async def measure(url: str, max_tokens: int) -> tuple[list[float], list[float], 
     return alone, loaded, counts
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--stages", type=int, default=2)
-    ap.add_argument("--max-tokens", type=int, default=200)
-    ap.add_argument("--serve-args", default="", help="more `specpipe serve` options, one string")
-    args = ap.parse_args()
+@contextlib.contextmanager
+def served(model: str, stages: int, serve_args: str = ""):
+    """`specpipe serve` in a child process, model name "m", until the block ends: (process, url)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "specpipe.entrypoints.cli", "serve", "--model", args.model, "--stages",
-           str(args.stages), "--port", str(port), "--served-model-name", "m", "--log-level", "warning",
-           *args.serve_args.split()]
+    cmd = [sys.executable, "-m", "specpipe.entrypoints.cli", "serve", "--model", model, "--stages",
+           str(stages), "--port", str(port), "--served-model-name", "m", "--log-level", "warning",
+           *serve_args.split()]
     server = subprocess.Popen(cmd, env=os.environ.copy())
     try:
         deadline = time.time() + 300
@@ -109,10 +106,21 @@ def main() -> None:
             if time.time() > deadline or server.poll() is not None:
                 raise SystemExit("the server did not come up")
             time.sleep(0.5)
-        alone, loaded, counts = asyncio.run(measure(url, args.max_tokens))
+        yield server, url
     finally:
         server.terminate()
         server.wait(30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--stages", type=int, default=2)
+    ap.add_argument("--max-tokens", type=int, default=200)
+    ap.add_argument("--serve-args", default="", help="more `specpipe serve` options, one string")
+    args = ap.parse_args()
+    with served(args.model, args.stages, args.serve_args) as (_, url):
+        alone, loaded, counts = asyncio.run(measure(url, args.max_tokens))
     usual = statistics.median(alone)
     print("alone:  " + summary(alone))
     print("abused: " + summary(loaded))
