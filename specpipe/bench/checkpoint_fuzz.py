@@ -291,10 +291,12 @@ def hf_mutations(seed_dir: Path, rng: random.Random, n_random: int) -> Iterator[
                 "num_key_value_heads", "head_dim", "max_position_embeddings"):
         for v in (0, -1, 2**40, 2**62, 3, "x", None, [1], 1.5):
             yield _hf_mutation(f"config {key}={v!r}", seed_dir, "config.json", json.dumps({**cfg, key: v}).encode())
-    for label, text in {"config=[]": "[]", "config=1": "1", "config not json": "{", "config rope_scaling=1":
-                        json.dumps({**cfg, "rope_scaling": 1}), "config eos='x'": json.dumps({**cfg, "eos_token_id": "x"}),
-                        "config rope_scaling llama3 empty": json.dumps({**cfg, "rope_scaling": {"rope_type": "llama3"}})}.items():
-        yield _hf_mutation(label, seed_dir, "config.json", text.encode())
+    whole = {"config=[]": [], "config=1": 1, "config rope_scaling=1": {**cfg, "rope_scaling": 1},
+             "config eos='x'": {**cfg, "eos_token_id": "x"},
+             "config rope_scaling llama3 empty": {**cfg, "rope_scaling": {"rope_type": "llama3"}}}
+    for label, value in whole.items():
+        yield _hf_mutation(label, seed_dir, "config.json", json.dumps(value).encode())
+    yield _hf_mutation("config not json", seed_dir, "config.json", b"{")
     for label, text in {"index not json": "{", "index=[]": "[]", "index weight_map=1": '{"weight_map": 1}',
                         "index outside the dir": '{"weight_map": {"model.norm.weight": "/etc/passwd"}}',
                         "index ../": '{"weight_map": {"model.norm.weight": "../model.safetensors"}}',

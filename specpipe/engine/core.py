@@ -56,7 +56,8 @@ class EngineCore:
     def __init__(self, pipeline: Pipeline, mode: str, source: Optional[TokenSource] = None, *,
                  width: int = 8, depth: int = 4, layers: int | str = 1, kv_blocks: int = 1 << 16, block_size: int = 16,
                  max_num_seqs: int = 32, step_rows: Optional[int] = 64, max_waiting: int = 1024,
-                 max_waiting_per_client: Optional[int] = None, pids: Optional[Iterator[int]] = None, cost_profile: Optional["CostProfile"] = None) -> None:
+                 max_waiting_per_client: Optional[int] = None, pids: Optional[Iterator[int]] = None,
+                 cost_profile: Optional["CostProfile"] = None) -> None:
         """`cost_profile`: what `--layers-per-step auto` prices rows and draft forwards with."""
         if mode in SPECULATIVE_MODES and source is None:
             raise ConfigError(f"mode {mode} needs a speculative source")

@@ -36,14 +36,14 @@ def Num(kind: type, **bounds: Any) -> Any:
 
 
 Int, Float = Num(int), Num(float)
-TokenId = Num(int, ge=0)
+TokenId = Num(int, ge=0)  # below the vocabulary's size too (the served schema says; checked with the model)
 
 
 def Only(default: Any, accepted: dict) -> Any:
     """A field this server cannot act on (n > 1, logprobs, penalties, ...): the schema publishes
     the no-op values it accepts (`accepted`, JSON schema keywords), while `unsupported()` answers
     any other value with a 400 that says why, rather than pydantic's generic message."""
-    return Field(default=default, json_schema_extra=accepted)  # below the vocabulary's size too (checked with the model at hand)
+    return Field(default=default, json_schema_extra=accepted)
 
 
 class OpenAIModel(BaseModel):
