@@ -30,6 +30,7 @@ import time
 
 from specpipe.config import EngineConfig
 from specpipe.engine.engine import Engine
+from specpipe.engine.restart import HEALTHY_STEPS
 from specpipe.sampling import SamplingParams
 
 PROMPTS = ["the theatre in the sea", "a b c a b c a b", "one two three four", "once upon a time",
@@ -92,6 +93,12 @@ def main() -> None:
                            "finish": sorted({r.finish_reason for r in reqs})})
             if not a.json:
                 print(json.dumps(trials[-1]), flush=True)
+            # Faults less than HEALTHY_STEPS steps apart count as restarts in a row, each waiting
+            # twice as long as the last (engine/restart.py); space the trials so that each is a
+            # first fault, as independent faults in a server are.
+            spacer = SamplingParams(max_tokens=HEALTHY_STEPS // a.stages + 8)  # pp: S steps a token
+            engine.run([engine.prompts.make_request(PROMPTS[0], spacer, chat=False, ignore_eos=True)],
+                       engine.core("pp"))
     finally:
         engine.close()
     summary = {"machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, python {sys.version.split()[0]}",

@@ -208,6 +208,7 @@ class EngineConfig:
     max_num_seqs: int = 32  # requests in the pipeline at once (more wait in a queue)
     max_step_rows: int = 64  # pp-cb / specpipe-db: rows entering stage 1 per step (prefill chunks included)
     max_waiting: int = 1024  # requests waiting beyond that are refused (QueueFull)
+    max_waiting_per_client: Optional[int] = None  # of those, one client's (key/address) at most; None = half
     block_size: int = 16  # KV slots per block
     kv_memory: Optional[str] = None  # KV cache per stage, e.g. "2GiB"; None = kv_memory_fraction of free memory
     kv_memory_fraction: float = 0.25
@@ -255,6 +256,9 @@ class EngineConfig:
                               f"({self.max_num_seqs}): every running request sends a row in every step")
         if self.max_waiting < 1:  # with no room to wait, every request is refused
             raise ConfigError(f"--max-queue (max_waiting) must be at least 1, got {self.max_waiting}")
+        if self.max_waiting_per_client is not None and not 1 <= self.max_waiting_per_client <= self.max_waiting:
+            raise ConfigError(f"--max-queue-per-client must be in [1, --max-queue={self.max_waiting}], "
+                              f"got {self.max_waiting_per_client}")
         if self.block_size < 1:
             raise ConfigError(f"--block-size must be at least 1, got {self.block_size}")
         if not 0 < self.kv_memory_fraction <= 1:

@@ -43,6 +43,8 @@ GEMMA3_TEXT_DEFAULTS = dict(
 
 
 def model_config_from_hf(cfg: dict) -> ModelConfig:
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"config.json must hold a JSON object, got {type(cfg).__name__}")
     model_type = cfg.get("model_type", "")
     arch = MODEL_TYPES.get(model_type)
     if arch is None:
@@ -63,6 +65,11 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
         return _build(arch, cfg)
     except KeyError as e:
         raise ConfigError(f"config.json is missing the field {e.args[0]!r}") from None
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, AttributeError, ZeroDivisionError, OverflowError) as e:
+        # A hostile or broken file ("x" where a size belongs, a list, a zero head count).
+        raise ConfigError(f"config.json has a value of the wrong type or range ({e})") from None
 
 
 def _rope_params(cfg: dict, layer_type: str) -> dict:

@@ -39,32 +39,82 @@ class DecodeStats:
     draft_bound_steps: int = 0  # steps whose drafting outlasted the stages (the draft set the pace)
 
 
+class RequestText:
+    """A request's text, made outside the engine step (as vLLM v1 keeps detokenization out of its
+    core): the offline loop feeds it between steps, a server's output thread as steps end.
+
+    Text is cut before the first stop string (which is not part of it); the text `feed` returns
+    for streaming holds back a tail that could still turn out to begin one. When a stop string
+    appears, `kept` is the number of output ids that stand (through the one that completed it):
+    the engine may have committed a few more before it heard, and those are dropped."""
+
+    def __init__(self, detokenizer: Detokenizer, stops: tuple[str, ...] = ()) -> None:
+        self.detokenizer, self.stops = detokenizer, stops
+        self.text = ""
+        self.seen = 0  # output ids fed so far
+        self.kept: Optional[int] = None
+        self._streamed = 0  # characters of `text` already returned by feed
+
+    def feed(self, new_ids: list[int], reason: Optional[str] = None) -> str:
+        """The request's next committed ids, and its finish reason once the engine has ended it
+        after them; returns the text that may be delivered now."""
+        if self.kept is not None:
+            return ""
+        for token in new_ids:
+            self.seen += 1
+            before = len(self.text)
+            self.text += self.detokenizer.add(token)
+            if self._hit_stop_string(before):
+                self.kept = self.seen
+                break
+        if self.kept is None and reason == "length":  # as it ran out: what the detokenizer holds back
+            self.text += self.detokenizer.flush()
+        over = reason is not None or self.kept is not None
+        hold = 0 if over else max(map(len, self.stops), default=1) - 1
+        upto = max(self._streamed, len(self.text) - hold)
+        piece, self._streamed = self.text[self._streamed:upto], upto
+        return piece
+
+    def _hit_stop_string(self, before: int) -> bool:
+        if not self.stops or len(self.text) == before:
+            return False
+        # Only the tail can hold a new match: the new piece plus a stop string's length.
+        start = max(0, before - max(map(len, self.stops)) + 1)
+        cut = min((i for i in (self.text.find(s, start) for s in self.stops) if i >= 0), default=-1)
+        if cut < 0:
+            return False
+        self.text = self.text[:cut]
+        return True
+
+
 @dataclass
 class Request:
     """A request's committed output. `append` is the only way tokens arrive; it applies the stop
-    conditions: a stop token id (EOS), `max_tokens`, and stop strings (matched on the detokenized
-    text; the stop string itself is not part of `text`). Streamed text is held back while it could
-    still turn out to be the start of a stop string."""
+    conditions the engine step can see: a stop token id (EOS) and `max_tokens`. Stop strings need
+    text, which is made outside the step (`output`, a RequestText); when one appears, `keep` ends
+    the request there."""
 
     request_id: int
     prompt_ids: list[int]
     sampling: SamplingParams
     stop_ids: frozenset[int]
-    detokenizer: Optional[Detokenizer] = None
-    on_text: Optional[TextCallback] = None
+    output: Optional[RequestText] = None  # its text (None: ids only)
+    on_text: Optional[TextCallback] = None  # offline streaming: called with each piece of text
     client: Optional[str] = None  # who sent it (a server's API key tag or address): fair admission
     arrival: float = field(default_factory=time.perf_counter)
     output_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
-    text: str = ""
     finish_reason: Optional[str] = None  # stop | length | abort | error
     error: Optional[str] = None
     stats: DecodeStats = field(default_factory=DecodeStats)
-    _streamed: int = 0  # characters of `text` already passed to on_text
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def text(self) -> str:
+        return self.output.text if self.output is not None else ""
 
     @property
     def context_len(self) -> int:
@@ -77,46 +127,22 @@ class Request:
             return True
         self.output_ids.append(token)
         self.token_times.append(time.perf_counter())
-        before = len(self.text)
-        if self.detokenizer is not None:
-            self.text += self.detokenizer.add(token)
         if token in self.stop_ids:
-            self.finish_reason = "stop"
-        elif self._hit_stop_string(before):
             self.finish_reason = "stop"
         elif len(self.output_ids) >= self.sampling.max_tokens:
             self.finish_reason = "length"
-        if self.finished and self.detokenizer is not None and self.finish_reason != "stop":
-            self.text += self.detokenizer.flush()
-        self._stream()
         return self.finished
 
     def end(self, reason: str, error: Optional[str] = None) -> None:
         """Finish early (abort, error); what was decoded so far stays."""
         if not self.finished:
             self.finish_reason, self.error = reason, error
-            self._stream()
 
-    def _hit_stop_string(self, before: int) -> bool:
-        stops = self.sampling.stop
-        if not stops or len(self.text) == before:
-            return False
-        # Only the tail can hold a new match: the new piece plus a stop string's length.
-        start = max(0, before - max(map(len, stops)) + 1)
-        cut = min((i for i in (self.text.find(s, start) for s in stops) if i >= 0), default=-1)
-        if cut < 0:
-            return False
-        self.text = self.text[:cut]
-        return True
-
-    def _stream(self) -> None:
-        if self.on_text is None:
-            return
-        hold = 0 if self.finished else max(map(len, self.sampling.stop), default=1) - 1
-        upto = max(self._streamed, len(self.text) - hold)
-        if upto > self._streamed:
-            self.on_text(self.text[self._streamed:upto])
-            self._streamed = upto
+    def keep(self, n: int) -> None:
+        """A stop string ended it after `n` output ids: later ones (committed before the engine
+        heard) are dropped, and it finished with "stop" whatever the engine's reason was."""
+        del self.output_ids[n:], self.token_times[n:]
+        self.finish_reason, self.error = "stop", None
 
     def summary(self, num_stages: int) -> dict:
         s = self.stats

@@ -38,6 +38,7 @@ class RequestRecord:
     itl: list[float] = field(default_factory=list)
     e2el: float | None = None
     text: str = ""
+    disconnected: bool = False      # the client left on purpose (--disconnect-fraction): not a failure
 
     @property
     def tbt(self) -> float | None:
@@ -47,6 +48,7 @@ class RequestRecord:
 
     def to_json(self, with_text: bool = False) -> dict:
         out = {"index": self.index, "group": self.group, "success": self.success, "error": self.error,
+               "disconnected": self.disconnected,
                "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
                "usage_reported": self.usage_reported, "send_time_s": round(self.send_time, 6),
                "ttft_ms": _ms(self.ttft), "tbt_ms": _ms(self.tbt), "e2el_ms": _ms(self.e2el),
@@ -85,7 +87,8 @@ def aggregate(records: list[RequestRecord], duration: float, percentiles: list[f
               slos_ms: dict[str, float] | None = None) -> dict:
     """The figures of one run. Latency statistics are over completed requests only (ITL over every
     gap of every completed request); throughputs divide by the run's wall time `duration`."""
-    ok = [r for r in records if r.success]
+    ok = [r for r in records if r.success and not r.disconnected]
+    left = sum(r.disconnected for r in records)
 
     def per_s(x: float) -> float | None:
         return x / duration if duration > 0 else None
@@ -93,7 +96,7 @@ def aggregate(records: list[RequestRecord], duration: float, percentiles: list[f
     in_tokens = sum(r.prompt_tokens or 0 for r in ok)
     out_tokens = sum(r.output_tokens for r in ok)
     reported = {r.usage_reported for r in ok}
-    m = {"completed": len(ok), "failed": len(records) - len(ok), "duration_s": duration,
+    m = {"completed": len(ok), "failed": len(records) - len(ok) - left, "disconnected": left, "duration_s": duration,
          "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
          # "chunks": the server sent no usage, so output tokens are content chunks and input unknown
          "output_tokens_source": None if not ok else "usage" if reported == {True}
@@ -144,6 +147,7 @@ def format_summary(run: dict, percentiles: list[float], label: str | None = None
             line("Max concurrency:", str(run["max_concurrency"] or "-")),
             line("Successful requests:", run["completed"]),
             line("Failed requests:", run["failed"]),
+            *([line("Disconnected on purpose:", run["disconnected"])] if run.get("disconnected") else []),
             line("Benchmark duration (s):", _num(run["duration_s"])),
             line("Total input tokens:", run["total_input_tokens"]),
             line("Total generated tokens:", run["total_output_tokens"]),

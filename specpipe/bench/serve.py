@@ -42,6 +42,7 @@ class RequestInput:
     prompt: str
     max_tokens: int
     group: str | None = None
+    leave_after: int | None = None  # the client disconnects after this many content chunks
 
 
 @dataclass
@@ -125,12 +126,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p("--label", default=None, help="a name stored with the results (e.g. the server's mode)")
     p("--no-progress", action="store_true", help="no progress bar")
     p("--timeout", type=_positive(float), default=600.0, help="seconds per request (default 600)")
+    p("--disconnect-fraction", type=float, default=0.0,
+      help="this share of the clients (chosen by --seed) close their stream after a random number of "
+           "chunks, up to half of max_tokens, as clients that give up do (default 0)")
 
 
 # ---- prompts and arrivals -------------------------------------------------------------------
 
 def build_inputs(args: argparse.Namespace) -> list[RequestInput]:
-    """`--num-prompts` requests from the data set; a JSONL file is taken in order, cycled if short."""
+    """`--num-prompts` requests from the data set; a JSONL file is taken in order, cycled if short;
+    `--disconnect-fraction` of them leave early."""
+    inputs = _inputs(args)
+    fraction = getattr(args, "disconnect_fraction", 0.0)
+    rng = random.Random(args.seed + 1)
+    for inp in inputs:
+        if rng.random() < fraction:
+            inp.leave_after = rng.randint(1, max(1, inp.max_tokens // 2))
+    return inputs
+
+
+def _inputs(args: argparse.Namespace) -> list[RequestInput]:
     if args.dataset == "specbench":
         chosen = datasets.sample_specbench(args.num_prompts, seed=args.seed, path=args.dataset_path)
         return [RequestInput(p["prompt"], args.max_tokens, p["group"]) for p in chosen]
@@ -191,6 +206,9 @@ async def _stream(client, s: RequestSettings, inp: RequestInput, rec: RequestRec
                 rec.itl.append(now - last)
             last = now
             pieces.append(text)
+            if inp.leave_after is not None and len(pieces) >= inp.leave_after:
+                rec.disconnected = True  # leaving the block closes the connection
+                return
     rec.e2el = time.perf_counter() - start
     rec.text = "".join(pieces)
     if usage is not None:

@@ -1,8 +1,14 @@
 """The engine core in a thread of its own, for servers: requests come and go from asyncio code,
-each with its own queue of outputs, while one thread runs the step loop.
+each with its own queue of outputs, while one thread runs the step loop and another makes text.
 
-    handler --add(req)------> inbox --(engine thread: add_request / abort / report)--> step()
-    handler <--Delta--------- the request's asyncio.Queue <--(after every step: new tokens, text)
+    handler --add(req)------> inbox --(engine thread: add_request / abort / stop / report)--> step()
+    handler <--Delta--------- the request's asyncio.Queue <--(output thread: detokenize, stop
+                              strings) <--(engine thread, after every step: new token ids)
+
+As in vLLM v1, the step never detokenizes: the output thread turns each request's new ids into
+text and matches its stop strings; when one appears it ends the stream there (ids after it are
+dropped, so the output is what a step-by-step match gives) and tells the engine to stop the
+request ("stop" in the inbox), which costs at most the tokens of the steps in between.
 
 A slow client only lets its own queue grow: the step loop never waits for a reader. When the
 pipeline fails (a stage died), every request in it ends with the error, `dead` says why, and new
@@ -12,10 +18,11 @@ requests are refused; the thread stays up to answer them.
 from __future__ import annotations
 
 import asyncio
+import queue
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Protocol
 
 from specpipe.config import ConfigError
@@ -80,9 +87,9 @@ class _Stream:
     req: Request
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    pending: list[str] = field(default_factory=list)
-    sent: int = 0  # output tokens delivered
+    sent: int = 0  # output tokens handed to the output thread
     last_emit: Optional[float] = None
+    over: bool = False  # the output thread delivered its last Delta (only it reads this)
 
     def put(self, delta: Delta) -> None:
         _call_soon(self.loop, self.queue.put_nowait, delta)
@@ -90,11 +97,16 @@ class _Stream:
 
 class RequestStream:
     """The caller's end: iterate for Deltas; `cancel()` (idempotent) aborts the request if it is
-    still running, so its KV is freed at every stage on the next step."""
+    still running, so its KV is freed at every stage on the next step. What the Deltas carried
+    adds up in `text`, `token_ids`, `finish_reason` and `error` (read these, not the Request's
+    fields, which the engine thread may still be settling)."""
 
     def __init__(self, engine: "AsyncEngine", req: Request, queue: asyncio.Queue) -> None:
         self._engine, self.req, self._queue = engine, req, queue
         self.done = False
+        self.text, self.token_ids = "", []
+        self.finish_reason: Optional[str] = None
+        self.error: Optional[str] = None
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -104,6 +116,9 @@ class RequestStream:
             raise StopAsyncIteration
         delta = await self._queue.get()
         self.done = delta.finish_reason is not None
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        self.finish_reason, self.error = delta.finish_reason, delta.error
         return delta
 
     def cancel(self) -> None:
@@ -128,8 +143,11 @@ class AsyncEngine:
         self._stopping = False
         self._streams: dict[int, _Stream] = {}
         self._report_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._outputs: queue.SimpleQueue = queue.SimpleQueue()  # (stream, Delta of ids) for the output thread
         self._thread = threading.Thread(target=self._run, name="specpipe-engine", daemon=True)
         self._thread.start()
+        self._output_thread = threading.Thread(target=self._run_outputs, name="specpipe-output", daemon=True)
+        self._output_thread.start()
 
     # -- the asyncio side -------------------------------------------------------------------------
     async def add(self, req: Request) -> RequestStream:
@@ -140,7 +158,6 @@ class AsyncEngine:
         admitted: asyncio.Future = loop.create_future()
         queue: asyncio.Queue = asyncio.Queue()
         stream = _Stream(req, loop, queue)
-        req.on_text = stream.pending.append  # called on the engine thread as tokens commit
         self._post(("add", stream, admitted))
         try:
             await asyncio.wait_for(admitted, self.admit_timeout_s)
@@ -200,6 +217,8 @@ class AsyncEngine:
             self._stopping = True
             self._cond.notify()
         self._thread.join(timeout_s)
+        self._outputs.put(None)
+        self._output_thread.join(timeout_s)
 
     def _post(self, item: tuple) -> None:
         with self._cond:
@@ -264,6 +283,10 @@ class AsyncEngine:
             _call_soon(stream.loop, _resolve, admitted, None)
         elif kind == "abort":
             self.core.abort(item[1], "abort")
+        elif kind == "stop":  # the output thread found a stop string after `kept` output ids
+            _, req, kept = item
+            self.core.abort(req.request_id, "stop")
+            req.keep(kept)
         elif kind == "report":
             _, loop, fut = item
             if self.dead is not None:
@@ -309,26 +332,53 @@ class AsyncEngine:
             self.core.abort(rid, reason, error)
 
     def _emit(self) -> None:
-        """Hand every request what it decoded since the last call; finished ones leave."""
+        """Hand the output thread every request's ids since the last call; finished ones leave."""
         now = time.perf_counter()
         for rid, st in list(self._streams.items()):
             req = st.req
             n = len(req.output_ids)
-            if n == st.sent and not st.pending and not req.finished:
+            if n == st.sent and not req.finished:
                 continue
             new = req.output_ids[st.sent:n]
             st.sent = n
-            text = "".join(st.pending)
-            st.pending.clear()
             if new and self.observer is not None:
                 self.observer.on_tokens(req, len(new), None if st.last_emit is None else now - st.last_emit)
             if new:
                 st.last_emit = now
-            st.put(Delta(text, new, req.finish_reason, req.error))
+            self._outputs.put((st, Delta("", new, req.finish_reason, req.error)))
             if req.finished:
                 del self._streams[rid]
                 if self.observer is not None:
                     self.observer.on_finish(req)
+
+    # -- the output thread --------------------------------------------------------------------------
+    def _run_outputs(self) -> None:
+        while (item := self._outputs.get()) is not None:
+            st, delta = item
+            try:
+                delta = self._text(st, delta)
+            except Exception as e:  # noqa: BLE001  (a bug in one request's text must not hang its client)
+                traceback.print_exc()
+                self.abort(st.req.request_id)
+                delta = Delta("", delta.token_ids, "error", f"internal error making the text: {e!r}")
+            if delta is not None:
+                st.over = delta.finish_reason is not None
+                st.put(delta)
+
+    def _text(self, st: _Stream, delta: Delta) -> Optional[Delta]:
+        """The Delta with its text; None once the stream is over (a stop string ended it)."""
+        out = st.req.output
+        if st.over:
+            return None
+        if out is None:
+            return delta
+        seen = out.seen
+        delta.text = out.feed(delta.token_ids, delta.finish_reason)
+        if out.kept is not None:  # a stop string: the ids after it are dropped, the engine told
+            self._post(("stop", st.req, out.kept))
+            delta.token_ids = delta.token_ids[:out.kept - seen]
+            delta.finish_reason, delta.error = "stop", None
+        return delta
 
 
 def _resolve(fut: asyncio.Future, error: Optional[BaseException], value=None) -> None:

@@ -56,7 +56,8 @@ class EngineCore:
     def __init__(self, pipeline: Pipeline, mode: str, source: Optional[TokenSource] = None, *,
                  width: int = 8, depth: int = 4, layers: int | str = 1, kv_blocks: int = 1 << 16, block_size: int = 16,
                  max_num_seqs: int = 32, step_rows: Optional[int] = 64, max_waiting: int = 1024,
-                 pids: Optional[Iterator[int]] = None, cost_profile: Optional["CostProfile"] = None) -> None:
+                 max_waiting_per_client: Optional[int] = None, pids: Optional[Iterator[int]] = None,
+                 cost_profile: Optional["CostProfile"] = None) -> None:
         """`cost_profile`: what `--layers-per-step auto` prices rows and draft forwards with."""
         if mode in SPECULATIVE_MODES and source is None:
             raise ConfigError(f"mode {mode} needs a speculative source")
@@ -67,7 +68,8 @@ class EngineCore:
             cost = StepCost(cost_profile, pipeline.num_stages) if cost_profile is not None else None
             self.auto_plan = AutoPlan(HitProfile(width), pipeline.num_stages, cost)
         self.scheduler = Scheduler(BlockManager(kv_blocks, block_size), max_num_seqs,
-                                   step_rows if mode in BUDGETED_MODES else None, max_waiting)
+                                   step_rows if mode in BUDGETED_MODES else None, max_waiting,
+                                   max_waiting_per_client=max_waiting_per_client)
         self.requests: dict[int, Request] = {}
         self.states: dict[int, ModeState] = {}  # request id -> its current state machine
         self._pids = pids if pids is not None else itertools.count()
@@ -109,6 +111,25 @@ class EngineCore:
         self.states[req.request_id] = state
         self.observer.added(req)
 
+    def follow_text(self, finished: list[Request]) -> list[Request]:
+        """Detokenize what the last step committed, between steps (the step itself never does; a
+        server does this on its output thread, AsyncEngine), streaming it to `on_text`; end the
+        requests a stop string ended, and return those."""
+        stopped = []
+        for req in [*self.requests.values(), *finished]:
+            out = req.output
+            if out is None or out.kept is not None:
+                continue
+            piece = out.feed(req.output_ids[out.seen:], req.finish_reason)
+            if out.kept is not None:
+                if not req.finished:
+                    self.abort(req.request_id, "stop")
+                    stopped.append(req)
+                req.keep(out.kept)
+            if piece and req.on_text is not None:
+                req.on_text(piece)
+        return stopped
+
     def spec_reserve(self) -> int:
         return spec_reserve(self.mode, self.width, self.depth, self.pipe.num_stages, self.layers)
 
@@ -132,7 +153,8 @@ class EngineCore:
                     except QueueFull:
                         break
                     todo.pop()
-                for req in self.step():
+                finished = self.step()
+                for req in finished + self.follow_text(finished):
                     if on_finish is not None:
                         on_finish(req)
         except BaseException as e:

@@ -94,7 +94,8 @@ class Engine:
             self._cores[key] = EngineCore(
                 self.pipeline, key[0], source, width=key[1], depth=key[2], layers=key[3], kv_blocks=self.num_blocks,
                 block_size=self.block_size, max_num_seqs=c.max_num_seqs, step_rows=c.max_step_rows,
-                max_waiting=c.max_waiting, pids=self._pids, cost_profile=self.cost_profile)
+                max_waiting=c.max_waiting, max_waiting_per_client=c.max_waiting_per_client, pids=self._pids,
+                cost_profile=self.cost_profile)
         return self._cores[key]
 
     def run(self, requests: Iterable[Request], core: Optional[EngineCore] = None,

@@ -8,7 +8,7 @@ import itertools
 from typing import Callable, Optional, Sequence
 
 from specpipe.config import ConfigError
-from specpipe.request import Request
+from specpipe.request import Request, RequestText
 from specpipe.sampling import SamplingParams
 from specpipe.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -48,5 +48,7 @@ class PromptProcessor:
         if any(not 0 <= t < self.vocab_size for t in prompt_ids):
             raise ConfigError(f"prompt token ids must be in [0, {self.vocab_size})")
         stop_ids = frozenset() if ignore_eos else frozenset(self.tokenizer.eos_token_ids)
-        return Request(next(self._ids), prompt_ids, sampling.resolved(), stop_ids,
-                       detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids), on_text=on_text)
+        sampling = sampling.resolved()
+        return Request(next(self._ids), prompt_ids, sampling, stop_ids,
+                       output=RequestText(IncrementalDetokenizer(self.tokenizer, prompt_ids), sampling.stop),
+                       on_text=on_text)

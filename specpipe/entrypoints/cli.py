@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --api-key, /health and /metrics want the key too")
     s.add_argument("--max-queue", type=int, default=1024,
                    help="requests waiting for the pipeline beyond which new ones get HTTP 429 (default 1024)")
+    s.add_argument("--max-queue-per-client", type=int, default=None,
+                   help="of those, the most one client (API key, or address without keys) may hold; beyond it "
+                        "that client gets HTTP 429 (default: half of --max-queue)")
     s.add_argument("--max-concurrency", type=int, default=None,
                    help="connections served at once (through uvicorn's limit_concurrency); beyond them, "
                         "HTTP 503 (default: no limit)")
@@ -194,7 +197,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
-    config = _engine_config(args, max_waiting=args.max_queue)
+    config = _engine_config(args, max_waiting=args.max_queue, max_waiting_per_client=args.max_queue_per_client)
     options = _server_options(args, os.environ.get("SPECPIPE_API_KEY"))  # refused here, before anything loads
     rank_env = RankEnv.from_environ()
     if rank_env is not None and rank_env.rank > 0:

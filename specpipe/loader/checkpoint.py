@@ -77,3 +77,33 @@ class Checkpoint(ABC):
 
     def close(self) -> None:  # pragma: no cover - formats that hold files override it
         pass
+
+
+def check_config_against_tensors(ckpt: Checkpoint) -> None:
+    """Refuse a config the tensors in the file do not bear out.
+
+    The config's sizes drive allocations before any tensor is read (the stage's modules, its
+    RoPE table, its KV cache), so a header that claims 2^40 layers or a 2^40-wide hidden size
+    must fail here, in one line, not as a hang or a failed allocation. The shapes come from the
+    tensor directory, which each format has already checked against the bytes in the file.
+    """
+    cfg, names = ckpt.config, ckpt.names()
+    layers = {int(n.split(".")[1]) for n in names if n.startswith("layers.") and n.split(".")[1].isdigit()}
+    if len(layers) != cfg.num_layers or (layers and max(layers) != cfg.num_layers - 1):  # no range(claim)
+        held = f"layers {min(layers)}..{max(layers)}" if layers else "no layers"
+        raise CheckpointError(f"{ckpt.path.name}: the config says {cfg.num_layers} layers, the file holds "
+                              f"tensors for {held} ({len(layers)} distinct)")
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    want = {"embed_tokens.weight": ((cfg.vocab_size, cfg.hidden_size), "vocab_size x hidden_size"),
+            "layers.0.self_attn.q_proj.weight": ((q, cfg.hidden_size), "num_heads x head_dim, hidden_size"),
+            "layers.0.self_attn.k_proj.weight": ((kv, cfg.hidden_size), "num_kv_heads x head_dim, hidden_size"),
+            "layers.0.mlp.gate_proj.weight": ((cfg.intermediate_size, cfg.hidden_size),
+                                              "intermediate_size, hidden_size")}
+    if "layers.0.mlp.gate_proj.weight" not in names and "layers.0.mlp.gate.weight" in names:
+        del want["layers.0.mlp.gate_proj.weight"]  # a sparse first layer: its experts have their own size
+    for name, (shape, what) in want.items():
+        if name not in names:
+            raise CheckpointError(f"{ckpt.path.name}: tensor {name!r} is missing from the checkpoint")
+        if tuple(ckpt.shape(name)) != shape:
+            raise CheckpointError(f"{ckpt.path.name}: tensor {name!r} has shape {tuple(ckpt.shape(name))}, "
+                                  f"the config's {what} is {shape}")

@@ -34,7 +34,7 @@ import torch
 
 from specpipe.config import ConfigError, LinearRope, ModelConfig, RopeScaling
 from specpipe.loader import gguf_families as families
-from specpipe.loader.checkpoint import Checkpoint, CheckpointError, fused_parts
+from specpipe.loader.checkpoint import Checkpoint, CheckpointError, check_config_against_tensors, fused_parts
 from specpipe.loader.gguf_metadata import GGUFMetadataError, read_gguf_metadata
 
 # Architectures whose Q/K rows llama.cpp's converter permutes. llama.cpp itself calls
@@ -368,6 +368,7 @@ class GGUFCheckpoint(Checkpoint):
             for part, a, b in fused_parts(name, self.config):
                 self._tensors[part], self._rows[part] = t, (a, b)
         self._permuted = gguf_arch in PERMUTED_ARCHS
+        check_config_against_tensors(self)
 
     def names(self) -> set[str]:
         return set(self._tensors)

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from specpipe.config import ConfigError, ModelConfig
-from specpipe.loader.checkpoint import Checkpoint, CheckpointError, fused_parts
+from specpipe.loader.checkpoint import Checkpoint, CheckpointError, check_config_against_tensors, fused_parts
 from specpipe.loader import PICKLE_SUFFIXES
 
 
@@ -36,6 +36,16 @@ def canonical(hf_name: str) -> str:
     return hf_name
 
 
+def _read_json_object(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: invalid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 class HFCheckpoint(Checkpoint):
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -43,9 +53,7 @@ class HFCheckpoint(Checkpoint):
         if not cfg_file.is_file():
             raise CheckpointError(f"{path}: not a Hugging Face model directory (no config.json)")
         try:
-            self.config = ModelConfig.from_hf_dict(json.loads(cfg_file.read_text()))
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{cfg_file}: invalid JSON ({e})") from None
+            self.config = ModelConfig.from_hf_dict(_read_json_object(cfg_file))
         except ConfigError as e:
             raise CheckpointError(f"{cfg_file}: {e}") from None
         self._file_of: dict[str, Path] = {}  # canonical name -> shard
@@ -63,12 +71,18 @@ class HFCheckpoint(Checkpoint):
             except Exception as e:  # safetensors raises several types for a damaged header
                 raise CheckpointError(f"{shard.name}: unreadable safetensors file ({e})") from None
         self._handles: dict[Path, object] = {}
+        check_config_against_tensors(self)
 
     def _shards(self) -> list[Path]:
         index = self.path / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
-            shards = sorted({self.path / f for f in weight_map.values()})
+            weight_map = _read_json_object(index).get("weight_map", {})
+            files = set(weight_map.values()) if isinstance(weight_map, dict) else {None}
+            # Shards are plain file names in this directory: an index is never a way to read elsewhere.
+            if not all(isinstance(f, str) and f and Path(f).name == f and f not in (".", "..") for f in files):
+                raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names in "
+                                      "the model directory")
+            shards = sorted({self.path / f for f in files})
             missing = [s.name for s in shards if not s.is_file()]
             if missing:
                 raise CheckpointError(f"{self.path}: shards listed in the index are missing: {', '.join(missing)}")

@@ -22,7 +22,10 @@ the rows the mode asks for).
 Fair admission: each request may carry a client tag (a server's API key or client address).
 The next request admitted is the oldest waiting one of the client holding the fewest running
 slots, so while another client waits no client holds more than its share (round-robin across
-clients; with one client, or none, plain FIFO).
+clients; with one client, or none, plain FIFO). A tagged client may also hold at most
+`max_waiting_per_client` places of the waiting queue (default half of it), so one client cannot
+fill the queue and have every other client refused; untagged requests (the Python API) share
+the whole queue.
 
 KV: the `BlockManager` holds, per request, blocks for everything sent and not pruned. A request
 is admitted (in that order, never overtaken) only while blocks remain above a small watermark; when a
@@ -38,6 +41,15 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable, Optional
 
 from specpipe.sched.block_manager import BlockManager
+
+
+def per_client_default(max_waiting: int, per_client: Optional[int]) -> int:
+    """Waiting places one client may hold: `per_client`, or half the queue (at least 1)."""
+    if per_client is None:
+        return max(1, max_waiting // 2)
+    if not 1 <= per_client <= max_waiting:
+        raise ValueError(f"max_waiting_per_client must be in [1, max_waiting={max_waiting}], got {per_client}")
+    return per_client
 
 
 class QueueFull(RuntimeError):
@@ -73,7 +85,8 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, max_num_seqs: int, step_rows: Optional[int] = None,
-                 max_waiting: int = 1024, watermark: float = 0.01) -> None:
+                 max_waiting: int = 1024, watermark: float = 0.01,
+                 max_waiting_per_client: Optional[int] = None) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         if max_waiting < 1:
@@ -84,6 +97,7 @@ class Scheduler:
             raise ValueError(f"the row budget per step ({step_rows}) must be at least max_num_seqs ({max_num_seqs})")
         self.blocks = blocks
         self.max_num_seqs, self.step_rows, self.max_waiting = max_num_seqs, step_rows, max_waiting
+        self.max_waiting_per_client = per_client_default(max_waiting, max_waiting_per_client)
         self.watermark = max(1, int(watermark * blocks.num_blocks)) if blocks.num_blocks > 1 else 0
         self.waiting: deque[int] = deque()
         self.client: dict[int, Optional[Hashable]] = {}  # request -> its client tag (None: anonymous)
@@ -100,6 +114,11 @@ class Scheduler:
     def add(self, rid: int, client: Optional[Hashable] = None) -> None:
         if len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"{len(self.waiting)} requests are already waiting (the limit); try again later")
+        if client is not None:
+            mine = sum(1 for r in self.waiting if self.client.get(r) == client)
+            if mine >= self.max_waiting_per_client:
+                raise QueueFull(f"this client already has {mine} requests waiting (its limit, "
+                                f"of {self.max_waiting} for everyone); try again later")
         self.waiting.append(rid)
         self.client[rid] = client
 

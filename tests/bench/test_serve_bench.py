@@ -321,6 +321,21 @@ def test_max_concurrency_and_chat(fake_server, tmp_path):
     assert state["bodies"][0]["messages"] == [{"role": "user", "content": "p0"}]
 
 
+def test_some_clients_disconnect_on_purpose(fake_server, tmp_path):
+    """--disconnect-fraction: the chosen clients leave after a chunk or so; they are counted apart,
+    not as failures, and the others complete."""
+    url, state = fake_server
+    state.update(new_state())
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"p{i}"} for i in range(10)])
+    args = parse(["--base-url", url, "--dataset", "jsonl", "--dataset-path", str(data), "--num-prompts", "10",
+                  "--max-tokens", "2", "--disconnect-fraction", "0.5", "--seed", "3", "--no-progress"])
+    left = [i.leave_after is not None for i in serve.build_inputs(args)]
+    assert 0 < sum(left) < 10 and all(i.leave_after in (None, 1) for i in serve.build_inputs(args))
+    run = asyncio.run(serve.benchmark(args))["runs"][0]
+    assert (run["disconnected"], run["completed"], run["failed"]) == (sum(left), 10 - sum(left), 0)
+    assert [r["disconnected"] for r in run["requests"]] == left
+
+
 def test_stream_without_text(fake_server, tmp_path):
     url, _ = fake_server
     data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "EMPTY"}, {"prompt": "SILENT"}])

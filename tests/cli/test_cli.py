@@ -152,6 +152,8 @@ def test_default_model_end_to_end():
 @pytest.mark.parametrize("argv,words", [
     (["--max-queue", "0"], ["--max-queue", "at least 1"]),
     (["--max-queue", "-3"], ["--max-queue"]),
+    (["--max-queue-per-client", "0"], ["--max-queue-per-client", "[1, --max-queue=1024]"]),
+    (["--max-queue", "4", "--max-queue-per-client", "5"], ["--max-queue-per-client", "[1, --max-queue=4]"]),
     (["--max-concurrency", "0"], ["--max-concurrency", "at least 1"]),
     (["--max-body-bytes", "10"], ["--max-body-bytes", "1024"]),
     (["--max-body-bytes", "lots"], ["--max-body-bytes"]),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -82,6 +83,74 @@ def test_streams_equal_alone_and_abort_frees_kv(engine):
     assert first.token_ids and first.finish_reason is None
     assert [s["blocks_in_use"] for s in stats] == [0, 0]  # the cancelled request's KV is gone everywhere
     assert not engine.core().has_work()
+
+
+def spy_threads(req) -> set[str]:
+    """The names of the threads that detokenize for `req`, filled as it runs."""
+    names: set[str] = set()
+    detok = req.output.detokenizer
+    add = detok.add
+
+    def spied(token):
+        names.add(threading.current_thread().name)
+        return add(token)
+
+    detok.add = spied
+    return names
+
+
+def stop_case(engine, prompt):
+    """Sampling with a stop string taken from the middle of what `prompt` gives, and the result."""
+    text = alone(engine, prompt, 24).text
+    params = SamplingParams(max_tokens=24, stop=(text[len(text) // 2:len(text) // 2 + 2],))
+    want = engine.generate(prompt, params, chat=False, mode="pp")
+    assert want.finish_reason == "stop" and text.startswith(want.text) and len(want.text) <= len(text) // 2
+    return params, want
+
+
+def test_text_is_made_off_the_engine_thread_and_stop_strings_still_cut(engine):
+    """Before, Request.append detokenized and matched stop strings on the engine thread, inside
+    the step. Now the output thread does: same text, ids and finish reason as alone."""
+    cases = [(p, *stop_case(engine, p)) for p in PROMPTS[:2]]
+    aengine = AsyncEngine(engine.core())
+    seen: list[set[str]] = []
+
+    async def main():
+        streams = []
+        for prompt, params, _ in cases:
+            req = engine.prompts.make_request(prompt, params, chat=False)
+            seen.append(spy_threads(req))  # filled later, as the request runs
+            streams.append(await aengine.add(req))
+        outs = await asyncio.gather(*[collect(s) for s in streams])
+        return outs, streams, await aengine.stage_stats()  # a step after the stops: the releases
+
+    try:
+        outs, streams, stats = asyncio.run(main())
+    finally:
+        aengine.shutdown()
+    for (text, ids, reason), stream, (_, _, want) in zip(outs, streams, cases):
+        assert (text, ids, reason) == (want.text, want.token_ids, "stop")
+        assert (stream.text, stream.token_ids, stream.finish_reason) == (text, ids, reason)
+    assert seen == [{"specpipe-output"}] * len(cases)
+    assert [s["blocks_in_use"] for s in stats] == [0, 0]  # the engine heard of the stops and freed the KV
+    assert not engine.core().has_work()
+
+
+def test_the_step_never_detokenizes(engine):
+    """The offline loop makes text between steps (EngineCore.follow_text), never inside one."""
+    params, want = stop_case(engine, PROMPTS[1])
+    core = engine.core("pp")
+    req = engine.prompts.make_request(PROMPTS[1], params, chat=False)
+    calls = spy_threads(req)
+    core.add_request(req)
+    stopped = []
+    while core.has_work():
+        finished = core.step()
+        assert not calls, "the step detokenized"
+        stopped += core.follow_text(finished)
+        calls.clear()
+    assert stopped == [req]  # the stop string ended it, outside the step
+    assert (req.text, req.output_ids, req.finish_reason) == (want.text, want.token_ids, "stop")
 
 
 def test_queue_full_and_too_big(engine):

@@ -127,6 +127,23 @@ def test_completion_streamed_equals_whole_and_alone(server, alone):
         assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_stop_strings_streamed_and_whole_equal_alone(server, alone):
+    """Stop strings are matched on the server's output thread, not in the step: the same text,
+    completion tokens (none after the stop) and finish reason as alone."""
+    client = server.client()
+    text = alone(PROMPTS[1], 24, temperature=0.0)[0]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    want, _, n_out, reason = alone(PROMPTS[1], 24, temperature=0.0, stop=(stop,))
+    assert reason == "stop" and len(want) < len(text)
+    whole = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=24, temperature=0, stop=[stop])
+    assert (whole.choices[0].text, whole.usage.completion_tokens, whole.choices[0].finish_reason) == (want, n_out, "stop")
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=24, temperature=0, stop=[stop],
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert chunks[-1].usage.completion_tokens == n_out
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+
 def test_chat_streamed_and_whole(server, alone):
     client = server.client()
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "the cat sat"}]

@@ -147,6 +147,30 @@ def test_waiting_queue_is_bounded():
         sched.add(2)
 
 
+def test_one_client_cannot_fill_the_waiting_queue():
+    """Before, one key's burst took every waiting place and every other key got QueueFull."""
+    sched = Scheduler(BlockManager(10, 4), max_num_seqs=1, max_waiting=6)
+    assert sched.max_waiting_per_client == 3  # half the queue by default
+    for r in range(3):
+        sched.add(r, "key:a")
+    with pytest.raises(QueueFull, match="this client already has 3 requests waiting"):
+        sched.add(3, "key:a")
+    for r in range(4, 7):  # another client still finds room
+        sched.add(r, "key:b")
+    sched.remove(0)  # a place of its own frees up: the first client may queue again
+    sched.add(7, "key:a")
+    anonymous = Scheduler(BlockManager(10, 4), max_num_seqs=1, max_waiting=3)
+    for r in range(3):  # untagged requests (the Python API) share the whole queue
+        anonymous.add(r)
+    one = Scheduler(BlockManager(10, 4), max_num_seqs=1, max_waiting=4, max_waiting_per_client=1)
+    one.add(0, "a")
+    with pytest.raises(QueueFull):
+        one.add(1, "a")
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match="max_waiting_per_client"):
+            Scheduler(BlockManager(10, 4), max_num_seqs=1, max_waiting=4, max_waiting_per_client=bad)
+
+
 def test_a_budget_smaller_than_the_running_set_is_refused():
     with pytest.raises(ValueError):
         Scheduler(BlockManager(10, 4), max_num_seqs=8, step_rows=4)

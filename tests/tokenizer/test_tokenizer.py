@@ -316,7 +316,8 @@ def test_a_requests_detokenizer_continues_its_prompt(spm):
 
     req = PromptProcessor(spm, 1 << 16, 64).make_request("hi", SamplingParams(max_tokens=4), chat=False)
     ids = spm.encode("hello", add_special_tokens=False)
-    assert "".join(req.detokenizer.add(i) for i in ids) + req.detokenizer.flush() == " hello"
+    detok = req.output.detokenizer
+    assert "".join(detok.add(i) for i in ids) + detok.flush() == " hello"
 
 # --- errors and other families ------------------------------------------------------------------
 

@@ -51,7 +51,7 @@ ERROR_STATUSES = {
     401: "Missing or wrong API key",
     404: "Unknown model",
     413: "Request body over --max-body-bytes",
-    429: "The waiting queue is full (--max-queue)",
+    429: "The waiting queue is full (--max-queue), or this client's share of it (--max-queue-per-client)",
     500: "The request failed inside the engine",
     503: "The engine cannot serve (a stage failed, or it stalled); beyond --max-concurrency uvicorn answers "
          "a bare text/plain 503",
@@ -67,7 +67,10 @@ def _errors(*statuses: int, plain_503: bool = False) -> dict:
 
 STREAM_200 = {200: {"description": "The whole response, or with `stream: true` server-sent events (one JSON chunk "
                                    "per `data:` line, `data: [DONE]` last)",
-                    "content": {"text/event-stream": {"schema": {"type": "string"}}}}}
+                    # One server-sent event (as OpenAPI 3.2's itemSchema reads it): its data is a chunk or [DONE].
+                    "content": {"text/event-stream": {"schema": {
+                        "type": "object", "required": ["data"],
+                        "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE]"}}}}}}}
 
 
 def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, model_name: str,
@@ -107,7 +110,9 @@ def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, mode
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, e: StarletteHTTPException):
-        return _error(ApiError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None))
+        r = _error(ApiError(e.status_code, str(e.detail), code="not_found" if e.status_code == 404 else None))
+        r.headers.update(e.headers or {})  # e.g. a 405's Allow, which HTTP requires
+        return r
 
     @app.get("/health", response_model=p.HealthResponse, response_model_exclude_none=True,
              responses={503: {"model": p.HealthResponse, "description": "The engine cannot serve: `error` says why"},
@@ -151,7 +156,9 @@ def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, mode
 
     def openapi() -> dict:
         """FastAPI's schema, less the 422 it adds to every route with a body: this server answers
-        a body it cannot validate with a 400 (declared on each route)."""
+        a body it cannot validate with a 400 (declared on each route). Limits that depend on the
+        model served are filled in: token ids below its vocabulary, prompts of token ids and
+        max_tokens within its context."""
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             for path in schema["paths"].values():
@@ -159,6 +166,14 @@ def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, mode
                     operation["responses"].pop("422", None)
             for name in ("HTTPValidationError", "ValidationError"):
                 schema.get("components", {}).get("schemas", {}).pop(name, None)
+            models = schema["components"]["schemas"]
+            _bound(models["CompletionRequest"]["properties"]["prompt"], engine.prompts.vocab_size - 1,
+                   engine.max_context - 1)
+            for name, key in (("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_tokens"),
+                              ("ChatCompletionRequest", "max_completion_tokens")):
+                for branch in models[name]["properties"][key]["anyOf"]:
+                    if branch.get("type") == "integer":
+                        branch["maximum"] = engine.max_context - 1
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -207,6 +222,20 @@ async def _unless_disconnected(request: Request, work, stream):
 async def _disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _bound(node, max_id: int, max_items: int) -> None:
+    """Token ids (integers with minimum 0) at most `max_id`, lists of them at most `max_items` long."""
+    if isinstance(node, list):
+        for item in node:
+            _bound(item, max_id, max_items)
+    elif isinstance(node, dict):
+        if node.get("type") == "integer" and node.get("minimum") == 0:
+            node["maximum"] = max_id
+        if node.get("type") == "array" and node.get("items", {}).get("type") == "integer":
+            node["maxItems"] = max_items
+        for value in node.values():
+            _bound(value, max_id, max_items)
 
 
 def _error(e: ApiError) -> JSONResponse:

@@ -9,15 +9,41 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator
 
-# Stop strings are matched on the engine thread after every token of the request, so their number
-# and length are bounded: 4 as OpenAI allows, and 256 characters (longer than any useful stop,
-# short enough that the tail scanned per token stays small).
+# Stop strings are matched after every token of the request (on the output thread), so their
+# number and length are bounded: 4 as OpenAI allows, and 256 characters (longer than any useful
+# stop, short enough that the tail scanned per token stays small). Declared as constraints, so the
+# published schema says what is accepted.
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 256
+StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+
+
+def _a_number(v: Any) -> Any:
+    # Pydantic's lax mode reads true/false as 1/0 and "7" as 7; the schema says number, so a
+    # boolean or a string is refused (an integral float such as 1.0 is a JSON integer and passes).
+    if isinstance(v, (bool, str)):
+        raise ValueError(f"a number is expected, not a {type(v).__name__}")
+    return v
+
+
+def Num(kind: type, **bounds: Any) -> Any:
+    """A number field: `kind` with `bounds` (ge, le, ...) that the published schema shows."""
+    return Annotated[kind, Field(**bounds), BeforeValidator(_a_number)]
+
+
+Int, Float = Num(int), Num(float)
+TokenId = Num(int, ge=0)  # below the vocabulary's size too (the served schema says; checked with the model)
+
+
+def Only(default: Any, accepted: dict) -> Any:
+    """A field this server cannot act on (n > 1, logprobs, penalties, ...): the schema publishes
+    the no-op values it accepts (`accepted`, JSON schema keywords), while `unsupported()` answers
+    any other value with a 400 that says why, rather than pydantic's generic message."""
+    return Field(default=default, json_schema_extra=accepted)
 
 
 class OpenAIModel(BaseModel):
@@ -25,42 +51,35 @@ class OpenAIModel(BaseModel):
 
 
 class StreamOptions(OpenAIModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class SamplingFields(OpenAIModel):
     """What completions and chat share."""
 
     model: str
-    max_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)  # extension (as vLLM): 0 or -1 = off
-    ignore_eos: bool = False  # extension (as vLLM): decode up to max_tokens whatever the model says
-    seed: Optional[int] = Field(default=None, ge=0, lt=2**63)
-    stop: Optional[Union[str, list[str]]] = None
-    n: int = 1
-    stream: bool = False
+    max_tokens: Optional[Num(int, ge=1)] = None
+    temperature: Num(float, ge=0.0, le=2.0) = 1.0
+    top_p: Num(float, gt=0.0, le=1.0) = 1.0
+    top_k: Num(int, ge=-1) = 0  # extension (as vLLM): 0 or -1 = off
+    ignore_eos: StrictBool = False  # extension (as vLLM): decode up to max_tokens whatever the model says
+    seed: Optional[Num(int, ge=0)] = None  # any size, as OpenAI's; the engine keys on it modulo 2^63
+    stop: Optional[Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]]] = None
+    n: Int = Only(1, {"enum": [1]})
+    stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     # Refused unless left at their no-op values (see unsupported()).
-    logprobs: Optional[Any] = None
-    top_logprobs: Optional[int] = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: Optional[dict[str, float]] = None
-    best_of: Optional[int] = None
+    logprobs: Optional[Any] = Only(None, {"enum": [None, False, 0]})
+    top_logprobs: Optional[Int] = Only(None, {"enum": [None, 0]})
+    presence_penalty: Float = Only(0.0, {"enum": [0]})
+    frequency_penalty: Float = Only(0.0, {"enum": [0]})
+    logit_bias: Optional[dict[str, Float]] = Only(None, {"maxProperties": 0})
+    best_of: Optional[Int] = Only(None, {"enum": [None, 1]})
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
-        stops = [v] if isinstance(v, str) else (v or [])
-        if any(not s for s in stops):
-            raise ValueError("stop strings must be non-empty")
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
-        if any(len(s) > MAX_STOP_CHARS for s in stops):
-            raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
-        return stops
+        return [v] if isinstance(v, str) else (v or [])
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         """(field, why) for the first field set to something this server cannot do."""
@@ -79,9 +98,12 @@ class SamplingFields(OpenAIModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-    echo: bool = False
-    suffix: Optional[str] = None
+    # One prompt per request (a list holding one prompt is accepted too), never empty.
+    prompt: Union[Annotated[str, Field(min_length=1)], Annotated[list[TokenId], Field(min_length=1)],
+                  Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)],
+                  Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)]]
+    echo: StrictBool = Only(False, {"enum": [False]})
+    suffix: Optional[str] = Only(None, {"maxLength": 0})
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         if self.echo:
@@ -119,9 +141,9 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
-    tools: Optional[list[Any]] = None
-    response_format: Optional[dict] = None
+    max_completion_tokens: Optional[Num(int, ge=1)] = None
+    tools: Optional[list[Any]] = Only(None, {"maxItems": 0})
+    response_format: Optional[dict] = Only(None, {"properties": {"type": {"enum": ["text"]}}})
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         if self.tools:

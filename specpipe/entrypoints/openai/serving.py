@@ -17,7 +17,6 @@ from specpipe.config import ConfigError
 from specpipe.engine.async_engine import AdmitFailed, AsyncEngine, Delta, EngineDead, EngineStalled, RequestStream
 from specpipe.engine.engine import Engine
 from specpipe.entrypoints.openai import protocol as p
-from specpipe.request import Request
 from specpipe.sampling import SamplingParams
 from specpipe.sched.scheduler import QueueFull
 
@@ -102,7 +101,8 @@ class OpenAIServing:
                            code="context_length_exceeded")
         try:
             sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                                      seed=body.seed, max_tokens=max_tokens, stop=tuple(body.stop or ()))
+                                      seed=None if body.seed is None else body.seed % 2**63,  # any size, as OpenAI
+                                      max_tokens=max_tokens, stop=tuple(body.stop or ()))
             req = self.engine.prompts.make_request(prompt_ids, sampling, ignore_eos=body.ignore_eos)
         except ValueError as e:  # ConfigError included
             raise ApiError(400, str(e)) from None
@@ -122,15 +122,15 @@ class OpenAIServing:
 
     # -- whole responses -----------------------------------------------------------------------------
     async def completion(self, stream: RequestStream) -> p.CompletionResponse:
-        req = await _drain(stream)
-        return p.CompletionResponse(id=p.new_id("cmpl"), model=self.model_name, usage=_usage(req),
-                                    choices=[p.CompletionChoice(text=req.text, finish_reason=req.finish_reason)])
+        s = await _drain(stream)
+        return p.CompletionResponse(id=p.new_id("cmpl"), model=self.model_name, usage=_usage(s),
+                                    choices=[p.CompletionChoice(text=s.text, finish_reason=s.finish_reason)])
 
     async def chat(self, stream: RequestStream) -> p.ChatCompletionResponse:
-        req = await _drain(stream)
+        s = await _drain(stream)
         return p.ChatCompletionResponse(
-            id=p.new_id("chatcmpl"), model=self.model_name, usage=_usage(req),
-            choices=[p.ChatChoice(message=p.AssistantMessage(content=req.text), finish_reason=req.finish_reason)])
+            id=p.new_id("chatcmpl"), model=self.model_name, usage=_usage(s),
+            choices=[p.ChatChoice(message=p.AssistantMessage(content=s.text), finish_reason=s.finish_reason)])
 
     # -- streams ----------------------------------------------------------------------------------------
     def completion_events(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
@@ -170,36 +170,35 @@ async def _events(stream: RequestStream, include_usage: bool, chunk: Callable[..
             yield _sse(first.model_dump_json())
         async for d in stream:
             if d.finish_reason in ("error", "abort"):
-                yield _sse(_failure(stream.req).body.model_dump_json())
+                yield _sse(_failure(stream).body.model_dump_json())
                 break
             if d.text or d.finish_reason is not None:
                 yield _sse(chunk(d).model_dump_json())
         else:
             if include_usage:
-                yield _sse(chunk(None, _usage(stream.req)).model_dump_json())
+                yield _sse(chunk(None, _usage(stream)).model_dump_json())
         yield _sse("[DONE]")
     finally:
         stream.cancel()
 
 
-async def _drain(stream: RequestStream) -> Request:
+async def _drain(stream: RequestStream) -> RequestStream:
     try:
         async for _ in stream:
             pass
     finally:
         stream.cancel()
-    req = stream.req
-    if req.finish_reason in ("error", "abort"):
-        raise _failure(req)
-    return req
+    if stream.finish_reason in ("error", "abort"):
+        raise _failure(stream)
+    return stream
 
 
-def _failure(req: Request) -> ApiError:
-    return ApiError(500, req.error or "the request was aborted", "server_error", code="engine_error")
+def _failure(stream: RequestStream) -> ApiError:
+    return ApiError(500, stream.error or "the request was aborted", "server_error", code="engine_error")
 
 
-def _usage(req: Request) -> p.UsageInfo:
-    return p.usage(len(req.prompt_ids), len(req.output_ids))
+def _usage(stream: RequestStream) -> p.UsageInfo:
+    return p.usage(len(stream.req.prompt_ids), len(stream.token_ids))
 
 
 def _sse(data: str) -> str:

@@ -1,0 +1,59 @@
+"""HTTP fuzzing: schemathesis against the server's own OpenAPI schema, every route, valid and
+invalid inputs (a short run; benchmarks/fuzz_http.py is the long one). No 5xx, and every answer
+(status, content type, body) within what the schema declares."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+schemathesis = pytest.importorskip("schemathesis")
+from hypothesis import HealthCheck, settings  # noqa: E402  (after the skip)
+
+from test_server_limits import KEYS, NAME, LiveServer, engine  # noqa: E402,F401  (engine: a fixture)
+from specpipe.entrypoints.openai.api_server import ServerOptions  # noqa: E402
+
+MAX_TOKENS = 4  # generated bodies may ask for the whole context: keep each answer quick
+EXAMPLES = int(os.environ.get("SPECPIPE_HTTP_FUZZ_EXAMPLES", "4"))  # per route and phase; the long run sets more
+
+
+@pytest.fixture(scope="module")
+def fuzz_server(engine):  # noqa: F811
+    s = LiveServer(engine, ServerOptions(api_keys=KEYS, max_body_bytes=64 << 10))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def api_schema(fuzz_server):
+    return schemathesis.openapi.from_url(fuzz_server.url + "/openapi.json")
+
+
+schema = schemathesis.pytest.from_fixture("api_schema")
+
+
+def steer(case, context: int) -> None:
+    """In valid bodies: the served model's name, so that most reach the engine instead of a 404,
+    and a small max_tokens that fits beside the prompt. The schema bounds a prompt of token ids
+    and max_tokens each by the context, but their sum (also bounded) is beyond what JSON Schema
+    can say. Invalid bodies are left as they are."""
+    body = case.body
+    if not isinstance(body, dict) or case.meta is None or case.meta.generation.mode.name != "POSITIVE":
+        return
+    prompt = body.get("prompt")
+    ids = prompt[0] if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else prompt
+    room = context - len(ids) if isinstance(ids, list) and all(isinstance(i, int) for i in ids) else MAX_TOKENS
+    key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    asked = body.get(key)
+    body[key] = max(1, min(asked if isinstance(asked, int) and not isinstance(asked, bool) else MAX_TOKENS,
+                           MAX_TOKENS, room))
+    if isinstance(body.get("model"), str):
+        body["model"] = NAME
+
+
+@schema.parametrize()
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+def test_every_route_answers_within_its_schema(case, fuzz_server, engine):  # noqa: F811
+    steer(case, engine.max_context)
+    case.call_and_validate(headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=60)

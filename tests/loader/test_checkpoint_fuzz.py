@@ -1,0 +1,99 @@
+"""Damaged and hostile checkpoints give one clear CheckpointError: never another exception, a hang,
+or an allocation a header asked for (specpipe/bench/checkpoint_fuzz.py has the mutations; the long
+run is benchmarks/fuzz_checkpoints.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+
+import pytest
+
+from specpipe.bench.checkpoint_fuzz import (LAYERS, gguf_fields, hf_config, mutations, try_load, write_tiny_gguf,
+                                            write_tiny_hf)
+from specpipe.loader import CheckpointError, open_checkpoint
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("fuzz")
+
+
+def test_the_seed_files_load(work):
+    assert try_load(write_tiny_gguf(work / "ok.gguf")) == ("loaded", "")
+    assert try_load(write_tiny_hf(work / "ok_hf")) == ("loaded", "")
+
+
+def test_a_sample_of_mutations_loads_or_is_refused(work):
+    # A fixed sample of every kind (hostile header fields, cuts, bit flips, hostile safetensors
+    # headers, config.json and index values); the whole set runs in the benchmark script.
+    every = mutations(work / "seeds", n_random=8, seed=1)
+    sample = random.Random(0).sample(every, 120)
+    bad = []
+    for i, m in enumerate(sample):
+        d = work / f"m{i}"
+        d.mkdir()
+        outcome, detail = try_load(m.apply(d))
+        if outcome not in ("loaded", "refused"):
+            bad.append((m.name, outcome, detail))
+    assert not bad
+
+
+def _gguf_with_block_count(work, value):
+    data = write_tiny_gguf(work / "bc.gguf").read_bytes()
+    key = b"llama.block_count"
+    # the key's bytes, then its u32 value type (4 = uint32), then the value
+    at = data.index(key) + len(key)
+    assert struct.unpack_from("<I", data, at)[0] == 4
+    out = bytearray(data)
+    out[at + 4:at + 8] = struct.pack("<I", value)
+    path = work / f"bc{value}.gguf"
+    path.write_bytes(bytes(out))
+    return path
+
+
+@pytest.mark.parametrize("layers", [2**31, 3, 1])
+def test_gguf_layer_count_the_tensors_do_not_bear_out(work, layers):
+    # Before: 2**31 layers hung building the stage's modules (or failed a 2**31 set), 3 failed later.
+    with pytest.raises(CheckpointError, match=f"the config says {layers} layers, the file holds tensors for "
+                                              f"layers 0..{LAYERS - 1}"):
+        open_checkpoint(_gguf_with_block_count(work, layers))
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("num_hidden_layers", 2**40, "the config says 1099511627776 layers"),
+    ("hidden_size", 2**40, r"'embed_tokens.weight' has shape \(64, 32\), the config's vocab_size x hidden_size"),
+    ("head_dim", 2**40, r"'layers.0.self_attn.q_proj.weight' has shape"),
+    ("intermediate_size", 2**62, r"'layers.0.mlp.gate_proj.weight' has shape"),
+    ("hidden_size", "x", "wrong type or range"),
+    ("num_attention_heads", 0, "wrong type or range"),
+    ("vocab_size", None, "wrong type or range"),
+])
+def test_hf_config_values_the_tensors_do_not_bear_out(work, key, value, message):
+    d = write_tiny_hf(work / f"hf_{key}_{value}")
+    (d / "config.json").write_text(json.dumps({**hf_config(), key: value}))
+    with pytest.raises(CheckpointError, match=message):
+        open_checkpoint(d)
+
+
+@pytest.mark.parametrize("file, text, message", [
+    ("config.json", "[]", "expected a JSON object, got list"),
+    ("config.json", "{", "invalid JSON"),
+    ("model.safetensors.index.json", "{", "invalid JSON"),
+    ("model.safetensors.index.json", '{"weight_map": 1}', "shard file names in the model directory"),
+    ("model.safetensors.index.json", '{"weight_map": {"a": "/etc/passwd"}}', "shard file names"),
+    ("model.safetensors.index.json", '{"weight_map": {"a": "../x.safetensors"}}', "shard file names"),
+])
+def test_hf_json_files_of_the_wrong_shape(work, file, text, message):
+    d = write_tiny_hf(work / f"json_{abs(hash((file, text)))}")
+    (d / file).write_text(text)
+    with pytest.raises(CheckpointError, match=message):
+        open_checkpoint(d)
+
+
+def test_the_field_map_covers_the_header(work):
+    data = write_tiny_gguf(work / "map.gguf").read_bytes()
+    roles = {f.role for f in gguf_fields(data)}
+    assert roles >= {"tensor_count", "kv_count", "strlen", "vtype", "etype", "arrlen", "value", "n_dims", "dim",
+                     "ttype", "toffset"}
