@@ -76,9 +76,10 @@ def main() -> None:
             conn.send(None)
             proc.join()
         elapsed = time.perf_counter() - t0
+
     def kind(name: str) -> str:  # gguf field / cut / flip, st header / cut / flip, config, index
-        first, rest = name.split(" ", 1)
-        return first + (" " + rest.split("@")[0] if rest.startswith(("cut", "flip")) else "")
+        first, _, rest = name.partition(" ")
+        return first.split("=")[0] + (" " + rest.split("@")[0] if rest.startswith(("cut", "flip")) else "")
     kinds = collections.Counter(kind(n) for n in names)
     print(f"{len(names)} mutations in {elapsed:.0f} s (seed {args.seed}, {args.flips} bit flips per format)")
     print("by kind:", ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())))
