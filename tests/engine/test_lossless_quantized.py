@@ -1,9 +1,11 @@
 """The lossless property on quantized weights: every speculative mode commits pp's tokens.
 
-Quantized models: the default SmolLM2 GGUF (Q4_1 layers, Q8_0 tied embedding / head) with the
-int4pack kernel (the fast one; the exact default kernel is covered by test_lossless.py, which
-runs the same file), and a tiny Hugging Face model quantized at load to Q8_0 / Q4_0. Target and
-draft (self:K) are built through the same quantized path. S = 1 and 2 in process.
+Quantized models: a tiny Hugging Face model quantized at load to Q8_0 / Q4_0 under the default
+kernel (the native one where it is built: int8 activations, where a 1-ulp difference between a
+tree row and a pp row once became a different sampled token), and the default SmolLM2 GGUF (Q4_1
+layers, Q8_0 tied embedding / head) with torch's int4pack kernel (bf16 activations); SmolLM2 on
+the default kernel at S = 1-8 is in test_lossless.py. Target and draft (self:K) are built through
+the same quantized path. S = 1 and 2 in process.
 """
 
 from __future__ import annotations
