@@ -180,12 +180,14 @@ def test_queue_full_and_too_big(engine):
 def test_a_failed_pipeline_ends_every_request_and_refuses_new_ones(tiny_model_dir):
     engine = Engine(EngineConfig(model=str(tiny_model_dir("llama", num_hidden_layers=2)), stages=2,
                                  transport="inproc", kv_memory="8MiB", max_context=256))
-    core = EngineCore(FailingPipe(engine.pipeline, fail_at=4), "pp", kv_blocks=256, block_size=16)
+    pipe = FailingPipe(engine.pipeline, fail_at=1 << 30)
+    core = EngineCore(pipe, "pp", kv_blocks=256, block_size=16)
     aengine = AsyncEngine(core)
 
     async def main():
         streams = [await aengine.add(engine.prompts.make_request(p, SamplingParams(max_tokens=50), chat=False, ignore_eos=True))
                    for p in PROMPTS[:3]]
+        pipe.fail_at = pipe.calls + 4  # once all three run (on a loaded machine the adds take steps)
         outs = await asyncio.wait_for(asyncio.gather(*[collect(s) for s in streams]), 30)
         with pytest.raises(EngineDead, match="stage 2"):
             await aengine.add(engine.prompts.make_request(PROMPTS[0], SamplingParams(max_tokens=5), chat=False))
