@@ -305,7 +305,7 @@ def _read_config(meta: dict[str, Any], tensors: dict[str, Any], extras: dict[str
     eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))  # ordered, no duplicates
     try:
         scaling = families.longrope(md, key, extras, rope_dim, context)
-        options = families.family_options(md, key, arch, hidden, heads, head_dim, num_layers, routed_layers, extras)
+        options = families.family_options(md, key, arch, hidden, heads, head_dim, num_layers, routed_layers)
         return ModelConfig(
             arch=arch,
             vocab_size=vocab,

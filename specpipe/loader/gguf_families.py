@@ -100,9 +100,8 @@ def model_arch(gguf_arch: str, has_experts: bool, file_name: str, error: Callabl
 
 
 def family_options(md: Any, gguf_arch: str, arch: str, hidden: int, heads: int, head_dim: int, num_layers: int,
-                   layers_with_router: set[int], extras: dict[str, Any]) -> dict[str, Any]:
-    """ModelConfig options beyond the Llama defaults. `md`: loader/gguf.py's typed metadata;
-    `extras`: GGUF records of tensors that are not weights (rope factor tables)."""
+                   layers_with_router: set[int]) -> dict[str, Any]:
+    """ModelConfig options beyond the Llama defaults. `md`: loader/gguf.py's typed metadata."""
     key = f"{gguf_arch}."
     out: dict[str, Any] = {}
     if arch in ("qwen3", "qwen3_moe", "gemma3"):

@@ -215,14 +215,14 @@ FAMILIES = ["qwen3", "qwen3_moe", "mixtral", "gemma3_text", "phi3"]
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_every_mode_equals_pp(tiny_model_dir, family, sampling):
-    """Every mode at S = 1, 2, 4 with a same-family draft (the target's first two layers) merged
-    with n-grams: the same tokens as pp at S = 1."""
+    """Every mode at S = 1, 2, 4 (sampled: S = 2, to keep the time down) with a same-family draft
+    (the target's first two layers) merged with n-grams: the same tokens as pp at S = 1."""
     target = open_checkpoint(tiny_model_dir(family))
     sampling = dataclasses.replace(sampling, max_tokens=12)  # 150 runs per family: keep each short
     max_committed = len(TINY_PROMPT) + sampling.max_tokens
     reference = run(make_pipeline(target, 1, 1, max_committed), "pp", TINY_PROMPT, sampling).output_ids
     assert len(set(reference)) > 3  # not a degenerate repetition
-    for num_stages, mode in itertools.product([1, 2, 4], MODES):
+    for num_stages, mode in itertools.product([1, 2, 4] if sampling.temperature == 0 else [2], MODES):
         pipe = make_pipeline(target, num_stages, 4, max_committed)
         source = MergedSource([self_draft(target, 2), NgramSource()]) if mode in SPECULATIVE_MODES else None
         req = run(pipe, mode, TINY_PROMPT, sampling, source)
