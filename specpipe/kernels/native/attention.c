@@ -29,27 +29,18 @@
 #endif
 
 #include "ggml_matmul.h"
+#include "vec.h"
 
-typedef float v8 __attribute__((vector_size(32)));
-
-#define SP_ATT_INLINE static inline __attribute__((always_inline))
-
-SP_ATT_INLINE v8 load8(const float *p) {
-  v8 r;
-  memcpy(&r, p, sizeof r);
-  return r;
-}
-
-SP_ATT_INLINE float dot(const float *a, const float *b, int d) {
-  v8 acc = {0};
+SP_INLINE float dot(const float *a, const float *b, int d) {
+  v8f acc = {0};
   int i = 0;
-  for (; i + 8 <= d; i += 8) acc += load8(a + i) * load8(b + i);
+  for (; i + 8 <= d; i += 8) acc += ld8f(a + i) * ld8f(b + i);
   for (int r = 0; i < d; i++, r++) acc[r] += a[i] * b[i];
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
 /* one (row, query head): s is scratch for c scores */
-SP_ATT_INLINE void attend_one(const float *q, const float *k, const float *v, const uint8_t *mask,
+SP_INLINE void attend_one(const float *q, const float *k, const float *v, const uint8_t *mask,
                               int64_t c, int hkv, int g, int d, float scale, float *s, double *acc,
                               float *out) {
   const int64_t stride = (int64_t)hkv * d;
@@ -71,7 +62,7 @@ SP_ATT_INLINE void attend_one(const float *q, const float *k, const float *v, co
   for (int i = 0; i < d; i++) out[i] = (float)(acc[i] / sum);
 }
 
-SP_ATT_INLINE int attention_body(const float *q, int64_t t, int hq, int hkv, int d, const float *k,
+SP_INLINE int attention_body(const float *q, int64_t t, int hq, int hkv, int d, const float *k,
                                  const float *v, int64_t c, const uint8_t *mask, float scale,
                                  float *out, int threads) {
   const int64_t pairs = t * hq;

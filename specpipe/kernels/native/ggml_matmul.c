@@ -55,8 +55,7 @@
 #endif
 
 #include "ggml_matmul.h"
-
-#define SP_INLINE static inline __attribute__((always_inline))
+#include "vec.h"
 
 /* ------------------------------------------------------------------------------------------- */
 /* Scalar helpers shared by all paths                                                            */
@@ -117,19 +116,7 @@ typedef struct {
  * folding (which works on the SP_NR = 8 rows of a tile at once): element-wise IEEE operations,
  * so each element gets exactly the scalar expression's bits on every target (x86-64 baseline
  * splits them into SSE halves). */
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-SP_INLINE v8f ld8f(const float *p) {
-  v8f v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
-SP_INLINE v8i ld8i(const int32_t *p) {
-  v8i v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
+/* (v8f, v8i, ld8f, ld8i: vec.h) */
 SP_INLINE v8f to8f(v8i v) { return __builtin_convertvector(v, v8f); }
 
 /* 4-lane (SSE2 / NEON width) vectors for the activation quantization, which is compiled once
