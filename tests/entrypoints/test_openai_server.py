@@ -234,7 +234,15 @@ def test_metrics_parse_and_move(server):
     before = server.metrics()
     server.client().completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=7, temperature=0,
                                        extra_body={"ignore_eos": True})
-    after = server.metrics()
+    steps = [("specpipe:stage_steps_total", (("stage", s),)) for s in ("1", "2")]
+    # The stages' figures come with the step after the request (the idle report), which may
+    # not have run when the response arrives: wait for it rather than make one.
+    deadline = time.monotonic() + 30
+    while True:
+        after = server.metrics()
+        if all(after.get(k, 0.0) > before.get(k, 0.0) for k in steps) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
 
     def moved(name, labels=()):
         return after[(name, labels)] - before.get((name, labels), 0.0)
