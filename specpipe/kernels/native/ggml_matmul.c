@@ -185,9 +185,6 @@ static void quantize_group(const float *x, int64_t valid, int qb, int8_t *q, flo
 #define SP_NR 8  /* weight rows per tile: each activation group is loaded once for 8 rows (the
                     folding's vectors below assume 8) */
 #define SP_TB 64 /* activation rows per pass over a weight tile (accumulators on the stack) */
-#ifndef SP_PF_GROUPS
-#define SP_PF_GROUPS 4 /* software prefetch distance along each weight row, in groups */
-#endif
 
 typedef struct {
   uint8_t q[SP_NR][256] __attribute__((aligned(64))); /* Q8_0: the int8 values as bytes */
@@ -472,7 +469,10 @@ static SP_AVX2 void dots32_s8_avx2(const wtile *w, const int8_t *x, int nb, int3
  * sub-blocks 2j, 2j+1 (sub 16: 8 copies each); built by a byte shuffle of the 16 int8 scales and
  * a sign extension to int16. */
 SP_INLINE SP_AVX2 void prep_scales_avx2(wtile *w, int r, int sub) {
-  const __m128i s8 = _mm_loadu_si128((const __m128i *)w->sc[r]);
+  /* sub 32 uses 8 scales: an 8-byte load, which store forwarding serves from k4_scales' 8-byte
+   * store (a 16-byte load over it stalls until the store retires) */
+  const __m128i s8 = sub == 32 ? _mm_loadl_epi64((const __m128i *)w->sc[r])
+                               : _mm_loadu_si128((const __m128i *)w->sc[r]);
   const __m128i base = sub == 32 ? _mm_setzero_si128()
                                  : _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   const int step = sub == 32 ? 1 : 2;
