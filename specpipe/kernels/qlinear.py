@@ -1,5 +1,6 @@
-"""Linear layers whose weights stay in a GGML type: QuantLinear (projections, LM head) and
-QuantEmbedding (token embedding, decoding only the rows it looks up).
+"""Linear layers whose weights stay in a GGML type: QuantLinear (projections, LM head),
+QuantEmbedding (token embedding, decoding only the rows it looks up) and StackedLinear (several
+projections of one input as one matmul).
 
 The weight lives as the kernel prepared it (`prepared`, a buffer-like object, not a float
 parameter), so a stage's memory is about the checkpoint's share. A tied LM head is a QuantLinear
@@ -9,7 +10,7 @@ built on the embedding's packed tensor (`QuantLinear.tied_to`): the bytes are he
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import gguf
 import torch
@@ -113,3 +114,48 @@ class QuantEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype.name}"
+
+
+class StackedLinear(nn.Module):
+    """Several projections of the same input (q, k, v; gate, up) computed together: each run of
+    consecutive parts that are QuantLinear of one GGML type on the native kernel becomes one
+    QuantLinear over their stacked rows, so a step makes one kernel call (one pass over x, one
+    thread team) instead of one per projection. The native kernel computes every output element
+    from its own weight row and the input row alone, so stacking changes no bit of any output.
+    Other parts stay as they are. forward returns one tensor per part, in order (views of the
+    stacked output)."""
+
+    def __init__(self, parts: Sequence[nn.Module]) -> None:
+        super().__init__()
+        groups: list[list[nn.Module]] = []
+        for m in parts:
+            if groups and _stackable(groups[-1][-1], m):
+                groups[-1].append(m)
+            else:
+                groups.append([m])
+        self.groups = nn.ModuleList(g[0] if len(g) == 1 else _stack(g) for g in groups)
+        self.sizes = [[m.out_features for m in g] for g in groups]
+
+    @property
+    def num_calls(self) -> int:
+        return len(self.groups)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        outs: list[torch.Tensor] = []
+        for mod, sizes in zip(self.groups, self.sizes):
+            y = mod(x)
+            outs.extend(y.split(sizes, dim=-1) if len(sizes) > 1 else (y,))
+        return outs
+
+
+def _stackable(a: nn.Module, b: nn.Module) -> bool:
+    return (isinstance(a, QuantLinear) and isinstance(b, QuantLinear) and a.kernel == b.kernel == "native"
+            and a.qtype == b.qtype and a.in_features == b.in_features
+            and (a.bias is None) == (b.bias is None) and a.packed is not None and b.packed is not None)
+
+
+def _stack(parts: list[QuantLinear]) -> QuantLinear:
+    packed = torch.cat([m.packed for m in parts])
+    bias = None if parts[0].bias is None else torch.cat([m.bias for m in parts])
+    return QuantLinear(packed, parts[0].qtype, parts[0].in_features, sum(m.out_features for m in parts),
+                       bias, parts[0]._kernel)

@@ -35,7 +35,7 @@ import torch
 import torch.nn as nn
 
 from specpipe.config import ModelConfig, StageSpec
-from specpipe.kernels.qlinear import FloatLinear
+from specpipe.kernels.qlinear import FloatLinear, StackedLinear
 from specpipe.model.attention import AttentionMetadata, attend, within_window
 from specpipe.model.kv_cache import KVCache
 from specpipe.model.moe import MLP, SparseMoE
@@ -70,12 +70,14 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, cfg.norm_plus_one)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, cfg.norm_plus_one)
         self.qk_norm, self.scale = cfg.qk_norm, cfg.query_scale
+        self.qkv: Optional[StackedLinear] = None  # q/k/v stacked after loading (stack_projections)
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata, kv: KVCache, layer: int) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.hq, self.d)  # (T, Hq, D)
-        k = self.k_proj(x).view(t, self.hkv, self.d)  # (T, Hkv, D)
-        v = self.v_proj(x).view(t, self.hkv, self.d)  # (T, Hkv, D)
+        q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.view(t, self.hq, self.d)  # (T, Hq, D)
+        k = k.view(t, self.hkv, self.d)  # (T, Hkv, D)
+        v = v.view(t, self.hkv, self.d)  # (T, Hkv, D)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q), rope.apply(k)

@@ -15,12 +15,14 @@ the same row among others, bitwise (tests/kernels/test_batch_invariance.py).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from specpipe.config import ModelConfig
-from specpipe.kernels.qlinear import FloatLinear
+from specpipe.kernels.qlinear import FloatLinear, StackedLinear
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 # torch's vectorised elementwise kernels (silu, gelu) on this AVX-512 CPU give an element other
@@ -49,9 +51,11 @@ class MLP(nn.Module):
         self.up_proj = FloatLinear(hidden, intermediate, bias=False)
         self.down_proj = FloatLinear(intermediate, hidden, bias=False)
         self.act = ACTIVATIONS[act]
+        self.gate_up: Optional[StackedLinear] = None  # gate/up stacked after loading (stack_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gated(self.act, self.gate_proj(x), self.up_proj(x)))
+        gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(gated(self.act, gate, up))
 
 
 class SparseMoE(nn.Module):

@@ -21,10 +21,11 @@ import torch.nn as nn
 from specpipe.config import StageSpec
 from specpipe.kernels import native
 from specpipe.kernels.ggml_types import FLOAT_TYPES
-from specpipe.kernels.qlinear import QuantEmbedding, QuantLinear
+from specpipe.kernels.qlinear import QuantEmbedding, QuantLinear, StackedLinear
 from specpipe.kernels.registry import choose_kernel, get_kernel, kernels
 from specpipe.loader.checkpoint import Checkpoint, CheckpointError
-from specpipe.model.llama import LlamaStage
+from specpipe.model.llama import Attention, LlamaStage
+from specpipe.model.moe import MLP
 
 Q = gguf.GGMLQuantizationType
 QUANTIZATIONS = {"int8": Q.Q8_0, "int4": Q.Q4_0}
@@ -72,13 +73,14 @@ def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def build_stage(ckpt: Checkpoint, spec: StageSpec, device: torch.device | str = "cpu",
                 dtype: Optional[torch.dtype] = torch.float32, quantization: Optional[str] = None,
-                kernel: Optional[str] = None) -> LlamaStage:
+                kernel: Optional[str] = None, stack: bool = True) -> LlamaStage:
     """A `LlamaStage` for `spec` with its weights taken from `ckpt`, every shape checked.
 
     dtype: the activations' type, and the float weights' when given; None = float32 activations
     with float weights kept as stored. kernel: a kernel name to prefer (kernels/registry.py), or
     "float32" to dequantize every weight to float32 at load as SpecPipe did before (8.5x the
-    memory of a Q4 file; kept for comparisons).
+    memory of a Q4 file; kept for comparisons). stack: stack q/k/v and gate/up where the kernel
+    allows (stack_projections; False keeps one module per checkpoint tensor, for inspection).
     """
     if kernel is None:
         kernel = default_kernel(device, quantization)
@@ -152,8 +154,29 @@ def build_stage(ckpt: Checkpoint, spec: StageSpec, device: torch.device | str = 
         checked(name, param.shape)
         parent, attr = _parent(model, name)
         setattr(parent, attr, nn.Parameter(ckpt.load(name).to(act).to(device), requires_grad=False))
+    if stack:
+        stack_projections(model)
     _return_freed_memory()
     return model.eval().requires_grad_(False)
+
+
+def stack_projections(model: nn.Module) -> None:
+    """Stack each layer's (and expert's) q/k/v and gate/up projections where the kernel allows
+    (kernels/qlinear.py StackedLinear): fewer, larger kernel calls per step, the same bits."""
+    for m in list(model.modules()):
+        if isinstance(m, Attention):
+            _stack(m, "qkv", ("q_proj", "k_proj", "v_proj"))
+        elif isinstance(m, MLP):
+            _stack(m, "gate_up", ("gate_proj", "up_proj"))
+
+
+def _stack(owner: nn.Module, attr: str, names: tuple[str, ...]) -> None:
+    stacked = StackedLinear([getattr(owner, n) for n in names])
+    if stacked.num_calls == len(names):
+        return  # nothing could be stacked: keep the projections as they are
+    for n in names:
+        delattr(owner, n)
+    setattr(owner, attr, stacked)
 
 
 def _return_freed_memory() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from checkpoint_helpers import bf16_copy
@@ -74,7 +75,7 @@ def test_bf16_checkpoint_stays_bf16_unless_float32_is_asked(tiny_llama_dir, tmp_
 @pytest.mark.parametrize("quantization,qtype,bound", [("int8", Q.Q8_0, 1 / 127), ("int4", Q.Q4_0, 1 / 8)])
 def test_hf_quantized_at_load(tiny_llama_dir, quantization, qtype, bound):
     ckpt = open_checkpoint(tiny_llama_dir)
-    model = build_stage(ckpt, StageSpec.whole(ckpt.config), quantization=quantization)
+    model = build_stage(ckpt, StageSpec.whole(ckpt.config), quantization=quantization, stack=False)
     projections = {n: m for n, m in model.named_modules() if n.endswith("_proj") or n == "lm_head"}
     assert projections and all(isinstance(m, QuantLinear) and m.qtype == qtype for m in projections.values())
     assert isinstance(model.embed_tokens, QuantEmbedding)
@@ -90,7 +91,7 @@ def test_hf_quantized_at_load(tiny_llama_dir, quantization, qtype, bound):
 
 def test_default_kernel_keeps_gguf_packed_where_native_is_built(smollm2, monkeypatch):
     monkeypatch.delenv("SPECPIPE_KERNEL", raising=False)
-    model = build_stage(smollm2, StageSpec(0, 1, True, False))
+    model = build_stage(smollm2, StageSpec(0, 1, True, False), stack=False)
     proj = model.layers["0"].mlp.up_proj
     if native.available():
         assert isinstance(proj, QuantLinear) and proj.kernel == "native"
@@ -101,3 +102,40 @@ def test_default_kernel_keeps_gguf_packed_where_native_is_built(smollm2, monkeyp
     monkeypatch.setenv("SPECPIPE_KERNEL", "fastest")
     with pytest.raises(ValueError, match="unknown kernel 'fastest'"):
         build_stage(smollm2, StageSpec(0, 1, True, False))
+
+
+@pytest.mark.skipif(not native.available(), reason="projections are stacked on the native kernel, not built here")
+def test_stacked_projections_change_no_bit(smollm2):
+    """q/k/v and gate/up become one native call each; every logit keeps its bits."""
+    spec = StageSpec(0, 3, True, False)
+    apart = build_stage(smollm2, spec, kernel="native", stack=False)
+    stacked = build_stage(smollm2, spec, kernel="native")
+    layer = stacked.layers["0"]
+    assert layer.self_attn.qkv.num_calls == 1 and layer.mlp.gate_up.num_calls == 1
+    assert not hasattr(layer.self_attn, "q_proj") and not hasattr(layer.mlp, "up_proj")
+    assert weight_nbytes(stacked) == weight_nbytes(apart)
+    for ids in (torch.tensor([1, 9690, 198, 504, 3575, 282, 4649]), torch.tensor([9690])):
+        assert torch.equal(forward(stacked, ids), forward(apart, ids))
+
+
+@pytest.mark.skipif(not native.available(), reason="projections are stacked on the native kernel, not built here")
+def test_stacking_groups_runs_of_one_type():
+    """Parts of different types (Q4_K_M files store some v projections as Q6_K) stay separate;
+    each output equals its own projection's, bitwise, with or without biases."""
+    from specpipe.kernels.qlinear import StackedLinear
+
+    rng = np.random.default_rng(0)
+    def part(qtype, n, bias):
+        w = rng.standard_normal((n, 64)).astype(np.float32)
+        packed = torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(w, qtype)))
+        b = torch.from_numpy(rng.standard_normal(n).astype(np.float32)) if bias else None
+        return QuantLinear(packed, qtype, 64, n, b)
+
+    for bias in (False, True):
+        parts = [part(Q.Q4_0, 32, bias), part(Q.Q4_0, 16, bias), part(Q.Q8_0, 16, bias)]
+        stacked = StackedLinear(parts)
+        assert stacked.num_calls == 2 and stacked.sizes == [[32, 16], [16]]
+        for t in (1, 5):
+            x = torch.from_numpy(rng.standard_normal((t, 64)).astype(np.float32))
+            for got, p in zip(stacked(x), parts):
+                assert torch.equal(got, p(x))

@@ -570,6 +570,115 @@ static SP_VNNI void dot_sc_vnni(const wtile *w, const int8_t *x, int sub, int32_
   }
   ST(out, hsum8x16_vnni(acc));
 }
+
+/* ------------------------------------------------------------------------------------------- */
+/* One activation row (decode) against Q4_K / Q6_K rows, AVX-512 VNNI: each weight block is      */
+/* unpacked in registers and multiplied at once, no tile in memory (the tile path's unpacking    */
+/* into memory and its per-row scale tables cost more than the product itself for one row).     */
+/* The integers are the tile path's (exact), and each output is folded with the same expression  */
+/* per group in ascending order, on scalars: the same bits.                                      */
+
+/* The activation group in the order of Q4_K's nibbles in two 64-byte loads of qs: low nibbles of
+ * qs[0:64] are values [0,32) and [64,96), high nibbles [32,64) and [96,128); likewise +128. */
+static void permute_k4(const int8_t *q, int64_t kp, int8_t *out) {
+  static const int from[8] = {0, 64, 32, 96, 128, 192, 160, 224};
+  for (int64_t g = 0; g < kp / 256; g++)
+    for (int j = 0; j < 8; j++) memcpy(out + 256 * g + 32 * j, q + 256 * g + from[j], 32);
+}
+
+SP_INLINE SP_VNNI __m512i bcast_lanes_epi16(__m512i v, int a, int b, int c, int d) {
+  /* 128-bit lane i of the result: int16 element (a, b, c, d)[i] of v, 8 times */
+  const __m512i idx = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16((short)a)),
+                                                     _mm_set1_epi16((short)b), 1)),
+      _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_set1_epi16((short)c)), _mm_set1_epi16((short)d), 1),
+      1);
+  return _mm512_permutexvar_epi16(idx, v);
+}
+
+static SP_VNNI float row_q4_k_vnni(const uint8_t *row, int64_t ngroups, const int8_t *xk,
+                                   const float *xd, const int32_t *xs32) {
+  const __m512i m4 = _mm512_set1_epi8(15);
+  float acc = 0.f;
+  for (int64_t g = 0; g < ngroups; g++) {
+    const uint8_t *b = row + 144 * g;
+    const uint32_t u0 = load_u32(b + 4), u1 = load_u32(b + 8), u2 = load_u32(b + 12);
+    const uint32_t lo6 = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, lo2 = 0x03030303u;
+    const uint64_t sc = (uint64_t)(u0 & lo6) | (uint64_t)((u2 & lo4) | (((u0 >> 6) & lo2) << 4)) << 32;
+    const uint64_t mn = (uint64_t)(u1 & lo6) | (uint64_t)(((u2 >> 4) & lo4) | (((u1 >> 6) & lo2) << 4)) << 32;
+    const __m512i z0 = LDZ(b + 16), z1 = LDZ(b + 80);
+    const __m512i s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+    const int8_t *x = xk + 256 * g;
+    __m512i a = _mm512_setzero_si512();
+    a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(_mm512_and_si512(z0, m4), LDZ(x)),
+                            bcast_lanes_epi16(s16, 0, 0, 2, 2));
+    a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(z0, 4), m4), LDZ(x + 64)),
+                            bcast_lanes_epi16(s16, 1, 1, 3, 3));
+    a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(_mm512_and_si512(z1, m4), LDZ(x + 128)),
+                            bcast_lanes_epi16(s16, 4, 4, 6, 6));
+    a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(z1, 4), m4), LDZ(x + 192)),
+                            bcast_lanes_epi16(s16, 5, 5, 7, 7));
+    const int32_t sumi = _mm512_reduce_add_epi32(a);
+    const __m256i mins = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn)),
+                                            LD(xs32 + 8 * g));
+    const __m128i m2 = _mm_add_epi32(_mm256_castsi256_si128(mins), _mm256_extracti128_si256(mins, 1));
+    const __m128i m1 = _mm_add_epi32(m2, _mm_unpackhi_epi64(m2, m2));
+    const int32_t summ = _mm_cvtsi128_si32(_mm_add_epi32(m1, _mm_shuffle_epi32(m1, 1)));
+    const float dx = xd[8 * g];
+    acc = acc + ((f16_to_f32(b) * dx) * (float)sumi - (f16_to_f32(b + 2) * dx) * (float)summ);
+  }
+  return acc;
+}
+
+static SP_VNNI float row_q6_k_vnni(const uint8_t *row, int64_t ngroups, const int8_t *xq,
+                                   const float *xd, const int32_t *xs16) {
+  const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
+  /* high-bit shifts: (0 | 2) for the low nibbles' 64 values, (4 | 6) for the high nibbles' */
+  const __m512i sh_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+  const __m512i sh_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+  float acc = 0.f;
+  for (int64_t g = 0; g < ngroups; g++) {
+    const uint8_t *b = row + 210 * g;
+    const __m128i sc8 = _mm_loadu_si128((const __m128i *)(b + 192));
+    const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
+    const int8_t *x = xq + 256 * g;
+    __m512i a = _mm512_setzero_si512();
+    for (int h = 0; h < 2; h++) {
+      const __m512i l = LDZ(b + 64 * h);
+      const __m256i qh = LD(b + 128 + 32 * h);
+      const __m512i hz = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
+      const __m512i v0 = _mm512_or_si512(_mm512_and_si512(l, m4),
+          _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hz, sh_lo), m2), 4));
+      const __m512i v1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+          _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hz, sh_hi), m2), 4));
+      const int j = 8 * h; /* 16-value sub-blocks of this half: j .. j + 7 */
+      a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(v0, LDZ(x + 128 * h)),
+                              bcast_lanes_epi16(s16, j, j + 1, j + 2, j + 3));
+      a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(v1, LDZ(x + 128 * h + 64)),
+                              bcast_lanes_epi16(s16, j + 4, j + 5, j + 6, j + 7));
+    }
+    const int32_t sumi = _mm512_reduce_add_epi32(a);
+    const int32_t off = _mm512_reduce_add_epi32(
+        _mm512_mullo_epi32(_mm512_cvtepi8_epi32(sc8), LDZ(xs16 + 16 * g)));
+    acc = acc + (f16_to_f32(b + 208) * xd[8 * g]) * (float)(sumi - 32 * off);
+  }
+  return acc;
+}
+
+/* Rows [n0, n1) of y (one activation row) for Q4_K / Q6_K; rows are contiguous in memory, read
+ * in order, and fetched a few rows ahead. */
+static SP_VNNI void rows_k_vnni(int type, const uint8_t *w, int64_t row_bytes, int64_t ngroups,
+                                const int8_t *xq, const float *xd, const int32_t *xs, float *y,
+                                int64_t n0, int64_t n1, int64_t wrows) {
+  const int64_t ahead = 4096 / row_bytes + 1; /* about 4 KiB ahead */
+  for (int64_t n = n0; n < n1; n++) {
+    const uint8_t *pf = w + (n + ahead) * row_bytes;
+    if (n + ahead < wrows)
+      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(pf + off);
+    y[n] = type == SP_Q4_K ? row_q4_k_vnni(w + n * row_bytes, ngroups, xq, xd, xs)
+                           : row_q6_k_vnni(w + n * row_bytes, ngroups, xq, xd, xs);
+  }
+}
 #endif /* SP_X86 */
 
 #if defined(__aarch64__)
@@ -789,6 +898,27 @@ static void run_parallel_tiles(tile_fn fn, const job *jb, int64_t ntiles, int th
 #endif
 }
 
+#ifdef SP_X86
+/* One activation row: threads take contiguous ranges of weight rows. */
+static void run_parallel_rows(int type, const job *jb, const int8_t *xr, const int32_t *xs,
+                              int threads) {
+  const int64_t ngroups = jb->xq.kp / 256;
+#ifdef _OPENMP
+  if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+    {
+      int64_t a, b;
+      part_range(jb->n, omp_get_num_threads(), omp_get_thread_num(), &a, &b);
+      rows_k_vnni(type, jb->w, jb->row_bytes, ngroups, xr, jb->xq.d, xs, jb->y, a, b, jb->n);
+    }
+    return;
+  }
+#endif
+  (void)threads;
+  rows_k_vnni(type, jb->w, jb->row_bytes, ngroups, xr, jb->xq.d, xs, jb->y, 0, jb->n, jb->n);
+}
+#endif
+
 int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, int64_t n,
               int64_t row_bytes, float *y, int threads, int isa) {
   int64_t bbytes;
@@ -825,6 +955,25 @@ int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, 
     quantize_rows(xq, x, k, bs, 0, t);
   else
     run_parallel_quantize(xq, x, k, bs, t, qthreads);
+#ifdef SP_X86
+  if (t == 1 && isa == SP_ISA_AVX512VNNI && (type == SP_Q4_K || type == SP_Q6_K)) {
+    const int8_t *xr = xq->q;
+    if (type == SP_Q4_K) { /* the activations in the nibbles' order, once per call */
+      int8_t *perm = malloc((size_t)kp);
+      if (!perm) {
+        free(mem);
+        return SP_ERR_MEMORY;
+      }
+      permute_k4(xq->q, kp, perm);
+      xr = perm;
+    }
+    const int32_t *xs = type == SP_Q4_K ? xq->s32 : xq->s16;
+    run_parallel_rows(type, &jb, xr, xs, mthreads);
+    if (xr != xq->q) free((void *)xr);
+    free(mem);
+    return SP_OK;
+  }
+#endif
   if (mthreads <= 1)
     fn(&jb, 0, n);
   else
