@@ -185,6 +185,9 @@ static void quantize_group(const float *x, int64_t valid, int qb, int8_t *q, flo
 #define SP_NR 8  /* weight rows per tile: each activation group is loaded once for 8 rows (the
                     folding's vectors below assume 8) */
 #define SP_TB 64 /* activation rows per pass over a weight tile (accumulators on the stack) */
+#ifndef SP_PF_BYTES
+#define SP_PF_BYTES 4096 /* one-row paths: software prefetch distance along the weights */
+#endif
 
 typedef struct {
   uint8_t q[SP_NR][256] __attribute__((aligned(64))); /* Q8_0: the int8 values as bytes */
@@ -602,6 +605,7 @@ static SP_VNNI float row_q4_k_vnni(const uint8_t *row, int64_t ngroups, const in
   float acc = 0.f;
   for (int64_t g = 0; g < ngroups; g++) {
     const uint8_t *b = row + 144 * g;
+    for (int off = 0; off < 192; off += 64) __builtin_prefetch(b + SP_PF_BYTES + off);
     const uint32_t u0 = load_u32(b + 4), u1 = load_u32(b + 8), u2 = load_u32(b + 12);
     const uint32_t lo6 = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, lo2 = 0x03030303u;
     const uint64_t sc = (uint64_t)(u0 & lo6) | (uint64_t)((u2 & lo4) | (((u0 >> 6) & lo2) << 4)) << 32;
@@ -639,6 +643,7 @@ static SP_VNNI float row_q6_k_vnni(const uint8_t *row, int64_t ngroups, const in
   float acc = 0.f;
   for (int64_t g = 0; g < ngroups; g++) {
     const uint8_t *b = row + 210 * g;
+    for (int off = 0; off < 256; off += 64) __builtin_prefetch(b + SP_PF_BYTES + off);
     const __m128i sc8 = _mm_loadu_si128((const __m128i *)(b + 192));
     const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
     const int8_t *x = xq + 256 * g;
@@ -665,16 +670,13 @@ static SP_VNNI float row_q6_k_vnni(const uint8_t *row, int64_t ngroups, const in
   return acc;
 }
 
-/* Rows [n0, n1) of y (one activation row) for Q4_K / Q6_K; rows are contiguous in memory, read
- * in order, and fetched a few rows ahead. */
+/* Rows [n0, n1) of y (one activation row) for Q4_K / Q6_K; rows are contiguous in memory and
+ * read in order, each block fetching the lines SP_PF_BYTES ahead of it (past the end of the
+ * weights is harmless: a prefetch never faults). */
 static SP_VNNI void rows_k_vnni(int type, const uint8_t *w, int64_t row_bytes, int64_t ngroups,
                                 const int8_t *xq, const float *xd, const int32_t *xs, float *y,
-                                int64_t n0, int64_t n1, int64_t wrows) {
-  const int64_t ahead = 4096 / row_bytes + 1; /* about 4 KiB ahead */
+                                int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; n++) {
-    const uint8_t *pf = w + (n + ahead) * row_bytes;
-    if (n + ahead < wrows)
-      for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(pf + off);
     y[n] = type == SP_Q4_K ? row_q4_k_vnni(w + n * row_bytes, ngroups, xq, xd, xs)
                            : row_q6_k_vnni(w + n * row_bytes, ngroups, xq, xd, xs);
   }
@@ -909,13 +911,13 @@ static void run_parallel_rows(int type, const job *jb, const int8_t *xr, const i
     {
       int64_t a, b;
       part_range(jb->n, omp_get_num_threads(), omp_get_thread_num(), &a, &b);
-      rows_k_vnni(type, jb->w, jb->row_bytes, ngroups, xr, jb->xq.d, xs, jb->y, a, b, jb->n);
+      rows_k_vnni(type, jb->w, jb->row_bytes, ngroups, xr, jb->xq.d, xs, jb->y, a, b);
     }
     return;
   }
 #endif
   (void)threads;
-  rows_k_vnni(type, jb->w, jb->row_bytes, ngroups, xr, jb->xq.d, xs, jb->y, 0, jb->n, jb->n);
+  rows_k_vnni(type, jb->w, jb->row_bytes, ngroups, xr, jb->xq.d, xs, jb->y, 0, jb->n);
 }
 #endif
 
