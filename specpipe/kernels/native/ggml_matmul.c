@@ -198,6 +198,9 @@ typedef struct {
   float d[8][SP_NR];     /* 32-value types: per-block d; K-quants: d[0] = d, d[1] = dmin */
   float m[8][SP_NR];     /* Q4_1/Q5_1: per-block m */
   int nb;                /* 32-value types: blocks in this group (a row's last may be short) */
+  /* K-quants, the row-lanes kernel (lanes_prep): sub-block scales as int32, the offsets' int16
+   * pairs */
+  int32_t sc32[SP_NR][16], pairs[SP_NR][8];
 } wtile;
 
 SP_INLINE uint64_t load_u64(const uint8_t *p) {
@@ -761,6 +764,166 @@ typedef void (*tile_fn)(const job *, int64_t, int64_t);
 #undef SP_ATTR
 #endif
 
+#ifdef SP_X86
+/* ------------------------------------------------------------------------------------------- */
+/* Several activation rows against K-quant rows, AVX-512 VNNI, "row lanes": the vector lanes are  */
+/* 8 activation rows, so no horizontal sums are needed.  The activations are laid out once per   */
+/* call as xl[g][chunk][kq][lane][4] (kq: the 64 groups of 4 values of a 256-group); a weight     */
+/* row's 4 unpacked values are broadcast to all lanes and vpdpbusd adds their products with the  */
+/* 8 rows' 4 values to each lane.  Each lane's integers are the tile path's (exact), and the     */
+/* folding is fold_k4's / fold_q6_k's expression per element, in ascending group order.           */
+
+typedef struct {
+  int64_t chunks;  /* ceil(T / 8) */
+  int8_t *q;       /* [g][chunk][64 kq][8 lanes][4] */
+  int32_t *pairs;  /* [g][chunk][8 pairs][8 lanes]: int16 pairs of block sums (for the offsets) */
+  float *d;        /* [g][chunk][8 lanes]: the activation scale of the group */
+} xlanes;
+
+static void build_lanes(const xquant *xq, int type, xlanes *xl) {
+  const int64_t t = xq->t, ng = xq->kp / 256, ch = xl->chunks;
+  const int npairs = type == SP_Q6_K ? 8 : 4;
+  for (int64_t g = 0; g < ng; g++)
+    for (int64_t c = 0; c < ch; c++) {
+      int8_t *q = xl->q + (g * ch + c) * 2048;
+      int32_t *pr = xl->pairs + (g * ch + c) * 64;
+      float *d = xl->d + (g * ch + c) * 8;
+      for (int l = 0; l < 8; l++) {
+        const int64_t row = 8 * c + l, at = g * t + row;
+        if (row >= t) { /* padding lanes: zeros, never stored */
+          for (int kq = 0; kq < 64; kq++) memset(q + 32 * kq + 4 * l, 0, 4);
+          for (int j = 0; j < npairs; j++) pr[8 * j + l] = 0;
+          d[l] = 0.f;
+          continue;
+        }
+        for (int kq = 0; kq < 64; kq++) memcpy(q + 32 * kq + 4 * l, xq->q + 256 * at + 4 * kq, 4);
+        const int32_t *bs = type == SP_Q6_K ? xq->s16 + 16 * at : xq->s32 + 8 * at;
+        for (int j = 0; j < npairs; j++) /* |block sum| <= 32 * 127: an int16 */
+          pr[8 * j + l] = (int32_t)(((uint32_t)(uint16_t)bs[2 * j]) | ((uint32_t)(uint16_t)bs[2 * j + 1] << 16));
+        d[l] = xq->d[8 * at];
+      }
+    }
+}
+
+/* sumi[r] += sum over the sub-blocks of sc[r][j] * (row r's values . the 8 lanes' values), for
+ * the SP_NR unpacked rows of wt and one chunk of lanes; sub = 32 (Q4_K, Q5_K) or 16 (Q6_K), a
+ * constant where inlined. */
+SP_INLINE SP_VNNI void lanes_dot(const wtile *wt, const int8_t *xq, const int sub, __m256i *sumi) {
+  for (int j = 0; j < 256 / sub; j++) {
+    __m256i xv[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < sub / 4; i++) xv[i] = LD(xq + 32 * (sub / 4 * j + i));
+    /* a weight row's 4 values (unsigned) broadcast to the lanes times each lane's 4 activations;
+     * unrolled over the rows so that their dependency chains interleave, two partial sums per
+     * row (integers: exact in any order) */
+#pragma GCC unroll 8
+    for (int r = 0; r < SP_NR; r++) {
+      const uint8_t *wq = wt->q[r] + sub * j;
+      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int i = 0; i < sub / 4; i += 2) {
+        s0 = _mm256_dpbusd_epi32(s0, _mm256_set1_epi32((int)load_u32(wq + 4 * i)), xv[i]);
+        s1 = _mm256_dpbusd_epi32(s1, _mm256_set1_epi32((int)load_u32(wq + 4 * i + 4)), xv[i + 1]);
+      }
+      sumi[r] = _mm256_add_epi32(sumi[r], _mm256_mullo_epi32(_mm256_add_epi32(s0, s1),
+                                                             _mm256_set1_epi32(wt->sc32[r][j])));
+    }
+  }
+}
+
+/* The offsets, as fold_k4 / fold_q6_k need them, for the 8 lanes: sum_j mn_j * xsum32_j (Q4_K,
+ * Q5_K) or sc_j * xsum16_j (Q6_K), two blocks per vpdpwssd. */
+SP_INLINE SP_VNNI __m256i lanes_offsets(const wtile *wt, int r, const int32_t *pr, const int q6) {
+  __m256i off = _mm256_setzero_si256();
+  for (int j = 0; j < (q6 ? 8 : 4); j++)
+    off = _mm256_dpwssd_epi32(off, LD(pr + 8 * j), _mm256_set1_epi32(wt->pairs[r][j]));
+  return off;
+}
+
+/* What lanes_dot and lanes_offsets need of unpacked row r, once per group (not per lane chunk):
+ * the scales as int32, and the offsets' weights as int16 pairs (mins, or Q6_K's scales). */
+SP_INLINE SP_VNNI void lanes_prep(wtile *wt, int r, const int q6) {
+  const int nsub = q6 ? 16 : 8;
+  for (int j = 0; j < nsub; j++) wt->sc32[r][j] = wt->sc[r][j];
+  for (int j = 0; j < nsub / 2; j++) {
+    const int32_t a = q6 ? wt->sc[r][2 * j] : wt->mn[r][2 * j];
+    const int32_t b = q6 ? wt->sc[r][2 * j + 1] : wt->mn[r][2 * j + 1];
+    wt->pairs[r][j] = (int32_t)(((uint32_t)(uint16_t)a) | ((uint32_t)(uint16_t)b << 16));
+  }
+}
+
+SP_INLINE SP_VNNI void tiles_lanes(const job *jb, const xlanes *xl, int64_t n0, int64_t n1,
+                                   const int type) {
+  const int q6 = type == SP_Q6_K;
+  const int64_t ng = jb->xq.kp / 256, ch = xl->chunks;
+  const int64_t gbytes = type == SP_Q4_K ? 144 : type == SP_Q5_K ? 176 : 210;
+  /* prefetch: the next tile's share per unpacking step, as the tile path does */
+  const int64_t tile_bytes = SP_NR * jb->row_bytes, pf_step = (tile_bytes + ng * SP_NR - 1) / (ng * SP_NR);
+  const uint8_t *const wend = jb->w + jb->n * jb->row_bytes;
+  for (const uint8_t *p = jb->w + n0 * jb->row_bytes; p < jb->w + n1 * jb->row_bytes &&
+                                                       p < jb->w + n0 * jb->row_bytes + tile_bytes;
+       p += 64)
+    __builtin_prefetch(p);
+  wtile wt;
+  __m256 acc[8][SP_NR]; /* [chunk][weight row]: 8 activation rows each */
+  memset(&wt, 0, sizeof wt);
+  for (int64_t n = n0; n < n1; n += SP_NR) {
+    const int nr = (int)(n1 - n < SP_NR ? n1 - n : SP_NR);
+    const uint8_t *const next = jb->w + (n + SP_NR) * jb->row_bytes;
+    for (int64_t c0 = 0; c0 < ch; c0 += 8) { /* up to 64 activation rows per pass */
+      const int cb = (int)(ch - c0 < 8 ? ch - c0 : 8);
+      for (int c = 0; c < cb; c++)
+        for (int r = 0; r < SP_NR; r++) acc[c][r] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < ng; g++) {
+        for (int r = 0; r < nr; r++) {
+          const uint8_t *b = jb->w + (n + r) * jb->row_bytes + g * gbytes;
+          if (c0 == 0) {
+            const uint8_t *p = next + (g * SP_NR + r) * pf_step, *e = p + pf_step;
+            for (e = e < wend ? e : wend; p < e; p += 64) __builtin_prefetch(p);
+          }
+          if (type == SP_Q4_K) unpack_q4_k(b, &wt, r);
+          else if (type == SP_Q5_K) unpack_q5_k(b, &wt, r);
+          else unpack_q6_k(b, &wt, r);
+          lanes_prep(&wt, r, q6);
+        }
+        for (int c = 0; c < cb; c++) {
+          const int64_t at = g * ch + c0 + c;
+          const __m256 dx = _mm256_loadu_ps(xl->d + at * 8);
+          __m256i sumi[SP_NR];
+          for (int r = 0; r < SP_NR; r++) sumi[r] = _mm256_setzero_si256();
+          lanes_dot(&wt, xl->q + at * 2048, q6 ? 16 : 32, sumi);
+          for (int r = 0; r < nr; r++) {
+            const __m256i off = lanes_offsets(&wt, r, xl->pairs + at * 64, q6);
+            const __m256 d0 = _mm256_mul_ps(_mm256_set1_ps(wt.d[0][r]), dx);
+            __m256 term;
+            if (q6) /* fold_q6_k */
+              term = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[r], _mm256_slli_epi32(off, 5))));
+            else /* fold_k4 */
+              term = _mm256_sub_ps(_mm256_mul_ps(d0, _mm256_cvtepi32_ps(sumi[r])),
+                                   _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(wt.d[1][r]), dx),
+                                                 _mm256_cvtepi32_ps(off)));
+            acc[c][r] = _mm256_add_ps(acc[c][r], term);
+          }
+        }
+      }
+      for (int c = 0; c < cb; c++)
+        for (int r = 0; r < nr; r++) {
+          float v[8];
+          _mm256_storeu_ps(v, acc[c][r]);
+          for (int l = 0; l < 8 && 8 * (c0 + c) + l < jb->t; l++)
+            jb->y[(8 * (c0 + c) + l) * jb->n + n + r] = v[l];
+        }
+    }
+  }
+}
+
+static SP_VNNI void tiles_lanes_vnni(const job *jb, const xlanes *xl, int64_t n0, int64_t n1) {
+  if (jb->type == SP_Q4_K) tiles_lanes(jb, xl, n0, n1, SP_Q4_K);
+  else if (jb->type == SP_Q5_K) tiles_lanes(jb, xl, n0, n1, SP_Q5_K);
+  else tiles_lanes(jb, xl, n0, n1, SP_Q6_K);
+}
+#endif
+
 /* ------------------------------------------------------------------------------------------- */
 /* Dispatch and entry points                                                                     */
 
@@ -921,6 +1084,26 @@ static void run_parallel_rows(int type, const job *jb, const int8_t *xr, const i
 }
 #endif
 
+#ifdef SP_X86
+static void run_parallel_lanes(const job *jb, const xlanes *xl, int64_t ntiles, int threads) {
+#ifdef _OPENMP
+  if (threads > 1) {
+#pragma omp parallel num_threads(threads)
+    {
+      int64_t a, b;
+      part_range(ntiles, omp_get_num_threads(), omp_get_thread_num(), &a, &b);
+      a *= SP_NR;
+      b = b * SP_NR < jb->n ? b * SP_NR : jb->n;
+      if (a < b) tiles_lanes_vnni(jb, xl, a, b);
+    }
+    return;
+  }
+#endif
+  (void)ntiles, (void)threads;
+  tiles_lanes_vnni(jb, xl, 0, jb->n);
+}
+#endif
+
 int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, int64_t n,
               int64_t row_bytes, float *y, int threads, int isa) {
   int64_t bbytes;
@@ -972,6 +1155,26 @@ int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, 
     const int32_t *xs = type == SP_Q4_K ? xq->s32 : xq->s16;
     run_parallel_rows(type, &jb, xr, xs, mthreads);
     if (xr != xq->q) free((void *)xr);
+    free(mem);
+    return SP_OK;
+  }
+  /* 5 rows or more: the row-lanes kernel (below that, most of its 8 lanes would idle and the
+   * tile path is as fast: Q4_K 8960 x 1536, 1 thread, 4 rows 1.10 vs 1.13 ms, 8 rows 1.80 vs
+   * 1.14 ms) */
+  if (t >= 5 && isa == SP_ISA_AVX512VNNI && (type == SP_Q4_K || type == SP_Q5_K || type == SP_Q6_K)) {
+    const int64_t ng = kp / 256, ch = (t + 7) / 8;
+    xlanes xl = {ch, 0, 0, 0};
+    void *lmem = malloc((size_t)(ng * ch * (2048 + 64 * 4 + 8 * 4)));
+    if (!lmem) {
+      free(mem);
+      return SP_ERR_MEMORY;
+    }
+    xl.pairs = (int32_t *)lmem;
+    xl.d = (float *)(xl.pairs + ng * ch * 64);
+    xl.q = (int8_t *)(xl.d + ng * ch * 8);
+    build_lanes(xq, type, &xl);
+    run_parallel_lanes(&jb, &xl, ntiles, mthreads);
+    free(lmem);
     free(mem);
     return SP_OK;
   }
