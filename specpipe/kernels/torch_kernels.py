@@ -110,8 +110,9 @@ class NativeKernel:
         return qtype in self._types and torch.device(device).type == "cpu"
 
     def prepare(self, packed: torch.Tensor, qtype: Q, out_features: int, in_features: int) -> Any:
-        return packed.contiguous(), qtype
+        # QuantLinear checked the packed shape against the type and in_features; supports() the type
+        return packed.contiguous(), int(qtype)
 
     def matmul(self, x: torch.Tensor, prepared: Any) -> torch.Tensor:
-        packed, qtype = prepared
-        return self._native.matmul(x.contiguous(), packed, qtype, torch.get_num_threads())
+        packed, type_id = prepared
+        return self._native.matmul_checked_packed(x, packed, type_id, torch.get_num_threads())

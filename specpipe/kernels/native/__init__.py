@@ -203,6 +203,24 @@ def matmul(
     return out
 
 
+def matmul_checked_packed(x: torch.Tensor, packed: torch.Tensor, type_id: int, threads: int) -> torch.Tensor:
+    """``matmul`` for a step's hot path (kernels/torch_kernels.NativeKernel): `packed` and
+    `type_id` were checked once when the layer was built, so only x is checked here (the C side
+    checks that the shapes agree)."""
+    if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous() or not x.is_cpu:
+        return matmul(x.contiguous(), packed, type_id, threads)  # the full checks, their errors
+    t, k = x.shape
+    n, row_bytes = packed.shape
+    out = torch.empty((t, n), dtype=torch.float32)
+    isa = _process_isa if _process_isa is not None else _isa_code(None)
+    rc = _lib.sp_matmul(type_id, x.data_ptr(), t, k, packed.data_ptr(), n, row_bytes, out.data_ptr(),
+                        threads, isa)
+    if rc != 0:
+        raise RuntimeError(f"sp_matmul failed: {_ERRORS.get(rc, rc)} (x {tuple(x.shape)}, "
+                           f"{_name(type_id)} weight {tuple(packed.shape)})")
+    return out
+
+
 # Below this many multiply-adds an attention call runs on the calling thread: waking OpenMP
 # threads costs more than a decode row's attention (the result is the same either way).
 _ATTENTION_THREADED_WORK = 1 << 20
@@ -241,4 +259,4 @@ def _name(type_id: int) -> str:
 
 __all__ = ["available", "unavailable_reason", "supported_types", "supported_isas", "isa",
            "reload_isa_code",
-           "matmul", "attention", "has_openmp", "LIBRARY"]
+           "matmul", "matmul_checked_packed", "attention", "has_openmp", "LIBRARY"]
