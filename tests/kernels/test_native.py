@@ -284,11 +284,12 @@ def reference_attention(q, k, v, mask, scale):
     return torch.einsum("htc,chd->thd", torch.softmax(s, -1), vv).float()
 
 
+@pytest.mark.parametrize("d", [72, 64])  # 64 (and 128) run specialised code
 @pytest.mark.parametrize("c", [1, 3, 8, 15, 30, 257])
-def test_attention_rows_see_only_their_slots(c):
+def test_attention_rows_see_only_their_slots(c, d):
     """A row equals, bitwise, the row computed over its visible slots alone (no mask, fewer
     slots), whatever the thread count or ISA path; and it is softmax attention."""
-    q, k, v, mask = attention_case(c)
+    q, k, v, mask = attention_case(c, d=d)
     full = native.attention(q, k, v, mask, 0.125)
     assert torch.allclose(full, reference_attention(q, k, v, mask, 0.125), atol=1e-5)
     assert torch.equal(native.attention(q, k, v, mask, 0.125, threads=2), full)

@@ -10,10 +10,13 @@
  * sum has one order, fixed by the row alone:
  *   - q . k over D: eight lane accumulators over consecutive chunks of eight values (a tail
  *     goes to lanes 0..), then the lanes folded as ((0+1)+(2+3))+((4+5)+(6+7));
- *   - the maximum (exact in any order), exp(s - max) with the C library's expf;
+ *   - the maximum (exact in any order), exp(s - max) by exp8 below: an element-wise
+ *     polynomial, so a slot's weight depends on its score alone (8 slots a vector);
  *   - the denominator and each output value: one running sum in double over the visible slots
  *     in read order (a masked slot is skipped, not added as zero, so nothing depends on C),
  *     rounded to float once at the end.
+ * The query heads that share a KV head are computed together, so each key and value is read
+ * once per row and KV head (the arithmetic of a head is the same alone).
  * The vector type is lane-wise only (no horizontal operations before the fixed fold) and the
  * build has -ffp-contract=off, so every ISA the compiler picks gives the same bits.
  *
@@ -40,45 +43,125 @@ SP_INLINE float dot(const float *a, const float *b, int d) {
 }
 
 /* one (row, query head): s is scratch for c scores */
-SP_INLINE void attend_one(const float *q, const float *k, const float *v, const uint8_t *mask,
-                              int64_t c, int hkv, int g, int d, float scale, float *s, double *acc,
-                              float *out) {
-  const int64_t stride = (int64_t)hkv * d;
-  float m = -INFINITY;
-  for (int64_t j = 0; j < c; j++) {
-    if (mask && !mask[j]) continue;
-    s[j] = dot(q, k + j * stride + (int64_t)g * d, d) * scale;
-    if (s[j] > m) m = s[j];
-  }
-  double sum = 0.0;
-  for (int i = 0; i < d; i++) acc[i] = 0.0;
-  for (int64_t j = 0; j < c; j++) {
-    if (mask && !mask[j]) continue;
-    const double e = expf(s[j] - m);
-    const float *vj = v + j * stride + (int64_t)g * d;
-    sum += e;
-    for (int i = 0; i < d; i++) acc[i] += e * vj[i]; /* lane i: its own running sum over j */
-  }
-  for (int i = 0; i < d; i++) out[i] = (float)(acc[i] / sum);
+/* exp(x) for x <= 0, element-wise (x = score - max): x = n ln2 + r with |r| <= ln2 / 2 (ln2 in
+ * two parts, Cody-Waite), e^r by its degree-7 Taylor polynomial (Horner: error below 2 ulp),
+ * times 2^n built in the exponent bits.  Below -87 the result is 0 (e^-87 is below float's
+ * normal range; it would add nothing to a sum that holds e^0 = 1). */
+typedef int32_t v8i32 __attribute__((vector_size(32)));
+SP_INLINE v8f exp8(v8f x) {
+  const v8f zero = {0}, magic = zero + 12582912.f; /* 1.5 * 2^23: adding rounds to an integer */
+  const v8i32 small = x < -87.f;
+  x = (v8f)((v8i32)x & ~small); /* 0 there; masked to 0 at the end */
+  const v8f fn = (x * 1.44269504088896341f + magic) - magic; /* round(x / ln2) */
+  const v8f r = (x - fn * 0.693359375f) - fn * -2.12194440e-4f;
+  v8f p = zero + 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const v8i32 n = __builtin_convertvector(fn, v8i32);
+  const v8f scale = (v8f)((n + 127) << 23);
+  return (v8f)((v8i32)(p * scale) & ~small);
 }
 
-SP_INLINE int attention_body(const float *q, int64_t t, int hq, int hkv, int d, const float *k,
-                                 const float *v, int64_t c, const uint8_t *mask, float scale,
-                                 float *out, int threads) {
-  const int64_t pairs = t * hq;
+typedef double v8d __attribute__((vector_size(64)));
+
+/* One row and KV head g: the `group` query heads q[0 .. group) that read it.  s: scratch for
+ * group x c8 weights (c8 = c rounded up to 8), acc: group x d doubles. */
+SP_INLINE void attend_group(const float *q, const float *k, const float *v, const uint8_t *mask,
+                            int64_t c, int hkv, int g, int group, int d, float scale, float *s,
+                            double *acc, float *out) {
+  const int64_t stride = (int64_t)hkv * d, c8 = (c + 7) / 8 * 8;
+  float m[64];
+  double sum[64];
+  for (int h = 0; h < group; h++) m[h] = -INFINITY;
+  for (int64_t j = 0; j < c; j++) {
+    if (mask && !mask[j]) continue;
+    const float *kj = k + j * stride + (int64_t)g * d;
+    for (int h = 0; h < group; h++) {
+      const float x = dot(q + h * d, kj, d) * scale;
+      s[h * c8 + j] = x;
+      if (x > m[h]) m[h] = x;
+    }
+  }
+  for (int h = 0; h < group; h++) { /* weights of every slot (masked ones are never read) */
+    float *sh = s + h * c8;
+    for (int64_t j = c; j < c8; j++) sh[j] = m[h];
+    for (int64_t j = 0; j < c8; j += 8) {
+      const v8f e = exp8(ld8f(sh + j) - m[h]);
+      memcpy(sh + j, &e, sizeof e);
+    }
+    sum[h] = 0.0;
+    for (int i = 0; i < d; i++) acc[h * d + i] = 0.0;
+  }
+  for (int h = 0; h < group; h++) { /* one head at a time: its sums stay in registers */
+    const float *sh = s + h * c8;
+    double *a = acc + h * d;
+    double sh_sum = 0.0;
+    for (int64_t j = 0; j < c; j++) {
+      if (mask && !mask[j]) continue;
+      const float *vj = v + j * stride + (int64_t)g * d;
+      const double e = sh[j];
+      sh_sum += e;
+      int i = 0;
+      for (; i + 8 <= d; i += 8) { /* lane i: its own running sum over j */
+        v8d ai;
+        memcpy(&ai, a + i, sizeof ai);
+        ai += e * __builtin_convertvector(ld8f(vj + i), v8d);
+        memcpy(a + i, &ai, sizeof ai);
+      }
+      for (; i < d; i++) a[i] += e * vj[i];
+    }
+    sum[h] = sh_sum;
+  }
+  for (int h = 0; h < group; h++)
+    for (int i = 0; i < d; i++) out[h * d + i] = (float)(acc[h * d + i] / sum[h]);
+}
+
+/* attend_group compiled per ISA (the parallel region below is outlined by the compiler into a
+ * function of its own, which would not inherit a target attribute: it calls these instead). */
+typedef void (*group_fn)(const float *, const float *, const float *, const uint8_t *, int64_t, int,
+                         int, int, int, float, float *, double *, float *);
+#define SP_GROUP_FN(name, attr)                                                                  \
+  attr static void name(const float *q, const float *k, const float *v, const uint8_t *mask,     \
+                        int64_t c, int hkv, int g, int group, int d, float scale, float *s,      \
+                        double *acc, float *out) {                                               \
+    if (d == 64) /* the common head sizes as constants: loops unrolled, sums in registers */    \
+      attend_group(q, k, v, mask, c, hkv, g, group, 64, scale, s, acc, out);                     \
+    else if (d == 128)                                                                           \
+      attend_group(q, k, v, mask, c, hkv, g, group, 128, scale, s, acc, out);                    \
+    else                                                                                         \
+      attend_group(q, k, v, mask, c, hkv, g, group, d, scale, s, acc, out);                      \
+  }
+SP_GROUP_FN(attend_group_portable, )
+#if defined(__x86_64__) || defined(__i386__)
+SP_GROUP_FN(attend_group_avx2, __attribute__((target("avx2"))))
+SP_GROUP_FN(attend_group_avx512, __attribute__((target("avx512f"))))
+#endif
+#undef SP_GROUP_FN
+
+static int attention_body(group_fn fn, const float *q, int64_t t, int hq, int hkv, int d,
+                          const float *k, const float *v, int64_t c, const uint8_t *mask,
+                          float scale, float *out, int threads) {
+  const int64_t pairs = t * hkv, c8 = (c + 7) / 8 * 8;
   const int group = hq / hkv;
   int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
+#pragma omp parallel num_threads(threads) reduction(| : failed) if (threads > 1)
   {
-    float *s = malloc((size_t)c * sizeof(float));
-    double *acc = malloc((size_t)d * sizeof(double));
+    float *s = malloc((size_t)(group * c8) * sizeof(float));
+    double *acc = malloc((size_t)(group * d) * sizeof(double));
     if (!s || !acc) failed = 1;
     /* every thread reaches the loop (and its barrier), with or without its scratch */
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < pairs; p++) {
+    for (int64_t p = 0; p < pairs; p++) { /* p = (row, KV head) */
       if (!s || !acc) continue;
-      attend_one(q + p * d, k, v, mask ? mask + (p / hq) * c : NULL, c, hkv, (int)(p % hq) / group,
-                 d, scale, s, acc, out + p * d);
+      const int64_t row = p / hkv;
+      const int g = (int)(p % hkv);
+      fn(q + (row * hq + (int64_t)g * group) * d, k, v, mask ? mask + row * c : NULL, c, hkv, g,
+         group, d, scale, s, acc, out + (row * hq + (int64_t)g * group) * d);
     }
     free(s);
     free(acc);
@@ -86,30 +169,15 @@ SP_INLINE int attention_body(const float *q, int64_t t, int hq, int hkv, int d, 
   return failed ? SP_ERR_MEMORY : SP_OK;
 }
 
-static int attention_portable(const float *q, int64_t t, int hq, int hkv, int d, const float *k,
-                              const float *v, int64_t c, const uint8_t *mask, float scale,
-                              float *out, int threads) {
-  return attention_body(q, t, hq, hkv, d, k, v, c, mask, scale, out, threads);
-}
-
-#if defined(__x86_64__) || defined(__i386__)
-__attribute__((target("avx2"))) static int attention_avx2(const float *q, int64_t t, int hq,
-                                                          int hkv, int d, const float *k,
-                                                          const float *v, int64_t c,
-                                                          const uint8_t *mask, float scale,
-                                                          float *out, int threads) {
-  return attention_body(q, t, hq, hkv, d, k, v, c, mask, scale, out, threads);
-}
-#endif
-
 int sp_attention(const float *q, int64_t t, int hq, int hkv, int d, const float *k, const float *v,
                  int64_t c, const uint8_t *mask, float scale, float *out, int threads, int isa) {
-  if (t < 0 || c < 1 || hq < 1 || hkv < 1 || d < 1 || hq % hkv) return SP_ERR_SHAPE;
+  if (t < 0 || c < 1 || hq < 1 || hkv < 1 || d < 1 || hq % hkv || hq / hkv > 64) return SP_ERR_SHAPE;
   if (threads < 1) threads = 1;
+  group_fn fn = attend_group_portable;
 #if defined(__x86_64__) || defined(__i386__)
-  if (isa == SP_ISA_AVX2 || isa == SP_ISA_AVX512VNNI)
-    return attention_avx2(q, t, hq, hkv, d, k, v, c, mask, scale, out, threads);
+  if (isa == SP_ISA_AVX512VNNI) fn = attend_group_avx512;
+  else if (isa == SP_ISA_AVX2) fn = attend_group_avx2;
 #endif
   (void)isa;
-  return attention_portable(q, t, hq, hkv, d, k, v, c, mask, scale, out, threads);
+  return attention_body(fn, q, t, hq, hkv, d, k, v, c, mask, scale, out, threads);
 }
