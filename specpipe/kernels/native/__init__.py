@@ -222,8 +222,10 @@ def matmul_checked_packed(x: torch.Tensor, packed: torch.Tensor, type_id: int, t
 
 
 # Below this many multiply-adds an attention call runs on the calling thread: waking OpenMP
-# threads costs more than a decode row's attention (the result is the same either way).
-_ATTENTION_THREADED_WORK = 1 << 20
+# threads costs more than a short decode row's attention (the result is the same either way).
+# SmolLM2 (9 heads of 64) crosses it at about 230 slots; at 700 slots two threads took its
+# decode attention from 5.7 to 4.2 ms per token.
+_ATTENTION_THREADED_WORK = 1 << 17
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
