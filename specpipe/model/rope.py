@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from specpipe.config import LinearRope, LongRope, ModelConfig, RopeScaling
+from specpipe.kernels import native
 
 
 def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
@@ -71,6 +72,8 @@ class Rope:
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         """x: (T, heads, D). Hugging Face's rotate-half convention on the first R dims."""
+        if x.dtype == torch.float32 == self.cos.dtype and x.is_cpu and native.available():
+            return native.rope(x.contiguous(), self.cos, self.sin)  # the same bits, one C call
         r = self.cos.shape[-1]
         rot, rest = (x, None) if r == x.shape[-1] else (x[..., :r], x[..., r:])
         x1, x2 = rot.chunk(2, dim=-1)

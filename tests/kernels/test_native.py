@@ -309,3 +309,34 @@ def test_attention_input_validation():
         native.attention(q, k, v[:, :1], mask, 1.0)
     with pytest.raises(ValueError):
         native.attention(q, k, v, mask[:, :2], 1.0)
+
+
+# --- RMSNorm and rope ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("d,r", [(64, 64), (96, 32), (128, 128)])
+def test_rope_is_bitwise_the_torch_form(d, r):
+    from specpipe.model.rope import Rope
+
+    inv = 1.0 / (10000 ** (torch.arange(0, r, 2).float() / r))
+    rope = Rope.at(torch.tensor([3, 17, 1000, 5]), inv, torch.float32, 1.3)
+    x = torch.randn(4, 5, d, generator=torch.Generator().manual_seed(d)) * 10
+    rot, rest = (x, None) if r == d else (x[..., :r], x[..., r:])
+    x1, x2 = rot.chunk(2, dim=-1)
+    out = rot * rope.cos + torch.cat((-x2, x1), dim=-1) * rope.sin
+    want = out if rest is None else torch.cat((out, rest), dim=-1)
+    assert torch.equal(native.rope(x, rope.cos, rope.sin), want)
+
+
+def test_rmsnorm_rows_alone_and_close_to_torch():
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(9, 576, generator=g) * 4, torch.randn(576, generator=g)
+    got = native.rmsnorm(x, w, 1e-5)
+    want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    for i in (0, 4, 8):
+        assert torch.equal(native.rmsnorm(x[i:i + 1].clone(), w, 1e-5)[0], got[i])
+    with pytest.raises(TypeError):
+        native.rmsnorm(x.double(), w, 1e-5)
+    with pytest.raises(TypeError):
+        native.rmsnorm(x, w[:10], 1e-5)

@@ -69,6 +69,11 @@ def _load() -> ctypes.CDLL | None:
                                      ctypes.c_void_p, i64, ctypes.c_void_p, ctypes.c_float,
                                      ctypes.c_void_p, i32, i32]
         lib.sp_attention.restype = i32
+        lib.sp_rmsnorm.argtypes = [ctypes.c_void_p, i64, i64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
+        lib.sp_rmsnorm.restype = i32
+        lib.sp_rope.argtypes = [ctypes.c_void_p, i64, i64, i64, i64, ctypes.c_void_p, ctypes.c_void_p,
+                                ctypes.c_void_p]
+        lib.sp_rope.restype = i32
         for name in ("sp_isa_supported", "sp_type_supported"):
             getattr(lib, name).argtypes = [i32]
             getattr(lib, name).restype = i32
@@ -255,10 +260,44 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     return out
 
 
+def _float32_rows(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x * rsqrt(mean(x^2) + eps))`` over the last dim of x (..., n), each row on
+    its own (norm_rope.c). float32 contiguous CPU tensors."""
+    lib = _lib if _lib is not None else _require()
+    n = x.shape[-1]
+    if not _float32_rows(x, weight) or weight.shape != (n,):
+        raise TypeError(f"rmsnorm takes contiguous float32 CPU x (..., {n}) and weight ({n},)")
+    y = torch.empty_like(x)
+    rc = lib.sp_rmsnorm(x.data_ptr(), x.numel() // n, n, weight.data_ptr(), float(eps), y.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"sp_rmsnorm failed: {_ERRORS.get(rc, rc)}")
+    return y
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embeddings (rotate-half) of x (T, heads, D) by cos, sin (T, 1, R), R <= D: the
+    first R values of each head rotate, the rest pass; bitwise the written-out torch form."""
+    lib = _lib if _lib is not None else _require()
+    t, heads, d = x.shape
+    r = cos.shape[-1]
+    if not _float32_rows(x, cos, sin) or cos.numel() != t * r or sin.numel() != t * r:
+        raise TypeError(f"rope takes contiguous float32 CPU x (T, H, D) and cos, sin (T, 1, R); "
+                        f"got {tuple(x.shape)}, {tuple(cos.shape)}")
+    y = torch.empty_like(x)
+    rc = lib.sp_rope(x.data_ptr(), t, heads, d, r, cos.data_ptr(), sin.data_ptr(), y.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"sp_rope failed: {_ERRORS.get(rc, rc)}")
+    return y
+
+
 def _name(type_id: int) -> str:
     return gguf.GGMLQuantizationType(type_id).name
 
 
 __all__ = ["available", "unavailable_reason", "supported_types", "supported_isas", "isa",
            "reload_isa_code",
-           "matmul", "matmul_checked_packed", "attention", "has_openmp", "LIBRARY"]
+           "matmul", "matmul_checked_packed", "attention", "rmsnorm", "rope", "has_openmp", "LIBRARY"]

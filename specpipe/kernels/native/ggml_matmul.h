@@ -20,6 +20,10 @@ int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, 
  * q (t, hq, d), k and v (c, hkv, d), mask (t, c) bytes or NULL, out (t, hq, d), all float32. */
 int sp_attention(const float *q, int64_t t, int hq, int hkv, int d, const float *k, const float *v,
                  int64_t c, const uint8_t *mask, float scale, float *out, int threads, int isa);
+/* RMSNorm and rotary embeddings per row (see norm_rope.c). */
+int sp_rmsnorm(const float *x, int64_t t, int64_t n, const float *w, float eps, float *y);
+int sp_rope(const float *x, int64_t t, int64_t heads, int64_t d, int64_t rot, const float *cos_,
+            const float *sin_, float *y);
 int sp_isa_supported(int isa);
 int sp_best_isa(void);
 int sp_type_supported(int type);
