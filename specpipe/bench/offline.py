@@ -234,7 +234,8 @@ def _real(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
             for run in runs:
                 core = engine.core(*_core_args(args, run))
                 source = core.source.name if core.source is not None else None
-                core.observer = _tracer(args, run, S, True, source)
+                tracer = _tracer(args, run, S, True, source)
+                core.observer = tracer or NO_OBSERVER
                 res, groups = RunResult(run, S), {}
                 t0 = time.perf_counter()
                 batches = ([prompts] if args.concurrency > 1 else [[p] for p in prompts])
@@ -246,7 +247,7 @@ def _real(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
                     res.outcomes += [_outcome(p["group"], r, True) for p, r in zip(batch, reqs)]
                     groups.update({r.request_id: p["group"] for p, r in zip(batch, reqs)})
                 res.seconds = time.perf_counter() - t0
-                res.trace = _save_trace(args, core.observer, run, S, groups)
+                res.trace = _save_trace(args, tracer, run, S, groups)
                 core.observer = NO_OBSERVER
                 results.append(res)
         finally:
@@ -258,6 +259,7 @@ def _oracle(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
     from specpipe.config import SPECULATIVE_MODES
     from specpipe.engine.core import EngineCore
     from specpipe.engine.engine import Engine
+    from specpipe.engine.observer import NO_OBSERVER
     from specpipe.sampling import SamplingParams
     from specpipe.sim.oracle_pipeline import OraclePipeline
 
@@ -278,7 +280,8 @@ def _oracle(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
                                   step_rows=args.max_step_rows, max_waiting=max(1, len(reqs)),
                                   cost_profile=engine.cost_profile)
                 source = core.source.name if core.source is not None else None
-                core.observer = _tracer(args, run, S, False, source)
+                tracer = _tracer(args, run, S, False, source)
+                core.observer = tracer or NO_OBSERVER
                 res = RunResult(run, S)
                 for batch in ([reqs] if args.concurrency > 1 else [[r] for r in reqs]):
                     for r in batch:
@@ -292,7 +295,7 @@ def _oracle(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
                         raise RuntimeError(f"{run.label} at S={S}: request {r.request_id} differs from the "
                                            f"target's own greedy output (a lossless violation)")
                     res.outcomes.append(_outcome(p["group"], r, False))
-                res.trace = _save_trace(args, core.observer, run, S,
+                res.trace = _save_trace(args, tracer, run, S,
                                         {r.request_id: p["group"] for p, r in zip(prompts, reqs)})
                 results.append(res)
     finally:

@@ -88,7 +88,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     sent: int = 0  # output tokens handed to the output thread
-    last_emit: Optional[float] = None
+    last_emit: Optional[float] = None  # when the output thread last delivered tokens (only it uses this)
     over: bool = False  # the output thread delivered its last Delta (only it reads this)
 
     def put(self, delta: Delta) -> None:
@@ -333,7 +333,6 @@ class AsyncEngine:
 
     def _emit(self) -> None:
         """Hand the output thread every request's ids since the last call; finished ones leave."""
-        now = time.perf_counter()
         for rid, st in list(self._streams.items()):
             req = st.req
             n = len(req.output_ids)
@@ -341,10 +340,6 @@ class AsyncEngine:
                 continue
             new = req.output_ids[st.sent:n]
             st.sent = n
-            if new and self.observer is not None:
-                self.observer.on_tokens(req, len(new), None if st.last_emit is None else now - st.last_emit)
-            if new:
-                st.last_emit = now
             self._outputs.put((st, Delta("", new, req.finish_reason, req.error)))
             if req.finished:
                 del self._streams[rid]
@@ -362,6 +357,12 @@ class AsyncEngine:
                 self.abort(st.req.request_id)
                 delta = Delta("", delta.token_ids, "error", f"internal error making the text: {e!r}")
             if delta is not None:
+                # counted here, as delivered: a stop string found above drops the ids after it
+                if delta.token_ids and self.observer is not None:
+                    now = time.perf_counter()
+                    self.observer.on_tokens(st.req, len(delta.token_ids),
+                                            None if st.last_emit is None else now - st.last_emit)
+                    st.last_emit = now
                 st.over = delta.finish_reason is not None
                 st.put(delta)
 

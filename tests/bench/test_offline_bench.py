@@ -90,6 +90,15 @@ def test_real_run_reports_wall_clock(capsys, tiny_llama_dir, prompts, tmp_path):
     assert "measured" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("method", ["--oracle", None])
+def test_runs_without_traces(capsys, tiny_llama_dir, prompts, tmp_path, method):
+    """No --trace-dir and no --plots: nothing records the steps (this crashed once: the runs set
+    their step observer to None)."""
+    report = bench(capsys, tiny_llama_dir, prompts, tmp_path, "--stages", "1", "--runs", "pp,specpipe",
+                   *([method] if method else []))
+    assert all(r["trace"] is None and r["all"]["tokens"] > 0 for r in report["runs"])
+
+
 def test_stage_processes_time_themselves(capsys, tiny_llama_dir, prompts, tmp_path):
     """At S = 2 with stage processes the trace holds each stage's own compute spans (the stages'
     reports carry them), consistent with the driver's clock, and the timeline draws them without

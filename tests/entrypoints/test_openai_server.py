@@ -194,7 +194,7 @@ def test_32_concurrent_requests_each_equal_alone(server, alone):
     ({"prompt": "hi", "n": 2}, 400, "n"),
     ({"prompt": "hi", "logprobs": 3}, 400, "logprobs"),
     ({"prompt": ["a", "b"]}, 400, "prompt"),
-    ({"prompt": [5, 99999]}, 400, None),  # a token id outside the vocabulary
+    ({"prompt": [5, 99999]}, 400, "prompt"),  # a token id outside the vocabulary
     ({"prompt": "hi", "stop": [""]}, 400, "stop"),
 ])
 def test_bad_input_gets_a_4xx_and_the_server_serves_on(server, body, status, param):
@@ -260,6 +260,21 @@ def test_metrics_parse_and_move(server):
         assert after[("specpipe:kv_cache_usage_perc", (("stage", stage),))] == 0.0
     assert after[("specpipe:num_requests_running", ())] == 0
     assert 0 < after[("specpipe:tokens_per_step", ())] and 0 <= after[("specpipe:spec_decode_hit_rate", ())] <= 1
+
+
+def test_metrics_count_the_tokens_a_stop_string_keeps(server, alone):
+    """Tokens the engine committed past a stop string are dropped from the answer, and from
+    generation_tokens too (counted as delivered, not as computed)."""
+    text, _, n, _ = alone(PROMPTS[2], 16, temperature=0.0)
+    stop = text[len(text) // 2:][:3]
+    assert stop.strip() and n == 16, (text, n)
+    before = server.metrics()
+    out = server.client().completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=16, temperature=0,
+                                             stop=[stop])
+    after = server.metrics()
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens < 16
+    moved = after[("specpipe:generation_tokens_total", ())] - before.get(("specpipe:generation_tokens_total", ()), 0.0)
+    assert moved == out.usage.completion_tokens
 
 
 def wait_kv_back(server, before, kv) -> dict:

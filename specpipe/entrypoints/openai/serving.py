@@ -61,6 +61,10 @@ class OpenAIServing:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens, over this model's context of "
                                 f"{self.engine.max_context}", param="prompt", code="context_length_exceeded")
         else:
+            vocab = self.engine.prompts.vocab_size
+            if any(not 0 <= t < vocab for t in prompt):
+                raise ApiError(400, f"prompt token ids must be in [0, {vocab}), this model's vocabulary",
+                               param="prompt")
             ids = list(prompt)
         return await self._add(ids, body, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, client)
 

@@ -275,13 +275,18 @@ SP_INLINE void unpack_group32(int type, const uint8_t *row, int64_t g, int64_t n
 /* The 8 (scale, min) pairs of Q4_K/Q5_K, 6 bits each, four bytes at a time in 32-bit words:
  * sc[0..3] = s[0..3] & 63, mn[0..3] = s[4..7] & 63, sc[4..7] = s[8..11] & 15 | (s[0..3] >> 6) << 4,
  * mn[4..7] = s[8..11] >> 4 | (s[4..7] >> 6) << 4. */
-SP_INLINE void k4_scales(const uint8_t *s, wtile *w, int r) {
+SP_INLINE void k4_scale_words(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
   const uint32_t u0 = load_u32(s), u1 = load_u32(s + 4), u2 = load_u32(s + 8);
   const uint32_t lo6 = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, lo2 = 0x03030303u;
-  const uint32_t sc[2] = {u0 & lo6, (u2 & lo4) | (((u0 >> 6) & lo2) << 4)};
-  const uint32_t mn[2] = {u1 & lo6, ((u2 >> 4) & lo4) | (((u1 >> 6) & lo2) << 4)};
-  memcpy(w->sc[r], sc, 8);
-  memcpy(w->mn[r], mn, 8);
+  *sc = (uint64_t)(u0 & lo6) | (uint64_t)((u2 & lo4) | (((u0 >> 6) & lo2) << 4)) << 32;
+  *mn = (uint64_t)(u1 & lo6) | (uint64_t)(((u2 >> 4) & lo4) | (((u1 >> 6) & lo2) << 4)) << 32;
+}
+
+SP_INLINE void k4_scales(const uint8_t *s, wtile *w, int r) {
+  uint64_t sc, mn;
+  k4_scale_words(s, &sc, &mn);
+  memcpy(w->sc[r], &sc, 8);
+  memcpy(w->mn[r], &mn, 8);
 }
 
 SP_INLINE void unpack_q4_k(const uint8_t *b, wtile *w, int r) {
@@ -609,10 +614,8 @@ static SP_VNNI float row_q4_k_vnni(const uint8_t *row, int64_t ngroups, const in
   for (int64_t g = 0; g < ngroups; g++) {
     const uint8_t *b = row + 144 * g;
     for (int off = 0; off < 192; off += 64) __builtin_prefetch(b + SP_PF_BYTES + off);
-    const uint32_t u0 = load_u32(b + 4), u1 = load_u32(b + 8), u2 = load_u32(b + 12);
-    const uint32_t lo6 = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, lo2 = 0x03030303u;
-    const uint64_t sc = (uint64_t)(u0 & lo6) | (uint64_t)((u2 & lo4) | (((u0 >> 6) & lo2) << 4)) << 32;
-    const uint64_t mn = (uint64_t)(u1 & lo6) | (uint64_t)(((u2 >> 4) & lo4) | (((u1 >> 6) & lo2) << 4)) << 32;
+    uint64_t sc, mn;
+    k4_scale_words(b + 4, &sc, &mn);
     const __m512i z0 = LDZ(b + 16), z1 = LDZ(b + 80);
     const __m512i s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
     const int8_t *x = xk + 256 * g;
@@ -724,6 +727,32 @@ typedef struct {
 } job;
 
 typedef void (*tile_fn)(const job *, int64_t, int64_t);
+
+/* Software prefetch of the tile loops: a tile's weights are one contiguous range (SP_NR whole
+ * rows) read in row-interleaved order, which the hardware prefetcher does not follow; each
+ * unpacking step (one group of one row) fetches its share of the NEXT tile's range, so that tile
+ * is in cache when it starts.  A thread's first tile is fetched in one burst. */
+typedef struct {
+  const uint8_t *end; /* the weights' end: nothing past it is fetched */
+  int64_t share;      /* bytes per step */
+} tile_prefetch;
+
+SP_INLINE void prefetch_lines(const uint8_t *p, const uint8_t *e, const uint8_t *end) {
+  for (e = e < end ? e : end; p < e; p += 64) __builtin_prefetch(p);
+}
+
+SP_INLINE tile_prefetch tile_prefetch_start(const job *jb, int64_t n0, int64_t n1) {
+  const int64_t tile_bytes = SP_NR * jb->row_bytes, steps = jb->xq.kp / 256 * SP_NR;
+  const uint8_t *first = jb->w + n0 * jb->row_bytes;
+  prefetch_lines(first, first + tile_bytes, jb->w + n1 * jb->row_bytes);
+  return (tile_prefetch){jb->w + jb->n * jb->row_bytes, (tile_bytes + steps - 1) / steps};
+}
+
+/* Step s (= group * SP_NR + row) of the tile that starts at weight row n. */
+SP_INLINE void tile_prefetch_step(const tile_prefetch *pf, const job *jb, int64_t n, int64_t s) {
+  const uint8_t *p = jb->w + (n + SP_NR) * jb->row_bytes + s * pf->share;
+  prefetch_lines(p, p + pf->share, pf->end);
+}
 
 
 #define SP_ISA portable
@@ -846,19 +875,12 @@ SP_INLINE SP_VNNI void tiles_lanes(const job *jb, const xlanes *xl, int64_t n0, 
   const int q6 = type == SP_Q6_K;
   const int64_t ng = jb->xq.kp / 256, ch = xl->chunks;
   const int64_t gbytes = type == SP_Q4_K ? 144 : type == SP_Q5_K ? 176 : 210;
-  /* prefetch: the next tile's share per unpacking step, as the tile path does */
-  const int64_t tile_bytes = SP_NR * jb->row_bytes, pf_step = (tile_bytes + ng * SP_NR - 1) / (ng * SP_NR);
-  const uint8_t *const wend = jb->w + jb->n * jb->row_bytes;
-  for (const uint8_t *p = jb->w + n0 * jb->row_bytes; p < jb->w + n1 * jb->row_bytes &&
-                                                       p < jb->w + n0 * jb->row_bytes + tile_bytes;
-       p += 64)
-    __builtin_prefetch(p);
+  const tile_prefetch pf = tile_prefetch_start(jb, n0, n1);
   wtile wt;
   __m256 acc[8][SP_NR]; /* [chunk][weight row]: 8 activation rows each */
   memset(&wt, 0, sizeof wt);
   for (int64_t n = n0; n < n1; n += SP_NR) {
     const int nr = (int)(n1 - n < SP_NR ? n1 - n : SP_NR);
-    const uint8_t *const next = jb->w + (n + SP_NR) * jb->row_bytes;
     for (int64_t c0 = 0; c0 < ch; c0 += 8) { /* up to 64 activation rows per pass */
       const int cb = (int)(ch - c0 < 8 ? ch - c0 : 8);
       for (int c = 0; c < cb; c++)
@@ -866,10 +888,7 @@ SP_INLINE SP_VNNI void tiles_lanes(const job *jb, const xlanes *xl, int64_t n0, 
       for (int64_t g = 0; g < ng; g++) {
         for (int r = 0; r < nr; r++) {
           const uint8_t *b = jb->w + (n + r) * jb->row_bytes + g * gbytes;
-          if (c0 == 0) {
-            const uint8_t *p = next + (g * SP_NR + r) * pf_step, *e = p + pf_step;
-            for (e = e < wend ? e : wend; p < e; p += 64) __builtin_prefetch(p);
-          }
+          if (c0 == 0) tile_prefetch_step(&pf, jb, n, g * SP_NR + r);
           if (type == SP_Q4_K) unpack_q4_k(b, &wt, r);
           else if (type == SP_Q5_K) unpack_q5_k(b, &wt, r);
           else unpack_q6_k(b, &wt, r);

@@ -18,20 +18,9 @@ SP_INLINE SP_ATTR void SP_K(tiles)(const job *jb, int64_t n0, int64_t n1, const 
   int32_t sumi[SP_NR] __attribute__((aligned(32))), offs[SP_NR] __attribute__((aligned(32)));
   memset(&wt, 0, sizeof wt); /* rows past a short tile's end stay zero (computed, never stored) */
 
-  /* Prefetch: the weights of a tile are one contiguous range (SP_NR whole rows), read here in
-   * row-interleaved order that the hardware prefetcher does not follow; each step (one group of
-   * one row) fetches its share of the NEXT tile's range, so the whole next tile is in cache when
-   * it starts (the first tile is fetched in one burst). */
-  const int64_t tile_bytes = SP_NR * jb->row_bytes, steps = ngroups * SP_NR;
-  const int64_t pf_step = (tile_bytes + steps - 1) / steps;
-  const uint8_t *const wend = jb->w + jb->n * jb->row_bytes;
-  for (const uint8_t *p = jb->w + n0 * jb->row_bytes; p < jb->w + n1 * jb->row_bytes &&
-                                                       p < jb->w + n0 * jb->row_bytes + tile_bytes;
-       p += 64)
-    __builtin_prefetch(p);
+  const tile_prefetch pf = tile_prefetch_start(jb, n0, n1);
   for (int64_t n = n0; n < n1; n += SP_NR) {
     const int nr = (int)(n1 - n < SP_NR ? n1 - n : SP_NR);
-    const uint8_t *const next = jb->w + (n + SP_NR) * jb->row_bytes;
     for (int64_t t0 = 0; t0 < jb->t; t0 += SP_TB) {
       const int tb = (int)(jb->t - t0 < SP_TB ? jb->t - t0 : SP_TB);
       memset(acc, 0, sizeof acc[0] * tb);
@@ -39,10 +28,7 @@ SP_INLINE SP_ATTR void SP_K(tiles)(const job *jb, int64_t n0, int64_t n1, const 
         /* unpack group g of each weight row once, use it for every activation row */
         for (int r = 0; r < nr; r++) {
           const uint8_t *row = jb->w + (n + r) * jb->row_bytes;
-          if (t0 == 0) { /* the next tile's share of this step (not past the weights' end) */
-            const uint8_t *p = next + (g * SP_NR + r) * pf_step, *e = p + pf_step;
-            for (e = e < wend ? e : wend; p < e; p += 64) __builtin_prefetch(p);
-          }
+          if (t0 == 0) tile_prefetch_step(&pf, jb, n, g * SP_NR + r);
           if (type == SP_Q4_K) unpack_q4_k(row + g * 144, &wt, r);
           else if (type == SP_Q5_K) unpack_q5_k(row + g * 176, &wt, r);
           else if (type == SP_Q6_K) unpack_q6_k(row + g * 210, &wt, r);
