@@ -42,7 +42,6 @@ SP_INLINE float dot(const float *a, const float *b, int d) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-/* one (row, query head): s is scratch for c scores */
 /* exp(x) for x <= 0, element-wise (x = score - max): x = n ln2 + r with |r| <= ln2 / 2 (ln2 in
  * two parts, Cody-Waite), e^r by its degree-7 Taylor polynomial (Horner: error below 2 ulp),
  * times 2^n built in the exponent bits.  Below -87 the result is 0 (e^-87 is below float's
@@ -94,7 +93,6 @@ SP_INLINE void attend_group(const float *q, const float *k, const float *v, cons
       const v8f e = exp8(ld8f(sh + j) - m[h]);
       memcpy(sh + j, &e, sizeof e);
     }
-    sum[h] = 0.0;
     for (int i = 0; i < d; i++) acc[h * d + i] = 0.0;
   }
   for (int h = 0; h < group; h++) { /* one head at a time: its sums stay in registers */
