@@ -13,6 +13,11 @@ from specpipe.sampling import SamplingParams
 from specpipe.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+class PromptError(ConfigError):
+    """A prompt the model cannot take: empty, or token ids outside its vocabulary (a server
+    answers it as a bad `prompt`)."""
+
+
 class PromptProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_context: int) -> None:
         self.tokenizer, self.vocab_size, self.max_context = tokenizer, vocab_size, max_context
@@ -40,13 +45,13 @@ class PromptProcessor:
         `ignore_eos`: decode past end-of-sequence tokens, up to max_tokens (for benchmarks)."""
         prompt_ids = list(prompt) if not isinstance(prompt, str) else self.encode_prompt(prompt, chat)
         if not prompt_ids:
-            raise ConfigError("the prompt is empty")
+            raise PromptError("the prompt is empty")
         if len(prompt_ids) + sampling.max_tokens > self.max_context:
             raise ConfigError(
                 f"the prompt ({len(prompt_ids)} tokens) plus --max-tokens ({sampling.max_tokens}) exceeds "
                 f"the context of {self.max_context} tokens; shorten the prompt or lower --max-tokens")
         if any(not 0 <= t < self.vocab_size for t in prompt_ids):
-            raise ConfigError(f"prompt token ids must be in [0, {self.vocab_size})")
+            raise PromptError(f"prompt token ids must be in [0, {self.vocab_size}), this model's vocabulary")
         stop_ids = frozenset() if ignore_eos else frozenset(self.tokenizer.eos_token_ids)
         sampling = sampling.resolved()
         return Request(next(self._ids), prompt_ids, sampling, stop_ids,

@@ -16,6 +16,7 @@ from typing import AsyncIterator, Callable, Optional, Union
 from specpipe.config import ConfigError
 from specpipe.engine.async_engine import AdmitFailed, AsyncEngine, Delta, EngineDead, EngineStalled, RequestStream
 from specpipe.engine.engine import Engine
+from specpipe.engine.prompts import PromptError
 from specpipe.entrypoints.openai import protocol as p
 from specpipe.sampling import SamplingParams
 from specpipe.sched.scheduler import QueueFull
@@ -61,10 +62,6 @@ class OpenAIServing:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens, over this model's context of "
                                 f"{self.engine.max_context}", param="prompt", code="context_length_exceeded")
         else:
-            vocab = self.engine.prompts.vocab_size
-            if any(not 0 <= t < vocab for t in prompt):
-                raise ApiError(400, f"prompt token ids must be in [0, {vocab}), this model's vocabulary",
-                               param="prompt")
             ids = list(prompt)
         return await self._add(ids, body, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, client)
 
@@ -108,6 +105,8 @@ class OpenAIServing:
                                       seed=None if body.seed is None else body.seed % 2**63,  # any size, as OpenAI
                                       max_tokens=max_tokens, stop=tuple(body.stop or ()))
             req = self.engine.prompts.make_request(prompt_ids, sampling, ignore_eos=body.ignore_eos)
+        except PromptError as e:  # empty, or token ids outside the vocabulary
+            raise ApiError(400, str(e), param="prompt") from None
         except ValueError as e:  # ConfigError included
             raise ApiError(400, str(e)) from None
         req.client = client  # fair admission across API keys / client addresses
