@@ -128,6 +128,8 @@ class StageStats:
     peak_rss_bytes: int = 0  # the driver's process: each reports all of it)
     weight_bytes: int = 0  # the stage's weights as held (quantized blocks stay packed)
     kv_bytes: int = 0  # the stage's KV cache
+    window_blocks: int = 0  # blocks in the sliding-window layers' own pool (0: none)
+    window_blocks_in_use: int = 0
 
     CUMULATIVE: ClassVar[tuple[str, ...]] = (
         "steps", "compute_s", "wait_s", "bytes_sent", "rows_computed", "rows_committed", "requests_failed")

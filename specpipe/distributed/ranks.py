@@ -120,10 +120,10 @@ def wait_ready(store, num_stages: int, exits: Callable[[], dict[int, str]], time
             if store.check([f"error/{r}"]):
                 raise RuntimeError(f"stage {r} failed to start: {store.get(f'error/{r}').decode()}")
             if store.check([f"ready/{r}"]):
-                rss, peak, weights, kv, blocks, block_size = (
+                rss, peak, weights, kv, blocks, block_size, window_blocks = (
                     int(x) for x in store.get(f"ready/{r}").decode().split())
                 ready[r] = {"rss_bytes": rss, "peak_rss_bytes": peak, "weight_bytes": weights, "kv_bytes": kv,
-                            "num_blocks": blocks, "block_size": block_size}
+                            "num_blocks": blocks, "block_size": block_size, "window_blocks": window_blocks}
                 if progress:
                     progress(f"stage {r}/{num_stages} ready: weights {weights / 2**20:.0f} MiB, "
                              f"KV {kv / 2**20:.0f} MiB, resident {rss / 2**20:.0f} MiB")

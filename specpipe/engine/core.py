@@ -30,8 +30,8 @@ from specpipe.engine.modes.specpipe import AUTO, AutoPlan, SpecPipeState, block_
 from specpipe.engine.observer import NO_OBSERVER, StepObserver
 from specpipe.messages import Control, Pipeline, StagesRestarted
 from specpipe.request import Request
-from specpipe.sched.block_manager import BlockManager
-from specpipe.sched.scheduler import QueueFull, Scheduler
+from specpipe.sched.block_manager import BlockManager, window_need
+from specpipe.sched.scheduler import QueueFull, Scheduler, Want
 from specpipe.spec_decode.planner import HitProfile, StepCost
 from specpipe.spec_decode.sources import TokenSource
 
@@ -57,8 +57,9 @@ class EngineCore:
                  width: int = 8, depth: int = 4, layers: int | str = 1, kv_blocks: int = 1 << 16, block_size: int = 16,
                  max_num_seqs: int = 32, step_rows: Optional[int] = 64, max_waiting: int = 1024,
                  max_waiting_per_client: Optional[int] = None, pids: Optional[Iterator[int]] = None,
-                 cost_profile: Optional["CostProfile"] = None) -> None:
-        """`cost_profile`: what `--layers-per-step auto` prices rows and draft forwards with."""
+                 cost_profile: Optional["CostProfile"] = None, window_pool: Optional[tuple[int, int]] = None) -> None:
+        """`cost_profile`: what `--layers-per-step auto` prices rows and draft forwards with.
+        `window_pool`: (window, blocks) of the stages' sliding-window KV pool, when they keep one."""
         if mode in SPECULATIVE_MODES and source is None:
             raise ConfigError(f"mode {mode} needs a speculative source")
         self.pipe, self.mode, self.source = pipeline, mode, source
@@ -67,9 +68,10 @@ class EngineCore:
         if layers == AUTO and mode in SPECULATIVE_MODES and mode != "tree":
             cost = StepCost(cost_profile, pipeline.num_stages) if cost_profile is not None else None
             self.auto_plan = AutoPlan(HitProfile(width), pipeline.num_stages, cost)
-        self.scheduler = Scheduler(BlockManager(kv_blocks, block_size), max_num_seqs,
-                                   step_rows if mode in BUDGETED_MODES else None, max_waiting,
-                                   max_waiting_per_client=max_waiting_per_client)
+        self.step_rows = step_rows if mode in BUDGETED_MODES else None
+        window, window_blocks = window_pool or (None, 0)
+        self.scheduler = Scheduler(BlockManager(kv_blocks, block_size, window, window_blocks), max_num_seqs,
+                                   self.step_rows, max_waiting, max_waiting_per_client=max_waiting_per_client)
         self.requests: dict[int, Request] = {}
         self.states: dict[int, ModeState] = {}  # request id -> its current state machine
         self._pids = pids if pids is not None else itertools.count()
@@ -99,6 +101,14 @@ class EngineCore:
                 f"request {req.request_id} needs up to {need} KV slots (prompt {len(req.prompt_ids)} + max tokens "
                 f"{req.sampling.max_tokens} + speculative tree {self.spec_reserve()}), but the KV pool admits {pool}; "
                 f"shorten it, lower --tree-width, or give the KV cache more memory (--kv-memory)")
+        blocks = self.scheduler.blocks
+        if blocks.window is not None:
+            need_w = window_need(need, blocks.window, self.spec_reserve(), self.pipe.num_stages, self.step_rows)
+            if need_w > blocks.window_admissible_tokens():
+                raise ConfigError(
+                    f"request {req.request_id} may need {need_w} slots of the sliding-window KV pool, which admits "
+                    f"{blocks.window_admissible_tokens()}; shorten it, lower --max-step-rows or --tree-width, or "
+                    f"give the KV cache more memory (--kv-memory)")
         # Build its state before the scheduler or the tables know it: if that fails, nothing refers
         # to a request without a state (the next schedule would die on it).
         state = self._new_state(req)
@@ -174,7 +184,7 @@ class EngineCore:
     def step(self) -> list[Request]:
         """One pipeline step; returns the requests that finished in it."""
         self._redraft()
-        plan = self.scheduler.schedule(lambda rid: self.states[rid].want())
+        plan = self.scheduler.schedule(self._want)
         for rid in plan.preempted:
             self._restart(rid)
         self._ended = []  # requests a fault of their own ended during this step
@@ -191,6 +201,9 @@ class EngineCore:
                 control.admit.append(admit)
             if prune is not None:
                 control.prune.append(prune)
+            st.floors.append(st.committed_sent())
+            if len(st.floors) > self.pipe.num_stages + 2:
+                st.floors.popleft()
         self._release, self._report = [], False
 
         self.observer.submitted(self.pipe.steps + 1, control, rows, running)
@@ -256,6 +269,15 @@ class EngineCore:
         return self._ended + done
 
     # -- internals ----------------------------------------------------------------------------------------
+    def _want(self, rid: int) -> Want:
+        """What the request would send, with its floor for the sliding-window pool: the committed
+        positions it had sent S + 2 steps ago, which every stage has computed and settled since
+        (a row sent at step t reaches the last stage at t + S - 1; sched/block_manager.py)."""
+        st = self.states[rid]
+        full = len(st.floors) == self.pipe.num_stages + 2
+        self.scheduler.blocks.set_floor(rid, st.floors[0] if full else 0)
+        return st.want()
+
     def _new_state(self, req: Request) -> ModeState:
         pid = next(self._pids)
         if self.mode not in SPECULATIVE_MODES:

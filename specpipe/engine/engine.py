@@ -47,8 +47,8 @@ class Engine:
         self.stage_specs = partition_layers(cfg.num_layers, config.stages, config.stage_layers)
         reserve = spec_reserve(config.mode, config.tree_width, config.tree_depth, config.stages,
                                config.layers_per_step)
-        self.num_blocks = pool_blocks(config, cfg, self.stage_specs, reserve,
-                                      weight_bytes=held_weight_bytes(self.checkpoint, config))
+        self.num_blocks, self.window_blocks = pool_blocks(config, cfg, self.stage_specs, reserve,
+                                                          weight_bytes=held_weight_bytes(self.checkpoint, config))
         # A draft model holds what a stage holds plus the layers it drafted ahead of the rows sent
         # (up to one speculative reserve per running request): room for that, so it rarely runs out.
         self.draft_blocks = self.num_blocks + config.max_num_seqs * -(-reserve // config.block_size)
@@ -58,13 +58,16 @@ class Engine:
         if config.mode in SPECULATIVE_MODES:
             self._source()  # before any process starts, so a bad --draft leaves nothing running
         self.pipeline: Pipeline = start_pipeline(config, self.checkpoint, self.model_path, self.stage_specs,
-                                                 self.num_blocks, rank_env, progress)
+                                                 self.num_blocks, self.window_blocks, rank_env, progress)
         if rank_env is not None:
-            # Each stage sized its pool from its own machine's memory: admit against the smallest.
+            # Each stage sized its pools from its own machine's memory: admit against the smallest.
             self.num_blocks = min([self.num_blocks] + [r["num_blocks"] for r in self.pipeline.ready])
+            self.window_blocks = min([self.window_blocks] + [r["window_blocks"] for r in self.pipeline.ready])
         if progress and (rank_env is not None or config.uses_processes()):  # with the stages' own lines
+            window = (f"; sliding-window layers: {self.window_blocks} blocks "
+                      f"({self.window_blocks * self.block_size} tokens)" if self.window_blocks else "")
             progress(f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens per stage "
-                     f"({self.num_blocks * self.block_size} tokens)")
+                     f"({self.num_blocks * self.block_size} tokens){window}")
         self._pids = itertools.count()  # shared by every core: the stages see one id space
         self._cores: dict[tuple, EngineCore] = {}
         self._stage_before: list[dict] = []  # the stages' counters when the last generate() began
@@ -95,7 +98,8 @@ class Engine:
                 self.pipeline, key[0], source, width=key[1], depth=key[2], layers=key[3], kv_blocks=self.num_blocks,
                 block_size=self.block_size, max_num_seqs=c.max_num_seqs, step_rows=c.max_step_rows,
                 max_waiting=c.max_waiting, max_waiting_per_client=c.max_waiting_per_client, pids=self._pids,
-                cost_profile=self.cost_profile)
+                cost_profile=self.cost_profile,
+                window_pool=(self.checkpoint.config.sliding_window, self.window_blocks) if self.window_blocks else None)
         return self._cores[key]
 
     def run(self, requests: Iterable[Request], core: Optional[EngineCore] = None,

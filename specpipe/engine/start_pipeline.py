@@ -17,6 +17,7 @@ from specpipe.config import EngineConfig, LinkOptions, StageSpec
 from specpipe.distributed.ranks import LocalStages, RankEnv, free_port, stage_failure, wait_ready
 from specpipe.distributed.remote_pipeline import PipelineError, RemotePipeline
 from specpipe.distributed.transport import Transport
+from specpipe.engine.kv_pool import KVPools
 from specpipe.engine.restart import RestartingPipeline
 from specpipe.loader import Checkpoint
 from specpipe.messages import Pipeline
@@ -29,7 +30,8 @@ Progress = Optional[Callable[[str], None]]
 
 
 def start_pipeline(config: EngineConfig, ckpt: Checkpoint, model_path: Path, specs: list[StageSpec],
-                   num_blocks: int, rank_env: Optional[RankEnv] = None, progress: Progress = None) -> Pipeline:
+                   num_blocks: int, window_blocks: int = 0, rank_env: Optional[RankEnv] = None,
+                   progress: Progress = None) -> Pipeline:
     """The pipeline the config asks for: torchrun ranks when this process is rank 0 of a job,
     local stage processes (`--transport processes`, the default when S > 1), else in-process."""
     if rank_env is not None:
@@ -38,23 +40,25 @@ def start_pipeline(config: EngineConfig, ckpt: Checkpoint, model_path: Path, spe
         def start() -> RemotePipeline:
             return local_processes(model_path, specs, num_blocks, config.block_size, config.device,
                                    config.torch_dtype(), config.link(), progress=progress,
-                                   threads=config.stage_threads, quantization=config.quantization)
+                                   threads=config.stage_threads, quantization=config.quantization,
+                                   window_blocks=window_blocks)
         # The driver owns local stages, so it can start them again when one dies (engine/restart.py).
         return RestartingPipeline(start, config.restart_stages, progress) if config.restart_stages else start()
     return in_process(ckpt, specs, num_blocks, config.block_size, config.device, config.torch_dtype(),
-                      config.quantization)
+                      config.quantization, window_blocks)
 
 
 def in_process(ckpt: Checkpoint, specs: list[StageSpec], num_blocks: int, block_size: int, device: str,
-               dtype: Optional[torch.dtype], quantization: Optional[str] = None) -> LocalPipeline:
-    return LocalPipeline([StageWorker(build_stage(ckpt, s, device, dtype, quantization), num_blocks, block_size)
-                          for s in specs])
+               dtype: Optional[torch.dtype], quantization: Optional[str] = None,
+               window_blocks: int = 0) -> LocalPipeline:
+    return LocalPipeline([StageWorker(build_stage(ckpt, s, device, dtype, quantization), num_blocks, block_size,
+                                      window_blocks=window_blocks) for s in specs])
 
 
 def local_processes(model_path: Path, specs: list[StageSpec], num_blocks: int, block_size: int, device: str,
                     dtype: torch.dtype, link: LinkOptions, load_timeout_s: float = 600.0,
                     progress: Progress = None, threads: int = 0,
-                    quantization: Optional[str] = None) -> RemotePipeline:
+                    quantization: Optional[str] = None, window_blocks: int = 0) -> RemotePipeline:
     """Start one process per stage on this machine; the caller's process is the driver.
     `threads`: CPU threads per stage (0: the machine's cores shared out among the stages)."""
     S, port = len(specs), free_port()
@@ -64,7 +68,7 @@ def local_processes(model_path: Path, specs: list[StageSpec], num_blocks: int, b
     stages = LocalStages(
         "specpipe.worker.stage_main",
         lambda r: stage_argv(r, S + 1, "127.0.0.1", port, str(model_path), specs[r - 1], num_blocks, block_size,
-                             device, dtype, link, threads, quantization),
+                             device, dtype, link, threads, quantization, window_blocks),
         S)
     try:
         ready = wait_ready(t.store, S, stages.exits, load_timeout_s, progress)
@@ -99,7 +103,7 @@ def torchrun_driver(env: RankEnv, num_stages: int, device: str, link: LinkOption
     return pipe
 
 
-def torchrun_stage(env: RankEnv, model_path: Path, specs: list[StageSpec], num_blocks: int, block_size: int,
+def torchrun_stage(env: RankEnv, model_path: Path, specs: list[StageSpec], pools: KVPools, block_size: int,
                    device: str, dtype: Optional[torch.dtype], link: LinkOptions,
                    quantization: Optional[str] = None) -> int:
     """Ranks 1..S of a torchrun job: serve one stage until the driver shuts the pipeline down."""
@@ -107,8 +111,8 @@ def torchrun_stage(env: RankEnv, model_path: Path, specs: list[StageSpec], num_b
         print(f"specpipe: rank {env.rank} has no stage (--stages {len(specs)})", file=sys.stderr)
         return 2
     stage_process_main(env.rank, env.world_size, env.master_addr, env.master_port, str(model_path),
-                       specs[env.rank - 1], num_blocks, block_size, device, dtype, link,
-                       quantization=quantization)
+                       specs[env.rank - 1], pools.blocks, block_size, device, dtype, link,
+                       quantization=quantization, window_blocks=pools.window_blocks)
     return 0
 
 

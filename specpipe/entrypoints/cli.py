@@ -248,9 +248,9 @@ def _serve_stage(config, env) -> int:
     # requests against the smallest pool that any stage reports.
     reserve = spec_reserve(config.mode, config.tree_width, config.tree_depth, config.stages, config.layers_per_step)
     sharing = int(os.environ.get("LOCAL_WORLD_SIZE", len(specs)))
-    blocks = pool_blocks(config, cfg, specs, reserve, sharing,
-                         held_weight_bytes(ckpt, config, share=min(1.0, sharing / len(specs))))
-    return torchrun_stage(env, path, specs, blocks, config.block_size, config.device, config.torch_dtype(),
+    pools = pool_blocks(config, cfg, specs, reserve, sharing,
+                        held_weight_bytes(ckpt, config, share=min(1.0, sharing / len(specs))))
+    return torchrun_stage(env, path, specs, pools, config.block_size, config.device, config.torch_dtype(),
                           config.link(), config.quantization)
 
 

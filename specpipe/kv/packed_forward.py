@@ -33,11 +33,13 @@ class PackedOutput:
     committed: int  # rows that joined a committed prefix once computed (commits that waited)
 
 
-def run_packed(model: LlamaStage, kv: KVCache, table: SlotTable, parts: Sequence[Rows]) -> PackedOutput:
+def run_packed(model: LlamaStage, kv: KVCache, table: SlotTable, parts: Sequence[Rows],
+               window_kv: Optional[KVCache] = None) -> PackedOutput:
     """Compute every part's rows in one forward. Each part's request must be in `table` and not
     failed, and each part must have at least one row. Parts of one request may follow each other
     (parents first): all rows' K/V are written before any attention, so a later part sees an
-    earlier one's nodes."""
+    earlier one's nodes. `window_kv`: the sliding-window layers' cache, when `table` has a window
+    table for them (then `kv` holds the global layers)."""
     plans, failed = [], []
     for rows in parts:
         rid = rows.request_id
@@ -60,18 +62,23 @@ def run_packed(model: LlamaStage, kv: KVCache, table: SlotTable, parts: Sequence
 
     with_head = model.spec.last
     positions, write, segments, head, counts = [], [], [], [], []
+    window_write, window_segments = [], []
     offset = 0
     for i in run:
         rows, plan = parts[i], plans[i]
         positions += rows.positions
         write += plan.write_slots
         segments.append(SegmentPlan(len(rows), plan.read_slots, plan.mask))
+        if plan.window is not None:
+            window_write += plan.window.write_slots
+            window_segments.append(SegmentPlan(len(rows), plan.window.read_slots, plan.window.mask))
         picked = rows.head_rows if rows.head_rows is not None else range(len(rows))
         head += [offset + h for h in picked]
         counts.append(len(picked) if with_head else len(rows))
         offset += len(rows)
     data = torch.cat([parts[i].data for i in run]) if len(run) > 1 else parts[run[0]].data  # (T,) or (T, H)
-    out = run_segments(model, kv, data, positions, write, segments, head if with_head else None)
+    window = (window_write, window_segments, window_kv) if table.window is not None else None
+    out = run_segments(model, kv, data, positions, write, segments, head if with_head else None, window)
     for i, piece in zip(run, out.split(counts)):
         outputs[i] = piece
     committed = sum(table.computed(rid) for rid in dict.fromkeys(parts[i].request_id for i in run))

@@ -25,13 +25,25 @@ never pruned work.
 The block rule, which the driver's block manager mirrors to admit requests: a request takes a new
 block from the pool only when all of its own slots are in use, and gives its blocks back only when
 it is released (or fails). So a request holds exactly ceil(peak slots in use / block_size) blocks.
+
+Sliding-window layers (Gemma 3, Mistral) keep their KV in a table of their own (`window_pool`): the
+same rows are planned there, but a committed slot leaves the table once no row can still see it.
+Every row yet to arrive at a stage sits at a position >= P, the committed prefix's length here (the
+driver never sends a row behind it), and a row sees keys at positions > its own - window; so the
+committed positions below P - window + 1 are *evicted*: their slots go back to the request's free
+list and every block left wholly free goes back to the pool. The block rule still holds (a new
+block only when all the request's slots are in use), so a request holds at most
+ceil(peak slots in use / block_size) blocks, where its slots in use are its last window - 1
+committed tokens plus its live tree nodes, however long its context. The driver's block manager
+mirrors this too (sched/block_manager.py).
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -77,6 +89,7 @@ class RequestSlots:
     blocks: list[int] = field(default_factory=list)
     free: list[int] = field(default_factory=list)  # a heap of this request's unused slots
     failed: bool = False
+    evicted: int = 0  # committed positions no longer held (a sliding-window table): committed[0]'s position
 
     def num_slots(self) -> int:
         return len(self.committed) + len(self.spec)
@@ -89,20 +102,30 @@ class RowPlan:
     write_slots: list[int]  # (T,)
     read_slots: list[int]  # (C,)
     mask: np.ndarray | None  # (T, C) bool; None when every row sees every read slot
+    window: Optional["RowPlan"] = None  # the same rows in the sliding-window layers' table, if any
 
 
 MAX_HORIZON = 64  # steps a pruned row may still travel: enough for a pipeline of up to 63 stages
 
 
 class SlotTable:
-    def __init__(self, num_blocks: int, block_size: int, horizon: int = MAX_HORIZON) -> None:
+    def __init__(self, num_blocks: int, block_size: int, horizon: int = MAX_HORIZON,
+                 window_pool: Optional[tuple[int, int]] = None, evict_behind: Optional[int] = None) -> None:
         """`horizon`: steps after a pruning during which rows of pruned nodes may still arrive
-        here (a stage's index + 1; a draft model, fed synchronously, 0)."""
+        here (a stage's index + 1; a draft model, fed synchronously, 0).
+        `window_pool`: (window, blocks): the stage's sliding-window layers keep their KV in a table
+        of their own, `self.window`, of that many blocks, planned with the same rows.
+        `evict_behind`: this table is such a window table: it forgets committed positions that
+        no row can see any more (see the module's docstring)."""
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
         self.requests: dict[int, RequestSlots] = {}
         self.horizon = horizon
         self.clock = 0  # steps seen (tick)
+        self.evict_behind = evict_behind
+        # Its rows are filtered by this table (live_rows), so it keeps no pruned ids (horizon 0).
+        self.window = (SlotTable(window_pool[1], block_size, 0, evict_behind=window_pool[0])
+                       if window_pool is not None else None)
 
     @property
     def num_blocks(self) -> int:
@@ -126,22 +149,30 @@ class SlotTable:
         if request_id in self.requests:
             raise KVStateError(f"request {request_id} admitted twice")
         self.requests[request_id] = RequestSlots()
+        if self.window is not None:
+            self.window.admit(request_id)
 
     def release(self, request_id: int) -> None:
         r = self.requests.pop(request_id, None)
         if r is not None:
             self.pool.give(r.blocks)
+        if self.window is not None:
+            self.window.release(request_id)
 
     def fail(self, request_id: int) -> None:
         """Free the request's KV and drop whatever still arrives for it, until it is released."""
         self.pool.give(self.requests[request_id].blocks)
         self.requests[request_id] = RequestSlots(failed=True)
+        if self.window is not None:
+            self.window.fail(request_id)
 
     def commit(self, request_id: int, node_ids: list[int]) -> int:
         """Queue commits (in path order); returns how many nodes joined the committed prefix now."""
         r = self.requests[request_id]
         if r.failed:
             return 0
+        if self.window is not None:
+            self.window.commit(request_id, node_ids)
         r.pending.extend(node_ids)
         return self._settle(r)
 
@@ -149,6 +180,8 @@ class SlotTable:
         r = self.requests[request_id]
         if r.failed:
             return
+        if self.window is not None:
+            self.window.drop(request_id, node_ids)
         for n in node_ids:
             if n in r.spec:  # computed here already: its row will not come again
                 heapq.heappush(r.free, r.spec.pop(n)[0])
@@ -160,7 +193,30 @@ class SlotTable:
         before = len(r.committed)
         while r.pending and r.pending[0] in r.spec:
             r.committed.append(r.spec.pop(r.pending.popleft())[0])
-        return len(r.committed) - before
+        settled = len(r.committed) - before
+        if settled and self.evict_behind is not None:
+            self._evict(r)
+        return settled
+
+    def _evict(self, r: RequestSlots) -> None:
+        """Forget the committed positions below P - window + 1 (P: the committed length), which
+        no row still to come can see; whole blocks left free go back to the pool."""
+        gone = len(r.committed) - self.evict_behind + 1
+        if gone <= 0:
+            return
+        for s in r.committed[:gone]:
+            heapq.heappush(r.free, s)
+        del r.committed[:gone]
+        r.evicted += gone
+        if len(r.free) < self.block_size:
+            return
+        per_block = Counter(s // self.block_size for s in r.free)
+        empty = {b for b, n in per_block.items() if n == self.block_size}
+        if empty:
+            r.blocks = [b for b in r.blocks if b not in empty]
+            r.free = [s for s in r.free if s // self.block_size not in empty]
+            heapq.heapify(r.free)
+            self.pool.give(sorted(empty))
 
     # -- rows -----------------------------------------------------------------------------------
     def live_rows(self, request_id: int, node_ids: list[int]) -> list[int]:
@@ -173,10 +229,20 @@ class SlotTable:
 
     def plan(self, request_id: int, node_ids: list[int], parent_ids: list[int]) -> RowPlan:
         """Allocate slots for new rows (at least one) and derive what each may attend to: the
-        committed prefix, its own ancestors among the live tree nodes, and itself.
+        committed prefix, its own ancestors among the live tree nodes, and itself. With a window
+        table, the same rows are planned there too (`RowPlan.window`).
 
         Everything is checked before any slot is taken, so a refused plan (KVStateError, or
         KVCacheFull when the pool has too few blocks) leaves the table as it was."""
+        r = self._check(request_id, node_ids, parent_ids)
+        if self.window is not None:
+            self.window._check(request_id, node_ids, parent_ids)
+        plan = self._place(r, node_ids, parent_ids)
+        if self.window is not None:
+            plan.window = self.window._place(self.window.requests[request_id], node_ids, parent_ids)
+        return plan
+
+    def _check(self, request_id: int, node_ids: list[int], parent_ids: list[int]) -> RequestSlots:
         r = self.requests[request_id]
         if r.failed:
             raise KVStateError(f"request {request_id}: rows planned after it failed at this stage")
@@ -189,9 +255,13 @@ class SlotTable:
                 raise KVStateError(f"request {request_id}: node {n} arrived after its parent {p} was pruned")
         new_blocks = -(-max(0, len(node_ids) - len(r.free)) // self.block_size)
         if new_blocks > self.pool.num_free():
+            what = "sliding-window KV" if self.evict_behind is not None else "KV cache"
             raise KVCacheFull(
-                f"KV cache full: request {request_id} needs {new_blocks} more blocks of {self.block_size} "
+                f"{what} full: request {request_id} needs {new_blocks} more blocks of {self.block_size} "
                 f"slots, {self.pool.num_free()} of {self.pool.num_blocks} free")
+        return r
+
+    def _place(self, r: RequestSlots, node_ids: list[int], parent_ids: list[int]) -> RowPlan:
         slots = self._alloc(r, len(node_ids))
         for n, p, s in zip(node_ids, parent_ids, slots):
             r.spec[n] = (s, p)
@@ -236,7 +306,11 @@ class SlotTable:
         """Called after the rows planned last were computed: pending commits may now settle.
         Returns how many nodes joined the committed prefix."""
         r = self.requests[request_id]
-        return 0 if r.failed else self._settle(r)
+        if r.failed:
+            return 0
+        if self.window is not None:
+            self.window.computed(request_id)
+        return self._settle(r)
 
     def _chain(self, r: RequestSlots, node: int) -> list[int]:
         out = []

@@ -155,18 +155,29 @@ class LlamaStage(nn.Module):
     def num_layers(self) -> int:
         return self.spec.end - self.spec.start
 
-    def make_kv_cache(self, num_slots: int) -> KVCache:
-        """A cache of `num_slots` slots for this stage's layers (the caller groups them in blocks)."""
-        return KVCache(self.num_layers, num_slots, self.cfg.num_kv_heads, self.cfg.head_dim, self.act_dtype,
-                       self.inv_freq.device)
+    @property
+    def num_sliding(self) -> int:
+        return sum(layer.sliding for layer in self.layers.values())
+
+    def make_kv_cache(self, num_slots: int, layers: Optional[int] = None) -> KVCache:
+        """A cache of `num_slots` slots for this stage's layers, or for `layers` of them (the
+        global or the sliding-window ones, when they keep separate caches); the caller groups
+        the slots in blocks."""
+        return KVCache(self.num_layers if layers is None else layers, num_slots, self.cfg.num_kv_heads,
+                       self.cfg.head_dim, self.act_dtype, self.inv_freq.device)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv: KVCache,
-                head_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+                head_rows: Optional[torch.Tensor] = None,
+                window: Optional[tuple[AttentionMetadata, KVCache]] = None) -> torch.Tensor:
         """x: token ids (T,) on the first stage, hidden states (T, H) otherwise.
 
         Returns hidden states (T, H), or on the last stage logits (R, V) for the rows `head_rows`
         (all rows when None): prefill needs only the last row's logits, so the LM head, the
         largest matrix, runs only on the rows whose token is wanted.
+
+        `window`: the sliding-window layers' own metadata and cache (the same rows, placed in a
+        table that forgets what no row can see any more, kv/slot_table.py); then `kv` holds the
+        global layers only. Without it every layer uses `kv`.
         """
         cfg = self.cfg
         if self.spec.first:
@@ -177,13 +188,19 @@ class LlamaStage(nn.Module):
         # Sliding-window layers: the same rows under masks that also hide keys beyond the window,
         # and (Gemma 3) RoPE of their own base. Built once per call, only if this stage has such layers.
         local_rope, local_meta = rope, meta
-        if any(layer.sliding for layer in self.layers.values()):
-            kv.write_positions(meta.positions, meta.write_slots)
-            local_meta = within_window(meta, kv.positions, cfg.sliding_window)
+        local_kv = kv if window is None else window[1]
+        if self.num_sliding:
+            wmeta = meta if window is None else window[0]
+            local_kv.write_positions(wmeta.positions, wmeta.write_slots)
+            local_meta = within_window(wmeta, local_kv.positions, cfg.sliding_window)
             if local_rope_differs(cfg):
                 local_rope = Rope.at(meta.positions, self.inv_freq_local, x.dtype, rope_attention_factor(cfg, True))
+        index = {False: 0, True: 0}  # the next layer of each kind in its cache, with two caches
         for i, layer in enumerate(self.layers.values()):
-            x = layer(x, local_rope if layer.sliding else rope, local_meta if layer.sliding else meta, kv, i)
+            k = layer.sliding
+            if window is not None:
+                i, index[k] = index[k], index[k] + 1
+            x = layer(x, local_rope if k else rope, local_meta if k else meta, local_kv if k else kv, i)
         if not self.spec.last:
             return x
         if head_rows is not None:

@@ -14,15 +14,20 @@ from specpipe.model.llama import LlamaStage
 
 def run_segments(model: LlamaStage, kv: KVCache, data: torch.Tensor, positions: Sequence[int],
                  write_slots: Sequence[int], segments: Sequence[SegmentPlan],
-                 head_rows: Optional[Sequence[int]] = None) -> torch.Tensor:
+                 head_rows: Optional[Sequence[int]] = None,
+                 window: Optional[tuple[Sequence[int], Sequence[SegmentPlan], KVCache]] = None) -> torch.Tensor:
     """data: token ids (T,) or hidden states (T, H) of every segment's rows, packed in segment
     order. Returns the model's output for the rows (logits for `head_rows` only, when given and
-    the model has the head)."""
+    the model has the head). `window`: the same rows' write slots and segments in the
+    sliding-window layers' own cache, and that cache."""
     device = model.inv_freq.device
     meta = AttentionMetadata.build(positions, write_slots, segments, device)
     head = None if head_rows is None else torch.tensor(list(head_rows), dtype=torch.long, device=device)
+    local = None
+    if window is not None:
+        local = (AttentionMetadata.build(positions, window[0], window[1], device), window[2])
     with torch.inference_mode():
-        return model(data.to(device), meta, kv, head)
+        return model(data.to(device), meta, kv, head, local)
 
 
 def run_rows(model: LlamaStage, kv: KVCache, data: torch.Tensor, positions: Sequence[int],

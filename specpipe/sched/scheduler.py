@@ -27,7 +27,8 @@ clients; with one client, or none, plain FIFO). A tagged client may also hold at
 fill the queue and have every other client refused; untagged requests (the Python API) share
 the whole queue.
 
-KV: the `BlockManager` holds, per request, blocks for everything sent and not pruned. A request
+KV: the `BlockManager` holds, per request, blocks for everything sent and not pruned (in each pool:
+sliding-window layers have their own, sched/block_manager.py). A request
 is admitted (in that order, never overtaken) only while blocks remain above a small watermark; when a
 running request's must rows do not fit, the newest running request is preempted (its KV freed at
 every stage, recomputed later from its prompt and the tokens it already has) and goes back to the
@@ -98,17 +99,22 @@ class Scheduler:
         self.blocks = blocks
         self.max_num_seqs, self.step_rows, self.max_waiting = max_num_seqs, step_rows, max_waiting
         self.max_waiting_per_client = per_client_default(max_waiting, max_waiting_per_client)
-        self.watermark = max(1, int(watermark * blocks.num_blocks)) if blocks.num_blocks > 1 else 0
+        blocks.keep_free(watermark)
         self.waiting: deque[int] = deque()
         self.client: dict[int, Optional[Hashable]] = {}  # request -> its client tag (None: anonymous)
         self.running: list[int] = []  # admission order: the oldest first, preemption takes the last
         self._turn = 0  # rotates who gets the leftover speculative rows
 
     @property
+    def watermark(self) -> int:
+        """Blocks of the main pool that admission leaves free (headroom for running requests)."""
+        return self.blocks.watermark
+
+    @property
     def admissible_tokens(self) -> int:
         """The most KV slots a request can ever be admitted with: the pool above the watermark.
         Refuse anything larger up front, or it waits at the head of the queue forever."""
-        return (self.blocks.num_blocks - self.watermark) * self.blocks.block_size
+        return self.blocks.admissible_tokens()
 
     # -- queue ------------------------------------------------------------------------------------
     def add(self, rid: int, client: Optional[Hashable] = None) -> None:
@@ -188,7 +194,7 @@ class Scheduler:
     def _make_room(self, rid: int, tokens: int, plan: StepPlan) -> bool:
         """Reserve KV for `tokens` slots of `rid`, preempting the newest requests if need be.
         False when `rid` itself had to go."""
-        while not self.blocks.can_hold(rid, tokens):
+        while not self.blocks.fits(rid, tokens):
             victim = self.running[-1]
             self.requeue(victim)
             plan.preempted.append(victim)
@@ -209,7 +215,7 @@ class Scheduler:
                 break  # it comes back next step, with its state rebuilt for recomputation
             w = wants[rid] = want_of(rid)
             m = self._must(w, budget)
-            if not m or self.blocks.extra_for(rid, w.held + m) > self.blocks.num_free() - self.watermark:
+            if not m or not self.blocks.fits(rid, w.held + m, above_watermark=True):
                 break
             self.waiting.remove(rid)
             self.running.append(rid)
@@ -263,8 +269,7 @@ class Scheduler:
         for rid in asking:  # rotated order: the KV left over is shared the same way
             g = grants.get(rid, 0)
             base = wants[rid].held + musts.get(rid, 0)
-            room = (self.blocks.held(rid) + self.blocks.num_free() - self.watermark) * self.blocks.block_size
-            g = min(g, max(0, room - base))  # the most rows whose blocks fit above the watermark
+            g = min(g, max(0, self.blocks.room(rid) - base))  # the most rows whose blocks fit above the watermark
             if g:
                 self.blocks.reserve(rid, base + g)
                 out[rid] = g

@@ -38,19 +38,21 @@ def send_rows(t: Transport, dst: int, batch: list) -> None:
 
 
 def run_stage(t: Transport, model_path: str, spec: StageSpec, num_blocks: int, block_size: int,
-              device: str, dtype: Optional[torch.dtype], quantization: Optional[str] = None) -> None:
+              device: str, dtype: Optional[torch.dtype], quantization: Optional[str] = None,
+              window_blocks: int = 0) -> None:
     rank, num_stages = t.rank, t.world_size - 1
     t.start_heartbeat()
     try:
         model = build_stage(open_checkpoint(model_path), spec, device, dtype, quantization)
-        worker = StageWorker(model, num_blocks, block_size, horizon=rank)  # rank r is stage index r - 1
+        worker = StageWorker(model, num_blocks, block_size, horizon=rank,  # rank r is stage index r - 1
+                             window_blocks=window_blocks)
     except Exception as e:  # reported through the store so the driver can show it
         t.store.set(f"error/{rank}", f"{type(e).__name__}: {e}")
         raise
     rss, peak = process_memory()
     # The driver sizes its block manager by the smallest pool over the stages.
     t.store.set(f"ready/{rank}", f"{rss} {peak} {worker.stats.weight_bytes} {worker.stats.kv_bytes} {num_blocks} "
-                                 f"{block_size}")
+                                 f"{block_size} {window_blocks}")
     try:
         t.init_groups()
     except RuntimeError as e:  # typically: gloo bound to an address the other ranks cannot reach
@@ -97,7 +99,7 @@ def cuda_index(rank: int, device_count: int, local_rank: str | None) -> int:
 def stage_process_main(rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
                        spec: StageSpec, num_blocks: int, block_size: int, device: str, dtype: torch.dtype, link,
                        threads: int = 0, managed: bool = False, parent: int = 0,
-                       quantization: Optional[str] = None) -> None:
+                       quantization: Optional[str] = None, window_blocks: int = 0) -> None:
     """Entry point of a stage process (started by a local driver, or one rank under torchrun).
 
     `managed`: started by a local driver, which owns the stages' lifetime. Such a stage ignores
@@ -125,7 +127,7 @@ def stage_process_main(rank: int, world_size: int, master_addr: str, master_port
         use_nccl = count >= world_size - 1 or "LOCAL_RANK" in os.environ
     try:
         t = Transport(rank, world_size, master_addr, master_port, link, device, use_nccl=use_nccl)
-        run_stage(t, model_path, spec, num_blocks, block_size, device, dtype, quantization)
+        run_stage(t, model_path, spec, num_blocks, block_size, device, dtype, quantization, window_blocks)
     except KeyboardInterrupt:
         pass
     except LinkError as e:
@@ -144,11 +146,12 @@ def stage_process_main(rank: int, world_size: int, master_addr: str, master_port
 
 def stage_argv(rank: int, world_size: int, master_addr: str, master_port: int, model_path: str, spec: StageSpec,
                num_blocks: int, block_size: int, device: str, dtype: Optional[torch.dtype], link: LinkOptions,
-               threads: int = 0, quantization: Optional[str] = None) -> list[str]:
+               threads: int = 0, quantization: Optional[str] = None, window_blocks: int = 0) -> list[str]:
     """The command-line arguments of a managed local stage (read back by `main`)."""
     return ["--rank", str(rank), "--world-size", str(world_size), "--addr", master_addr, "--port", str(master_port),
             "--model", model_path, "--layers", f"{spec.start}:{spec.end}", *(["--first"] if spec.first else []),
             *(["--last"] if spec.last else []), "--num-blocks", str(num_blocks), "--block-size", str(block_size),
+            "--window-blocks", str(window_blocks),
             "--device", device, "--dtype", "auto" if dtype is None else str(dtype).removeprefix("torch."),
             *(["--quantization", quantization] if quantization else []), "--delay-ms", repr(link.delay_ms),
             "--bandwidth-mbps", repr(link.bandwidth_mbps), "--timeout-s", repr(link.timeout_s),
@@ -168,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--last", action="store_true")
     p.add_argument("--num-blocks", type=int, required=True)
     p.add_argument("--block-size", type=int, required=True)
+    p.add_argument("--window-blocks", type=int, default=0, help="the sliding-window layers' own KV pool")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="activations (auto: float32, weights kept as stored)")
@@ -182,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
     stage_process_main(a.rank, a.world_size, a.addr, a.port, a.model, StageSpec(start, end, a.first, a.last),
                        a.num_blocks, a.block_size, a.device, None if a.dtype == "auto" else getattr(torch, a.dtype),
                        LinkOptions(a.delay_ms, a.bandwidth_mbps, a.timeout_s), a.threads, managed=True,
-                       parent=a.parent, quantization=a.quantization)
+                       parent=a.parent, quantization=a.quantization, window_blocks=a.window_blocks)
 
 
 def _store_note(t, key: str, value: str) -> None:

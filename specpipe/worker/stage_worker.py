@@ -32,15 +32,23 @@ SPAN_LOG = 1 << 16  # steps of compute spans kept between two reports
 
 
 class StageWorker:
-    def __init__(self, model: LlamaStage, num_blocks: int, block_size: int, horizon: int = MAX_HORIZON) -> None:
+    def __init__(self, model: LlamaStage, num_blocks: int, block_size: int, horizon: int = MAX_HORIZON,
+                 window_blocks: int = 0) -> None:
         """`horizon`: steps rows take at most from the driver to here (the stage's index + 1), so
-        the slot table knows how long a pruned node's row may still arrive."""
+        the slot table knows how long a pruned node's row may still arrive.
+        `window_blocks`: a pool of this many blocks for the sliding-window layers' KV, which keeps
+        only what their window still needs (0: every layer in the main pool)."""
         self.model = model
         self.last = model.spec.last
-        self.slots = SlotTable(num_blocks, block_size, horizon)
-        self.kv = model.make_kv_cache(self.slots.num_slots)
+        sliding = model.num_sliding if window_blocks else 0
+        self.slots = SlotTable(num_blocks, block_size, horizon,
+                               window_pool=(model.cfg.sliding_window, window_blocks) if sliding else None)
+        self.kv = model.make_kv_cache(self.slots.num_slots, model.num_layers - sliding)
+        self.window_kv = model.make_kv_cache(self.slots.window.num_slots, sliding) if sliding else None
         self.sampling: dict[int, SamplingParams] = {}
-        self.stats = StageStats(num_blocks=num_blocks, weight_bytes=weight_nbytes(model), kv_bytes=self.kv.nbytes())
+        kv_bytes = self.kv.nbytes() + (self.window_kv.nbytes() if sliding else 0)
+        self.stats = StageStats(num_blocks=num_blocks, weight_bytes=weight_nbytes(model), kv_bytes=kv_bytes,
+                                window_blocks=window_blocks if sliding else 0)
         # (step, start, end) of each step that computed rows, perf_counter_ns (CLOCK_MONOTONIC on
         # Linux: one clock for every process of a machine); drained by each report.
         self.spans: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=SPAN_LOG)
@@ -80,7 +88,7 @@ class StageWorker:
                 parts.append(rows)
         if parts:
             t0 = time.perf_counter()
-            packed = run_packed(self.model, self.kv, self.slots, parts)
+            packed = run_packed(self.model, self.kv, self.slots, parts, self.window_kv)
             self.stats.requests_failed += len(packed.failed)
             out += [self._failure(rid) for rid in packed.failed]
             done = [(rows, o) for rows, o in zip(parts, packed.outputs) if o is not None]
@@ -93,6 +101,8 @@ class StageWorker:
             self.stats.compute_s += time.perf_counter() - t0
             self.spans.append((self.stats.steps, start, time.perf_counter_ns()))
         self.stats.blocks_in_use = self.slots.blocks_in_use()
+        if self.slots.window is not None:
+            self.stats.window_blocks_in_use = self.slots.window.blocks_in_use()
         return out
 
     def _results(self, done: list[tuple[Rows, torch.Tensor]]) -> list[Results]:

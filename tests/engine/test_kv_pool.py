@@ -38,7 +38,7 @@ def test_weights_come_out_of_the_free_memory(monkeypatch, tiny_model_dir):
     config = EngineConfig(model=str(ckpt.path), max_context=1 << 20, max_num_seqs=1 << 10)
     specs = [StageSpec(0, cfg.num_layers, True, True)]
     monkeypatch.setattr(kv_pool, "available_memory", lambda device: 4 * GIB)
-    free = kv_pool.pool_blocks(config, cfg, specs, 0)
-    half = kv_pool.pool_blocks(config, cfg, specs, 0, weight_bytes=2 * GIB)
+    free = kv_pool.pool_blocks(config, cfg, specs, 0).blocks
+    half = kv_pool.pool_blocks(config, cfg, specs, 0, weight_bytes=2 * GIB).blocks
     assert half == pytest.approx(free / 2, rel=0.01)
-    assert kv_pool.pool_blocks(config, cfg, specs, 0, weight_bytes=8 * GIB) == 1  # never below one
+    assert kv_pool.pool_blocks(config, cfg, specs, 0, weight_bytes=8 * GIB).blocks == 1  # never below one

@@ -84,7 +84,7 @@ def test_budget_pool_and_progress(work, num_blocks, step_rows, max_num_seqs, blo
             assert blocks.held(r) * block_size >= s.held
         if step_rows is not None:
             assert rows <= step_rows
-        assert sum(blocks.held(r) for r in list(blocks._held)) <= num_blocks
+        assert sum(blocks.pool.held.values()) <= num_blocks
         assert len(sched.running) <= max_num_seqs
         for r in list(sched.running):
             s = sims[r]

@@ -23,6 +23,7 @@ still in flight can never be mistaken for the new one's.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from typing import Optional
 
 from specpipe.engine.rows import Prefill
@@ -44,6 +45,9 @@ class ModeState(ABC):
         self.grant = Grant()
         self.held = 0  # rows sent and not pruned: what this request may hold at any stage
         self.started = False  # sent its first rows (steps count from there)
+        self.floors: deque[int] = deque()  # committed_sent() after each of the last steps (engine/core.py)
+        self._commits_sent = 0  # committed node ids told to the stages
+        self._rows_sent_end = 0  # 1 + the highest position of a row sent
         self.draft_bound = False  # its drafting outlasted the stages' compute in the last step
         self._admit: Optional[Admit] = Admit(pid, req.sampling)
         self._commit: list[int] = list(self.prefill.node_ids)  # the prompt is committed up front
@@ -74,8 +78,16 @@ class ModeState(ABC):
             return None, None  # not in the pipeline yet: nothing to tell the stages
         admit, self._admit = self._admit, None
         prune = Prune(self.pid, self._commit, self._drop) if self._commit or self._drop else None
+        self._commits_sent += len(self._commit)
         self._commit, self._drop = [], []
         return admit, prune
+
+    def committed_sent(self) -> int:
+        """A lower bound on the committed positions whose rows were sent and whose commits were
+        told to the stages. Committed rows go out in position order, and every committed node
+        but the newest has a committed child, which was sent after it or computed from it; so
+        all committed positions below min(commits told, rows sent) - 1 are among them."""
+        return max(0, min(self._commits_sent, self._rows_sent_end) - 1)
 
     def receive(self, results: Results) -> None:
         for node, tok in zip(results.node_ids, results.tokens):
@@ -94,6 +106,7 @@ class ModeState(ABC):
     def _sent(self, rows: Optional[Rows]) -> Optional[Rows]:
         if rows is not None and len(rows):
             self.held += len(rows)
+            self._rows_sent_end = max(self._rows_sent_end, max(rows.positions) + 1)
             self.started = True
             return rows
         return None
