@@ -140,6 +140,9 @@ class _LevelCollector:
                                labels=labels)
         blocks = GaugeMetricFamily("specpipe:kv_cache_blocks_in_use", "KV blocks a stage holds for requests.",
                                    labels=labels)
+        window = GaugeMetricFamily("specpipe:kv_cache_window_blocks_in_use",
+                                   "KV blocks a stage holds for requests in its sliding-window layers' own pool.",
+                                   labels=labels)
         step_time = GaugeMetricFamily("specpipe:stage_step_time_seconds",
                                       "A stage's mean compute time per step between its last two reports.",
                                       labels=labels)
@@ -157,6 +160,7 @@ class _LevelCollector:
             lab = [m._model, str(i)]
             kv.add_metric(lab, st["blocks_in_use"] / st["num_blocks"] if st["num_blocks"] else 0.0)
             blocks.add_metric(lab, st["blocks_in_use"])
+            window.add_metric(lab, st.get("window_blocks_in_use", 0))
             d_steps = st["steps"] - b.get("steps", 0)
             step_time.add_metric(lab, (st["compute_s"] - b.get("compute_s", 0.0)) / d_steps if d_steps else 0.0)
             for k, fam in memory.items():
@@ -165,6 +169,7 @@ class _LevelCollector:
                 fam.add_metric(lab, st[{"compute_seconds": "compute_s", "wait_seconds": "wait_s"}.get(k, k)])
         yield kv
         yield blocks
+        yield window
         yield step_time
         yield from memory.values()
         yield from counters.values()
