@@ -88,23 +88,32 @@ def _pipeline(ckpt, num_stages: int, window_blocks: int, block_size: int = 4) ->
                           for s in specs])
 
 
-def _decode(pipe: LocalPipeline, mode: str, sampling: SamplingParams, window_pool=None, source=None) -> Request:
-    core = EngineCore(pipe, mode, source, width=4, kv_blocks=64, block_size=4, max_num_seqs=1,
-                      step_rows=4, window_pool=window_pool)
-    req = Request(0, list(PROMPT), sampling, frozenset())
-    core.add_request(req)
-    for _ in range(2000):
+def _serve(pipe: LocalPipeline, mode: str, prompts: list[list[int]], sampling: SamplingParams, window_pool=None,
+           source=None, max_num_seqs: int = 1, kv_blocks: int = 64) -> list[Request]:
+    core = EngineCore(pipe, mode, source, width=4, kv_blocks=kv_blocks, block_size=4, max_num_seqs=max_num_seqs,
+                      step_rows=4 * max_num_seqs, window_pool=window_pool)
+    reqs = [Request(i, list(p), sampling, frozenset()) for i, p in enumerate(prompts)]
+    for req in reqs:
+        core.add_request(req)
+    for _ in range(5000):
         if not core.has_work():
             break
         core.step()
-        if window_pool is not None and 0 in core.scheduler.running:
-            # The driver's count covers what every stage holds in its window pool (the mirror).
-            counted = core.scheduler.blocks.window_pool.held[0]
+        if window_pool is None:
+            continue
+        # The driver's count covers what every stage holds in its window pool (the mirror).
+        counted = core.scheduler.blocks.window_pool.held
+        for rid in core.scheduler.running:
+            pid = core.states[rid].pid
             for w in pipe.workers:
-                if w.slots.window is not None:
-                    assert sum(len(r.blocks) for r in w.slots.window.requests.values()) <= counted
-    assert req.finished and not core.has_work()
-    return req
+                r = w.slots.window.requests.get(pid) if w.slots.window is not None else None
+                assert r is None or len(r.blocks) <= counted.get(rid, 0)
+    assert all(req.finished for req in reqs) and not core.has_work()
+    return reqs
+
+
+def _decode(pipe: LocalPipeline, mode: str, sampling: SamplingParams, window_pool=None, source=None) -> Request:
+    return _serve(pipe, mode, [PROMPT], sampling, window_pool, source)[0]
 
 
 def _draft(ckpt):
@@ -149,3 +158,22 @@ def test_a_request_the_window_pool_cannot_hold_is_refused_at_once(tiny_model_dir
                       window_pool=(ckpt.config.sliding_window, 3))
     with pytest.raises(ConfigError, match="sliding-window KV pool"):
         core.add_request(Request(0, list(PROMPT), SamplingParams(max_tokens=40), frozenset()))
+
+
+def test_many_requests_share_a_tight_window_pool_losslessly(tiny_model_dir):
+    """Several requests of different lengths, two running at a time, a main pool small enough to
+    preempt and a window pool for two windows: each gets the tokens it gets alone under pp."""
+    ckpt = open_checkpoint(tiny_model_dir("gemma3_text"))
+    sampling = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=40)
+    prompts = [PROMPT[:n] for n in (18, 9, 14, 5)]
+    want = [_serve(_pipeline(ckpt, 1, 0), "pp", [p], sampling)[0].output_ids for p in prompts]
+    reserve = EngineCore(_pipeline(ckpt, 2, 0), "specpipe-db", NgramSource(), width=4).spec_reserve()
+    need = window_need(len(PROMPT) + 40 + reserve, 6, reserve, 2, 8)
+    window_blocks = 2 * -(-need // 4) + 1
+    pipe = _pipeline(ckpt, 2, window_blocks)
+    got = _serve(pipe, "specpipe-db", prompts, sampling, (6, window_blocks), _draft(ckpt), max_num_seqs=2,
+                 kv_blocks=24)
+    assert [r.output_ids for r in got] == want
+    assert sum(r.stats.preemptions for r in got) > 0  # the main pool was tight: recomputation was exercised
+    for w in pipe.workers:
+        assert w.stats.requests_failed == 0 and w.slots.window.blocks_in_use() == 0
