@@ -4,11 +4,13 @@ Each mutation starts from a tiny valid checkpoint written here (2 layers, hidden
 it one way: a cut (truncation), a flipped bit, or one header field set to a hostile value (a
 tensor or key count of 2^40, a string or array length of 2^60, a tensor offset past the end or
 "negative" (a u64 near 2^64), an unknown value or tensor type, a dimension of 2^40, a config
-claiming 2^40 layers). `try_load` then does what serving does with a checkpoint (open it, build
-the whole model as one stage) and sorts the result into one outcome:
+claiming 2^40 layers, tokenizer metadata and files of the wrong type or shape). `try_load` then
+does what serving does with a checkpoint (open it, build the whole model as one stage, load its
+tokenizer, encode, decode and render a chat message) and sorts the result into one outcome:
 
   loaded      it loaded (a flipped bit inside tensor data, a harmless metadata value)
-  refused     one clear error: CheckpointError (the loader's type, ConfigError wrapped in it)
+  refused     one clear error: CheckpointError (the loader's type, ConfigError wrapped in it) or
+              TokenizerError
   crash       any other exception: a bug
   allocation  it asked for far more memory than the file holds (tracemalloc's peak over
               `ALLOC_FACTOR` x the file size + `ALLOC_SLACK`): a header's claim was believed
@@ -70,8 +72,19 @@ def _gguf_name(canonical: str) -> str:
     return f"blk.{i}.{_GGUF_PARTS[part]}.{kind}"
 
 
+# A SentencePiece-style vocabulary of VOCAB pieces: unknown, BOS, EOS, the word mark, letters, marked
+# letters and a few pairs; and a chat template with a loop, a filter and a condition.
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+TOKENS = ["<unk>", "<s>", "</s>", "\u2581", *_LETTERS, *("\u2581" + c for c in _LETTERS),
+          "ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]
+TOKEN_TYPES = [2, 3, 3] + [1] * (VOCAB - 3)
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] | upper }}: {{ m['content'] }}</s>{% endfor %}"
+                 "{% if add_generation_prompt %}<s>ASSISTANT:{% endif %}")
+
+
 def write_tiny_gguf(path: Path) -> Path:
-    """A valid tiny llama GGUF: F32 norms, Q8_0 matrices, a 64-token vocabulary (strings)."""
+    """A valid tiny llama GGUF: F32 norms, Q8_0 matrices, a 64-piece SentencePiece tokenizer with a
+    chat template."""
     import gguf
 
     wr = gguf.GGUFWriter(path, "llama")
@@ -83,9 +96,14 @@ def write_tiny_gguf(path: Path) -> Path:
     wr.add_head_count_kv(KV_HEADS)
     wr.add_rope_dimension_count(HEAD_DIM)
     wr.add_layer_norm_rms_eps(1e-5)
-    wr.add_token_list([f"t{i}" for i in range(VOCAB)])
-    wr.add_token_scores([0.0] * VOCAB)
+    wr.add_tokenizer_model("llama")
+    wr.add_token_list(TOKENS)
+    wr.add_token_scores([-float(i) for i in range(VOCAB)])
+    wr.add_token_types(TOKEN_TYPES)
+    wr.add_bos_token_id(1)
     wr.add_eos_token_id(2)
+    wr.add_add_bos_token(True)
+    wr.add_chat_template(CHAT_TEMPLATE)
     for name, w in _tensors().items():
         if w.ndim == 2:
             wr.add_tensor(_gguf_name(name), gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
@@ -105,12 +123,24 @@ def hf_config() -> dict:
             "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": False}
 
 
+TOKENIZER_CONFIG = {"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": CHAT_TEMPLATE}
+
+
 def write_tiny_hf(directory: Path) -> Path:
-    """A valid tiny Hugging Face directory: config.json + model.safetensors (float32)."""
+    """A valid tiny Hugging Face directory: config.json, model.safetensors (float32), a BPE
+    tokenizer.json over the same pieces, tokenizer_config.json and generation_config.json."""
     from safetensors.numpy import save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
 
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(hf_config()))
+    merges = [(t[0], t[1:]) for t in TOKENS[56:]] + [("\u2581", c) for c in _LETTERS]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(TOKENS)}, merges, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.add_special_tokens(TOKENS[:3])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
     save_file({"model." + n if n != "lm_head.weight" else n: w for n, w in _tensors().items()},
               str(directory / "model.safetensors"))
     return directory
@@ -297,11 +327,44 @@ def hf_mutations(seed_dir: Path, rng: random.Random, n_random: int) -> Iterator[
     for label, value in whole.items():
         yield _hf_mutation(label, seed_dir, "config.json", json.dumps(value).encode())
     yield _hf_mutation("config not json", seed_dir, "config.json", b"{")
+    yield from tokenizer_mutations(seed_dir, rng)
     for label, text in {"index not json": "{", "index=[]": "[]", "index weight_map=1": '{"weight_map": 1}',
                         "index outside the dir": '{"weight_map": {"model.norm.weight": "/etc/passwd"}}',
                         "index ../": '{"weight_map": {"model.norm.weight": "../model.safetensors"}}',
                         "index missing shard": '{"weight_map": {"model.norm.weight": "absent.safetensors"}}'}.items():
         yield _hf_mutation(label, seed_dir, "model.safetensors.index.json", text.encode())
+
+
+def tokenizer_mutations(seed_dir: Path, rng: random.Random) -> Iterator[Mutation]:
+    """tokenizer.json, tokenizer_config.json and generation_config.json of the wrong shape: not
+    JSON, not objects, fields of the wrong type, hostile ids, templates that do not compile, cuts."""
+    for file in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        for label, text in {"not json": "{", "[]": "[]", "1": "1", "null": "null", "empty": ""}.items():
+            yield _hf_mutation(f"{file} {label}", seed_dir, file, text.encode())
+    cfg = TOKENIZER_CONFIG
+    for key, values in {"bos_token": (5, ["<s>"], {"content": 5}, {"content": None}, "absent"),
+                        "eos_token": (5, {"content": ["x"]}, {}, "</s>" * 10000),
+                        "chat_template": (5, [], [1, {"name": 3}], [{"name": "default", "template": 7}],
+                                          "{% for %}", "{{ messages[10**9] }}", "{% raise %}")}.items():
+        for v in values:
+            yield _hf_mutation(f"tokenizer_config {key}={str(v)[:40]!r}", seed_dir, "tokenizer_config.json",
+                               json.dumps({**cfg, key: v}).encode())
+    for v in ("x", [[1]], 2**70, -1, [None, 2**40], {"a": 1}):
+        yield _hf_mutation(f"generation_config eos={v!r}", seed_dir, "generation_config.json",
+                           json.dumps({"eos_token_id": v}).encode())
+    tj = json.loads((seed_dir / "tokenizer.json").read_text())
+    hostile = {"model=1": {"model": 1}, "model type=Q": {"model": {**tj["model"], "type": "Q"}},
+               "vocab id 2**40": {"model": {**tj["model"], "vocab": {**tj["model"]["vocab"], "zz": 2**40}}},
+               "vocab id -1": {"model": {**tj["model"], "vocab": {**tj["model"]["vocab"], "zz": -1}}},
+               "merges of unknown pieces": {"model": {**tj["model"], "merges": [["qq", "rr"]]}},
+               "added token id 2**40": {"added_tokens": [{**tj["added_tokens"][0], "id": 2**40}]},
+               "added_tokens=1": {"added_tokens": 1}, "truncation max 0": {"truncation": {"max_length": 0}},
+               "pre_tokenizer=7": {"pre_tokenizer": 7}}
+    for label, change in hostile.items():
+        yield _hf_mutation(f"tokenizer.json {label}", seed_dir, "tokenizer.json", json.dumps({**tj, **change}).encode())
+    raw = (seed_dir / "tokenizer.json").read_bytes()
+    for c in sorted({rng.randrange(len(raw)) for _ in range(6)}):
+        yield _hf_mutation(f"tokenizer.json cut@{c}", seed_dir, "tokenizer.json", raw[:c])
 
 
 def mutations(work: Path, n_random: int = 64, seed: int = 0) -> list[Mutation]:
@@ -324,8 +387,14 @@ def _load(path: Path) -> None:
     from specpipe.loader import open_checkpoint
     from specpipe.model.stage import build_stage
 
+    from specpipe.tokenizer.tokenizer import Tokenizer
+
     ckpt = open_checkpoint(path)
     build_stage(ckpt, StageSpec.whole(ckpt.config))
+    tok = Tokenizer.from_path(path)
+    tok.decode(tok.encode("ab cd efz"))
+    if tok.has_chat_template:
+        tok.apply_chat_template([{"role": "user", "content": "ab"}])
 
 
 _warm = False
@@ -346,6 +415,7 @@ def try_load(path: Path) -> tuple[str, str]:
     """(outcome, detail) of opening `path` and building the whole model from it, as serving does."""
     from specpipe.config import ConfigError
     from specpipe.loader import CheckpointError
+    from specpipe.tokenizer.tokenizer import TokenizerError
 
     _warm_up()
     size = _size(path)
@@ -353,7 +423,7 @@ def try_load(path: Path) -> tuple[str, str]:
     try:
         _load(path)
         outcome, detail = "loaded", ""
-    except (CheckpointError, ConfigError) as e:
+    except (CheckpointError, ConfigError, TokenizerError) as e:
         outcome, detail = "refused", str(e).splitlines()[0][:200]
     except MemoryError as e:  # an allocation so large it failed at once
         outcome, detail = "allocation", f"MemoryError: {e}"[:300]

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from specpipe.config import ConfigError, LinearRope, ModelConfig, RopeScaling
+from specpipe.kernels.ggml_types import BLOCKS
 from specpipe.loader import gguf_families as families
 from specpipe.loader.checkpoint import Checkpoint, CheckpointError, check_config_against_tensors, fused_parts
 from specpipe.loader.gguf_metadata import GGUFMetadataError, read_gguf_metadata
@@ -423,6 +424,10 @@ class GGUFCheckpoint(Checkpoint):
         spans two rows, so un-permuting the rows of packed bytes is un-permuting the weights.
         """
         t = self._record(name)
+        if t.tensor_type not in BLOCKS:
+            raise CheckpointError(
+                f"{self.path.name}: tensor {t.name} ({name}) has type {t.tensor_type.name}, which SpecPipe cannot "
+                f"compute (supported: {', '.join(q.name for q in BLOCKS)})")
         shape = self.shape(name)
         a, b, total = self._row_range(name)
         rows, row_bytes = b - a, int(t.n_bytes) // total

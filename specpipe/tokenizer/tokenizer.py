@@ -201,9 +201,12 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise TokenizerError(f"{path}: not readable JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise TokenizerError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
 
 
 def _from_hf_dir(d: Path) -> Tokenizer:
@@ -228,10 +231,15 @@ def _from_hf_dir(d: Path) -> Tokenizer:
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default") or next(iter(named.values()), None)
 
-    def content(token: Any) -> str | None:
-        return token.get("content") if isinstance(token, dict) else token
+    def content(key: str) -> str | None:
+        token = config.get(key)
+        text = token.get("content") if isinstance(token, dict) else token
+        if text is not None and not isinstance(text, str):
+            raise TokenizerError(f"{d / 'tokenizer_config.json'}: {key} must be a string or "
+                                 f"{{\"content\": string}}, got {token!r:.80}")
+        return text
 
-    bos_text, eos_text = content(config.get("bos_token")), content(config.get("eos_token"))
+    bos_text, eos_text = content("bos_token"), content("eos_token")
     eos_ids: list[int | None] = [backend.token_to_id(eos_text) if eos_text else None]
     for extra in (_read_json(d / "generation_config.json"), _read_json(d / "config.json")):
         ids = extra.get("eos_token_id")
@@ -276,12 +284,15 @@ class Tokenizer:
 
     def __init__(self, backend: _Backend, *, bos_token_id: int | None, eos_token_ids: list[int | None],
                  chat_template: str | None, source: str):
+        if chat_template is not None and not isinstance(chat_template, str):
+            raise TokenizerError(f"{source}: the chat template must be a string, got {type(chat_template).__name__}")
         self._backend = backend
         self.source = source
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
-        # deduplicated, primary eos first
-        self.eos_token_ids = tuple(dict.fromkeys(i for i in eos_token_ids if isinstance(i, int)))
+        # deduplicated, primary eos first; ids outside the vocabulary (a damaged config) never match
+        self.eos_token_ids = tuple(dict.fromkeys(
+            i for i in eos_token_ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size))
         self.bos_token = backend.id_to_token(bos_token_id) if bos_token_id is not None else None
         self.eos_token = backend.id_to_token(self.eos_token_ids[0]) if self.eos_token_ids else None
         self._chat_template = chat_template or None

@@ -97,3 +97,46 @@ def test_the_field_map_covers_the_header(work):
     roles = {f.role for f in gguf_fields(data)}
     assert roles >= {"tensor_count", "kv_count", "strlen", "vtype", "etype", "arrlen", "value", "n_dims", "dim",
                      "ttype", "toffset"}
+
+
+@pytest.mark.parametrize("file, text, message", [
+    # Before: AttributeError / TypeError from deep inside the tokenizer's loading or the template's compiling.
+    ("tokenizer_config.json", "[]", "expected a JSON object, got list"),
+    ("generation_config.json", "null", "expected a JSON object, got NoneType"),
+    ("tokenizer_config.json", '{"bos_token": 5}', "bos_token must be a string"),
+    ("tokenizer_config.json", '{"eos_token": {"content": ["x"]}}', "eos_token must be a string"),
+    ("tokenizer_config.json", '{"chat_template": 5}', "the chat template must be a string"),
+    ("tokenizer_config.json", '{"chat_template": [{"name": "default", "template": 7}]}',
+     "the chat template must be a string"),
+])
+def test_hf_tokenizer_files_of_the_wrong_shape(work, file, text, message):
+    from specpipe.tokenizer.tokenizer import Tokenizer, TokenizerError
+
+    d = write_tiny_hf(work / f"tok_{abs(hash((file, text)))}")
+    (d / file).write_text(text)
+    with pytest.raises(TokenizerError, match=message):
+        Tokenizer.from_path(d)
+
+
+def test_eos_ids_outside_the_vocabulary_are_ignored(work):
+    from specpipe.tokenizer.tokenizer import Tokenizer
+
+    d = write_tiny_hf(work / "eos_ids")
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [2**70, -1, True, 2]}))
+    assert Tokenizer.from_path(d).eos_token_ids == (2,)
+
+
+def test_a_packed_type_without_a_kernel_is_refused_by_name(work):
+    # Before: a tensor typed Q8_1 (9) reached the kernels' block table and raised KeyError.
+    data = bytearray(write_tiny_gguf(work / "q81.gguf").read_bytes())
+    f = next(f for f in gguf_fields(bytes(data)) if f.role == "ttype" and
+             struct.unpack_from("<I", data, f.offset)[0] == 8)  # the first Q8_0 matrix
+    struct.pack_into("<I", data, f.offset, 9)
+    (work / "q81.gguf").write_bytes(bytes(data))
+    assert try_load(work / "q81.gguf")[0] == "refused"
+    from specpipe.config import StageSpec
+    from specpipe.model.stage import build_stage
+
+    ckpt = open_checkpoint(work / "q81.gguf")
+    with pytest.raises(CheckpointError, match="has type Q8_1, which SpecPipe cannot"):
+        build_stage(ckpt, StageSpec.whole(ckpt.config))
