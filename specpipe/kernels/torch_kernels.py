@@ -1,10 +1,13 @@
 """Kernels built from what torch already offers (see registry.py for the interface).
 
-Batch invariance of the float matmul: on this CPU torch's float32 `F.linear` (oneDNN/MKL sgemm)
-gives a row a different result when the call has 1, 2, 3, 5, 6, 7, 9, 10 or 11 rows than when it
-has 4, 8 or 12+ (measured in tests/kernels/test_batch_invariance.py): small calls take another
-code path with another summation order. Padding the rows to a multiple of ROW_TILE puts every
-call on the same path, so a row's output no longer depends on how many rows share its call.
+Batch invariance of the float matmul: torch's float32 `F.linear` (oneDNN/MKL sgemm) picks its
+code path, and with it the summation order, by the number of rows in the call. On an AMD EPYC
+rows came out the same whenever a call had a multiple of 4 rows; on an Intel Xeon with AMX (Sapphire
+Rapids) even calls of 4, 8 and 64 rows disagree. Every row's result does stay the same across
+calls of one fixed size, wherever the row sits in the call (both measured by
+tests/kernels/test_batch_invariance.py). So on CPU the float matmul runs in calls of exactly
+ROW_TILE rows (the last one padded): a row's output never depends on how many rows share its
+step. Decode pays nothing for it; a long prefill reads the weights once per ROW_TILE rows.
 """
 
 from __future__ import annotations
@@ -23,12 +26,18 @@ ROW_TILE = 4
 
 
 def invariant_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """F.linear(x, w, bias) with the rows padded to a multiple of ROW_TILE: x (T, K) -> (T, N)."""
+    """F.linear(x, w, bias), x (T, K) -> (T, N), in calls of exactly ROW_TILE rows on CPU (see
+    above); on other devices one call with the rows padded to a multiple of ROW_TILE."""
     t = x.shape[0]
     pad = -t % ROW_TILE
     if pad:
         x = torch.cat((x, x.new_zeros(pad, x.shape[1])))
-    return F.linear(x, w, bias)[:t]
+    if not x.is_cpu or x.shape[0] == ROW_TILE:
+        return F.linear(x, w, bias)[:t]
+    out = x.new_empty(x.shape[0], w.shape[0])
+    for i in range(0, x.shape[0], ROW_TILE):
+        out[i:i + ROW_TILE] = F.linear(x[i:i + ROW_TILE], w, bias)
+    return out[:t]
 
 
 class DequantKernel:
