@@ -1,10 +1,13 @@
 """Soak: `specpipe serve` under more load than it can take, for a while, with clients leaving.
 
-Measures the server's capacity (requests/s with everything sent at once), then runs `specpipe
-bench serve` at --load x that rate (Poisson arrivals) for --minutes with --disconnect-fraction of
-the clients leaving early, sampling the resident memory of the server and its stage processes and
-the server's steps. Verdicts: every request completed, got 429 or a clean error (none lost); KV
-back to zero at the end; memory and steps per second flat after warm-up.
+Measures the server's capacity under steady arrivals: a first burst (32 requests at once) gives a
+rough rate; then Poisson arrivals at --probe-load x that rate for --probe-seconds keep the server
+saturated (its queue full, the excess refused with 429), and the requests it completed per second
+there are its capacity. Then `specpipe bench serve` runs at --load x the capacity (Poisson
+arrivals) for --minutes with --disconnect-fraction of the clients leaving early, sampling the
+resident memory of the server and its stage processes and the server's steps. Verdicts: every
+request completed, got 429 or a clean error (none lost); KV back to zero at the end; memory and
+steps per second flat after warm-up.
 
     python benchmarks/soak.py --model TINY_LLAMA_DIR --stages 2 --minutes 20 --load 1.2
 """
@@ -65,16 +68,24 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=2)
     ap.add_argument("--minutes", type=float, default=20.0)
     ap.add_argument("--load", type=float, default=1.2, help="times the measured capacity")
+    ap.add_argument("--probe-load", type=float, default=3.0, help="times the burst rate, to saturate the server")
+    ap.add_argument("--probe-seconds", type=float, default=60.0)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--disconnect-fraction", type=float, default=0.1)
     ap.add_argument("--serve-args", default="--max-queue 64")
     ap.add_argument("--bench-args", default="", help="more `specpipe bench serve` options (e.g. a JSONL data set)")
     args = ap.parse_args()
     with served(args.model, args.stages, args.serve_args) as (server, url):
-        cap = run_bench(url, float("inf"), 32, args.max_tokens, 0.0, 0, args.bench_args)["request_throughput"]
+        burst = run_bench(url, float("inf"), 32, args.max_tokens, 0.0, 0, args.bench_args)["request_throughput"]
+        probe_rate = args.probe_load * burst
+        probe = run_bench(url, probe_rate, max(1, int(probe_rate * args.probe_seconds)), args.max_tokens, 0.0, 2,
+                          args.bench_args)
+        cap = probe["completed"] / probe["duration_s"]
         rate = args.load * cap
         n = max(1, int(rate * args.minutes * 60))
-        print(f"capacity {cap:.2f} req/s; soak at {rate:.2f} req/s, {n} requests, {args.minutes:g} min", flush=True)
+        print(f"burst {burst:.2f} req/s; saturated at {probe_rate:.2f} req/s offered: {probe['completed']} completed "
+              f"in {probe['duration_s']:.0f} s, {probe['failed']} refused or failed -> capacity {cap:.2f} req/s; "
+              f"soak at {rate:.2f} req/s, {n} requests, {args.minutes:g} min", flush=True)
         samples, done = [], threading.Event()
 
         def sample() -> None:
