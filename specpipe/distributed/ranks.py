@@ -105,6 +105,21 @@ def _wait(p: subprocess.Popen, timeout_s: float) -> bool:
         return False
 
 
+READY_FIELDS = ("rss_bytes", "peak_rss_bytes", "weight_bytes", "kv_bytes", "num_blocks", "block_size",
+                "window_blocks")
+
+
+def _ready_report(rank: int, text: str) -> dict:
+    """A stage's readiness line (worker/stage_main.py writes it). One this driver cannot read comes
+    from another SpecPipe (say the code was upgraded under a running server, and a restarted stage
+    runs the new one): a stage failure, named, never a stray exception."""
+    values = text.split()
+    if len(values) != len(READY_FIELDS) or not all(v.isdigit() for v in values):
+        raise RuntimeError(f"stage {rank} sent a readiness report this driver cannot read ({text[:80]!r}); "
+                           f"is it running another SpecPipe version than the driver?")
+    return dict(zip(READY_FIELDS, map(int, values)))
+
+
 def wait_ready(store, num_stages: int, exits: Callable[[], dict[int, str]], timeout_s: float,
                progress: Optional[Callable[[str], None]] = None) -> list[dict]:
     """Wait until every stage has loaded its layers; fail fast when one reports an error or dies.
@@ -120,10 +135,7 @@ def wait_ready(store, num_stages: int, exits: Callable[[], dict[int, str]], time
             if store.check([f"error/{r}"]):
                 raise RuntimeError(f"stage {r} failed to start: {store.get(f'error/{r}').decode()}")
             if store.check([f"ready/{r}"]):
-                rss, peak, weights, kv, blocks, block_size, window_blocks = (
-                    int(x) for x in store.get(f"ready/{r}").decode().split())
-                ready[r] = {"rss_bytes": rss, "peak_rss_bytes": peak, "weight_bytes": weights, "kv_bytes": kv,
-                            "num_blocks": blocks, "block_size": block_size, "window_blocks": window_blocks}
+                ready[r] = _ready_report(r, store.get(f"ready/{r}").decode())
                 if progress:
                     progress(f"stage {r}/{num_stages} ready: weights {weights / 2**20:.0f} MiB, "
                              f"KV {kv / 2**20:.0f} MiB, resident {rss / 2**20:.0f} MiB")

@@ -309,3 +309,16 @@ def test_results_malformed():
         decode_results([1, 1, 1, 1, 4, 17])  # a failed result carrying a token
     with pytest.raises(WireError, match="negative"):
         decode_results([-2])
+
+
+def test_a_readiness_report_from_another_version_is_a_named_stage_failure():
+    # Before: a stage restarted from upgraded code sent one more field and the driver died with
+    # "too many values to unpack", which the restart logic did not catch.
+    import pytest
+
+    from specpipe.distributed.ranks import READY_FIELDS, _ready_report
+
+    assert _ready_report(2, " ".join(str(i) for i in range(len(READY_FIELDS))))["window_blocks"] == 6
+    for text in ("1 2 3", "1 2 3 4 5 6 7 8", "1 2 3 4 5 6 x"):
+        with pytest.raises(RuntimeError, match="stage 2 sent a readiness report this driver cannot read"):
+            _ready_report(2, text)
