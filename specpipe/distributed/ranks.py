@@ -137,8 +137,9 @@ def wait_ready(store, num_stages: int, exits: Callable[[], dict[int, str]], time
             if store.check([f"ready/{r}"]):
                 ready[r] = _ready_report(r, store.get(f"ready/{r}").decode())
                 if progress:
-                    progress(f"stage {r}/{num_stages} ready: weights {weights / 2**20:.0f} MiB, "
-                             f"KV {kv / 2**20:.0f} MiB, resident {rss / 2**20:.0f} MiB")
+                    rep = ready[r]
+                    progress(f"stage {r}/{num_stages} ready: weights {rep['weight_bytes'] / 2**20:.0f} MiB, "
+                             f"KV {rep['kv_bytes'] / 2**20:.0f} MiB, resident {rep['rss_bytes'] / 2**20:.0f} MiB")
         dead = {r: why for r, why in exits().items() if r not in ready}
         if dead:
             r, why = sorted(dead.items())[0]

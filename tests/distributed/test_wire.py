@@ -322,3 +322,22 @@ def test_a_readiness_report_from_another_version_is_a_named_stage_failure():
     for text in ("1 2 3", "1 2 3 4 5 6 7 8", "1 2 3 4 5 6 x"):
         with pytest.raises(RuntimeError, match="stage 2 sent a readiness report this driver cannot read"):
             _ready_report(2, text)
+
+
+def test_wait_ready_reports_each_stage_in_a_line():
+    from specpipe.distributed.ranks import wait_ready
+
+    class Store:
+        data = {f"ready/{r}": f"{r << 20} 0 {3 << 20} {2 << 20} 64 16 0".encode() for r in (1, 2)}
+
+        def check(self, keys):
+            return all(k in self.data for k in keys)
+
+        def get(self, key):
+            return self.data[key]
+
+    lines = []
+    ready = wait_ready(Store(), 2, dict, 5.0, lines.append)
+    assert [r["num_blocks"] for r in ready] == [64, 64]
+    assert lines == ["stage 1/2 ready: weights 3 MiB, KV 2 MiB, resident 1 MiB",
+                     "stage 2/2 ready: weights 3 MiB, KV 2 MiB, resident 2 MiB"]
