@@ -323,3 +323,44 @@ def test_openapi_declares_the_errors_each_route_sends(server):
         assert "text/event-stream" in responses["200"]["content"]
     assert "401" in schema["paths"]["/v1/models"]["get"]["responses"]
     assert "503" in schema["paths"]["/health"]["get"]["responses"]
+
+
+def test_refused_bodies_are_drained_at_a_bounded_pace_over_all_connections(monkeypatch):
+    """Reading refused bodies takes the event loop every stream shares: a client posting 8 MB
+    bodies in a loop made another stream pause 20x its usual gap (benchmarks/isolation.py) until
+    the draining was paced, over all refused bodies together."""
+    import asyncio
+
+    from specpipe.entrypoints.openai import middleware
+
+    slept: list[float] = []
+
+    async def sleep(s: float) -> None:
+        slept.append(s)
+
+    monkeypatch.setattr(middleware.time, "monotonic", lambda: 100.0)  # no time passes by itself
+    monkeypatch.setattr(middleware.asyncio, "sleep", sleep)
+    monkeypatch.setattr(middleware, "DRAIN_BYTES_PER_S", 1 << 20)
+    limit = middleware.BodyLimit(app=None, limit=10)
+    sent: list[dict] = []
+
+    async def send(message):
+        sent.append(message)
+
+    def client(chunks: int):
+        messages = [{"type": "http.request", "body": b"x" * (1 << 20), "more_body": i + 1 < chunks}
+                    for i in range(chunks)]
+
+        async def receive():
+            return messages.pop(0)
+        return receive
+
+    async def two_clients():
+        headers = [(b"content-length", str(3 << 20).encode())]
+        await limit({"type": "http", "headers": headers}, client(3), send)
+        await limit({"type": "http", "headers": headers}, client(3), send)
+
+    asyncio.run(two_clients())
+    # 6 MiB at 1 MiB/s in all: the second client's bytes wait behind the first's
+    assert slept == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [413, 413]

@@ -5,8 +5,10 @@ Both answer with OpenAI's error body, `{"error": {"message", "type", "param", "c
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
+import time
 from typing import Optional, Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -15,6 +17,10 @@ DEFAULT_MAX_BODY_BYTES = 1 << 20  # see README (Serving): a full context of text
 # A refused body is still read (and dropped) up to this much before the 413 goes out: a client
 # still sending when the server closes gets a reset, not the 413. Beyond it, answer and close.
 DRAIN_MAX_BYTES = 64 << 20
+# ... at this pace at most, over all refused bodies together: reading them takes the event loop
+# that serves every stream, and a client posting 8 MB bodies in a loop made other streams pause
+# 20x their usual gap (benchmarks/isolation.py) until the draining was paced.
+DRAIN_BYTES_PER_S = 32 << 20
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: Optional[str] = None,
@@ -47,6 +53,7 @@ class BodyLimit:
 
     def __init__(self, app: ASGIApp, limit: int = DEFAULT_MAX_BODY_BYTES) -> None:
         self.app, self.limit = app, limit
+        self._drained_until = 0.0  # when the refused bytes read so far have been paid for (monotonic)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -83,8 +90,17 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.disconnect":
                 return
-            drained += len(message.get("body", b""))
+            n = len(message.get("body", b""))
+            drained += n
             more = message.get("more_body", False)
+            await self._pace(n)
         await send_json(send, 413, error_body(
             f"the request body is over this server's limit of {self.limit} bytes (--max-body-bytes)",
             code="request_too_large"))
+
+    async def _pace(self, n: int) -> None:
+        """Wait until `n` more refused bytes fit the shared drain pace (DRAIN_BYTES_PER_S)."""
+        now = time.monotonic()
+        self._drained_until = max(now, self._drained_until) + n / DRAIN_BYTES_PER_S
+        if self._drained_until > now:
+            await asyncio.sleep(self._drained_until - now)
