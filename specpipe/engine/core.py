@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
 from specpipe.config import BUDGETED_MODES, SPECULATIVE_MODES, ConfigError
@@ -202,8 +203,6 @@ class EngineCore:
             if prune is not None:
                 control.prune.append(prune)
             st.floors.append(st.committed_sent())
-            if len(st.floors) > self.pipe.num_stages + 2:
-                st.floors.popleft()
         self._release, self._report = [], False
 
         self.observer.submitted(self.pipe.steps + 1, control, rows, running)
@@ -274,17 +273,19 @@ class EngineCore:
         positions it had sent S + 2 steps ago, which every stage has computed and settled since
         (a row sent at step t reaches the last stage at t + S - 1; sched/block_manager.py)."""
         st = self.states[rid]
-        full = len(st.floors) == self.pipe.num_stages + 2
-        self.scheduler.blocks.set_floor(rid, st.floors[0] if full else 0)
+        self.scheduler.blocks.set_floor(rid, st.floors[0] if len(st.floors) == st.floors.maxlen else 0)
         return st.want()
 
     def _new_state(self, req: Request) -> ModeState:
         pid = next(self._pids)
         if self.mode not in SPECULATIVE_MODES:
-            return RoundsState(pid, req, None, 1, 0)
-        if self.mode == "tree":
-            return RoundsState(pid, req, self.source, self.width, self.depth)
-        return SpecPipeState(pid, req, self.source, self.width, self.layers, self.auto_plan)
+            st = RoundsState(pid, req, None, 1, 0)
+        elif self.mode == "tree":
+            st = RoundsState(pid, req, self.source, self.width, self.depth)
+        else:
+            st = SpecPipeState(pid, req, self.source, self.width, self.layers, self.auto_plan)
+        st.floors = deque(maxlen=self.pipe.num_stages + 2)  # see _want
+        return st
 
     def _draft(self, states: list[ModeState], phase: str) -> list[ModeState]:
         """Every request's source calls of one phase in one `propose_many` (one draft forward);

@@ -99,14 +99,14 @@ def pool_blocks(config: EngineConfig, cfg: ModelConfig, specs: list[StageSpec], 
     cap = config.max_num_seqs * per_request
     step_rows = config.max_step_rows if config.mode in BUDGETED_MODES else None
     if cfg.sliding_layers and cfg.sliding_window:
-        window = blocks_for(window_need(need, cfg.sliding_window, spec_reserve, len(specs), step_rows), bs) + 1
-        window_blocks = config.max_num_seqs * window
+        per_window = blocks_for(window_need(need, cfg.sliding_window, spec_reserve, len(specs), step_rows), bs) + 1
+        window_blocks = config.max_num_seqs * per_window
         sliding = [sum(cfg.is_sliding(i) for i in range(s.start, s.end)) for s in specs]
         per_layer = 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes * bs  # bytes of one layer's block
         left = [budget - window_blocks * n * per_layer for n in sliding]
         blocks = min([cap] + [left_s // (per_layer * (s.end - s.start - n))
                               for s, n, left_s in zip(specs, sliding, left) if s.end - s.start > n])
-        if window < per_request and min(left) > 0 and blocks > window_blocks:
+        if per_window < per_request and min(left) > 0 and blocks > window_blocks:
             return KVPools(int(blocks), window_blocks)
     per_block = max(bytes_per_token(cfg, s, dtype_bytes) for s in specs) * bs
     blocks = budget // max(per_block, 1)

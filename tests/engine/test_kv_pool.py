@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -42,3 +43,25 @@ def test_weights_come_out_of_the_free_memory(monkeypatch, tiny_model_dir):
     half = kv_pool.pool_blocks(config, cfg, specs, 0, weight_bytes=2 * GIB).blocks
     assert half == pytest.approx(free / 2, rel=0.01)
     assert kv_pool.pool_blocks(config, cfg, specs, 0, weight_bytes=8 * GIB).blocks == 1  # never below one
+
+
+@pytest.mark.parametrize("mode, windowed", [("specpipe-db", True), ("pp-cb", True), ("pp", False), ("specpipe", False)])
+def test_sliding_layers_get_a_pool_of_their_own_in_the_serving_modes(tiny_model_dir, mode, windowed):
+    """Gemma 3's sliding layers keep only their window: their pool holds max_num_seqs windows and
+    the rest of the memory goes to the global layers' pool, within the budget at every stage.
+    Without a row budget a prompt enters whole, so every layer stays in the main pool."""
+    cfg = open_checkpoint(tiny_model_dir("gemma3_text")).config
+    config = EngineConfig(mode=mode, kv_memory="4MiB", max_context=4096, max_num_seqs=4)
+    specs = [StageSpec(0, 1, True, False), StageSpec(1, cfg.num_layers, False, True)]  # all sliding | mixed
+    pools = kv_pool.pool_blocks(config, cfg, specs, 9)
+    per_layer_block = 2 * cfg.num_kv_heads * cfg.head_dim * 4 * config.block_size
+    if not windowed:
+        assert pools.window_blocks == 0
+        return
+    assert 0 < pools.window_blocks < pools.blocks
+    for s in specs:
+        sliding = sum(cfg.is_sliding(i) for i in range(s.start, s.end))
+        used = (pools.blocks * (s.end - s.start - sliding) + pools.window_blocks * sliding) * per_layer_block
+        assert used <= 4 << 20
+    without = kv_pool.pool_blocks(config, dataclasses.replace(cfg, sliding_layers=()), specs, 9)
+    assert pools.blocks > without.blocks  # the memory the windows save goes to longer contexts

@@ -45,7 +45,7 @@ class ModeState(ABC):
         self.grant = Grant()
         self.held = 0  # rows sent and not pruned: what this request may hold at any stage
         self.started = False  # sent its first rows (steps count from there)
-        self.floors: deque[int] = deque()  # committed_sent() after each of the last steps (engine/core.py)
+        self.floors: deque[int] = deque()  # committed_sent() after each of the last S + 2 steps (engine/core.py)
         self._commits_sent = 0  # committed node ids told to the stages
         self._rows_sent_end = 0  # 1 + the highest position of a row sent
         self.draft_bound = False  # its drafting outlasted the stages' compute in the last step
