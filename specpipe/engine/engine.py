@@ -47,11 +47,14 @@ class Engine:
         self.stage_specs = partition_layers(cfg.num_layers, config.stages, config.stage_layers)
         reserve = spec_reserve(config.mode, config.tree_width, config.tree_depth, config.stages,
                                config.layers_per_step)
-        self.num_blocks, self.window_blocks = pool_blocks(config, cfg, self.stage_specs, reserve,
-                                                          weight_bytes=held_weight_bytes(self.checkpoint, config))
+        self.num_blocks, self.window_blocks, whole_blocks = pool_blocks(
+            config, cfg, self.stage_specs, reserve, weight_bytes=held_weight_bytes(self.checkpoint, config))
         # A draft model holds what a stage holds plus the layers it drafted ahead of the rows sent
         # (up to one speculative reserve per running request): room for that, so it rarely runs out.
-        self.draft_blocks = self.num_blocks + config.max_num_seqs * -(-reserve // config.block_size)
+        # It keeps whole contexts in one pool: sized as the stages' pool would be without a window
+        # pool (with one the stages hold longer contexts than that, and a draft short of room only
+        # stops speculating for a while: core._draft_failed), never more memory than before.
+        self.draft_blocks = whole_blocks + config.max_num_seqs * -(-reserve // config.block_size)
         self.block_size = config.block_size
         self.cost_profile = _cost_profile(config)
         self.source: Optional[TokenSource] = None

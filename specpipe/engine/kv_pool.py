@@ -73,6 +73,7 @@ def held_weight_bytes(ckpt: Checkpoint, config: EngineConfig, share: float = 1.0
 class KVPools(NamedTuple):
     blocks: int  # the main pool's blocks per stage
     window_blocks: int = 0  # the sliding-window layers' own pool (0: they use the main pool)
+    whole_blocks: int = 0  # the main pool had every layer been in it (what a draft model is sized by)
 
 
 def pool_blocks(config: EngineConfig, cfg: ModelConfig, specs: list[StageSpec], spec_reserve: int,
@@ -98,6 +99,8 @@ def pool_blocks(config: EngineConfig, cfg: ModelConfig, specs: list[StageSpec], 
     per_request = blocks_for(need, bs)
     cap = config.max_num_seqs * per_request
     step_rows = config.max_step_rows if config.mode in BUDGETED_MODES else None
+    per_block = max(bytes_per_token(cfg, s, dtype_bytes) for s in specs) * bs
+    whole = int(max(1, min(budget // max(per_block, 1), cap)))
     if cfg.sliding_layers and cfg.sliding_window:
         per_window = blocks_for(window_need(need, cfg.sliding_window, spec_reserve, len(specs), step_rows), bs) + 1
         window_blocks = config.max_num_seqs * per_window
@@ -107,7 +110,5 @@ def pool_blocks(config: EngineConfig, cfg: ModelConfig, specs: list[StageSpec], 
         blocks = min([cap] + [left_s // (per_layer * (s.end - s.start - n))
                               for s, n, left_s in zip(specs, sliding, left) if s.end - s.start > n])
         if per_window < per_request and min(left) > 0 and blocks > window_blocks:
-            return KVPools(int(blocks), window_blocks)
-    per_block = max(bytes_per_token(cfg, s, dtype_bytes) for s in specs) * bs
-    blocks = budget // max(per_block, 1)
-    return KVPools(int(max(1, min(blocks, cap))))
+            return KVPools(int(blocks), window_blocks, whole)
+    return KVPools(whole, 0, whole)

@@ -65,3 +65,4 @@ def test_sliding_layers_get_a_pool_of_their_own_in_the_serving_modes(tiny_model_
         assert used <= 4 << 20
     without = kv_pool.pool_blocks(config, dataclasses.replace(cfg, sliding_layers=()), specs, 9)
     assert pools.blocks > without.blocks  # the memory the windows save goes to longer contexts
+    assert pools.whole_blocks == without.blocks  # what a draft model's pool is sized by: as before
