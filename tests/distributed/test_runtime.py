@@ -300,11 +300,12 @@ def namespaces():
                 _ip("link", "del", f"spp{tag}{i}", check=False)
 
 
-def test_three_hosts_over_network_namespaces(namespaces, runs, tiny_llama_dir):
-    port = 29400
+def _three_hosts(namespaces, tiny_llama_dir, port: int) -> list[Run]:
+    """The driver and two stage ranks, each in its namespace, run to the end (stages started
+    first: they wait for the driver's store)."""
     procs: list[Run] = []
     try:
-        for rank in (1, 2, 0):  # stages first: they wait for the driver's store
+        for rank in (1, 2, 0):
             ns, ifname, _ = namespaces[rank]
             env = clean_env(RANK=str(rank), WORLD_SIZE="3", MASTER_ADDR=namespaces[0][2],
                             MASTER_PORT=str(port), GLOO_SOCKET_IFNAME=ifname)
@@ -312,17 +313,33 @@ def test_three_hosts_over_network_namespaces(namespaces, runs, tiny_llama_dir):
                               "--max-tokens", "12", "--link-delay-ms", "3", PROMPT],
                              env=env, cmd_prefix=["ip", "netns", "exec", ns]))
         for run in procs:
-            assert run.wait(120) == 0, run.stderr
-        driver = procs[-1]
-        out = driver.result()
-        # Greedy: a 12-token run is the first 12 tokens of the 16-token single-process run.
-        assert out["token_ids"] == runs("greedy", "S1")["token_ids"][:12]
-        assert out["stats"]["pipeline_steps"] == 24
-        assert len(out["stats"]["stages"]) == 2
-        assert all(st["bytes_sent"] > 0 for st in out["stats"]["stages"])
-        for stage in procs[:2]:
-            assert stage.out == ""  # stages print nothing on stdout
-            assert "Traceback" not in stage.stderr
+            if run.wait(120) != 0:
+                break  # the others would wait for it: they are stopped below
+        return procs
     finally:
         for run in procs:
             kill_session(run.proc)
+
+
+# Seen once in about twenty runs (2026-12-02, never reproduced on demand): a stage rank aborted
+# at start inside its namespace with torch's "terminate called without an active exception" and
+# no Python error before it. Such a start is tried once more; any other failure fails at once.
+TORCH_START_ABORT = "terminate called without an active exception"
+
+
+def test_three_hosts_over_network_namespaces(namespaces, runs, tiny_llama_dir):
+    procs = _three_hosts(namespaces, tiny_llama_dir, 29400)
+    if any(r.proc.returncode == -6 and TORCH_START_ABORT in r.stderr for r in procs):
+        procs = _three_hosts(namespaces, tiny_llama_dir, 29401)
+    for run in procs:
+        assert run.proc.returncode == 0, "\n---\n".join(r.stderr for r in procs)
+    driver = procs[-1]
+    out = driver.result()
+    # Greedy: a 12-token run is the first 12 tokens of the 16-token single-process run.
+    assert out["token_ids"] == runs("greedy", "S1")["token_ids"][:12]
+    assert out["stats"]["pipeline_steps"] == 24
+    assert len(out["stats"]["stages"]) == 2
+    assert all(st["bytes_sent"] > 0 for st in out["stats"]["stages"])
+    for stage in procs[:2]:
+        assert stage.out == ""  # stages print nothing on stdout
+        assert "Traceback" not in stage.stderr
