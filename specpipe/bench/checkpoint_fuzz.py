@@ -75,8 +75,8 @@ def _gguf_name(canonical: str) -> str:
 # A SentencePiece-style vocabulary of VOCAB pieces: unknown, BOS, EOS, the word mark, letters, marked
 # letters and a few pairs; and a chat template with a loop, a filter and a condition.
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
-TOKENS = ["<unk>", "<s>", "</s>", "\u2581", *_LETTERS, *("\u2581" + c for c in _LETTERS),
-          "ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]
+_PAIRS = ["ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"]
+TOKENS = ["<unk>", "<s>", "</s>", "\u2581", *_LETTERS, *("\u2581" + c for c in _LETTERS), *_PAIRS]
 TOKEN_TYPES = [2, 3, 3] + [1] * (VOCAB - 3)
 CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] | upper }}: {{ m['content'] }}</s>{% endfor %}"
                  "{% if add_generation_prompt %}<s>ASSISTANT:{% endif %}")
@@ -134,7 +134,7 @@ def write_tiny_hf(directory: Path) -> Path:
 
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(hf_config()))
-    merges = [(t[0], t[1:]) for t in TOKENS[56:]] + [("\u2581", c) for c in _LETTERS]
+    merges = [(t[0], t[1:]) for t in _PAIRS] + [("\u2581", c) for c in _LETTERS]
     tok = Tokenizer(models.BPE({t: i for i, t in enumerate(TOKENS)}, merges, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.add_special_tokens(TOKENS[:3])

@@ -132,6 +132,7 @@ class LlamaStage(nn.Module):
             self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # Keyed by the global layer index so that names match the checkpoint's.
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in range(spec.start, spec.end)})
+        self.num_sliding = sum(layer.sliding for layer in self.layers.values())  # sliding-window layers here
         if spec.last:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one)
             self.lm_head = FloatLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -154,10 +155,6 @@ class LlamaStage(nn.Module):
     @property
     def num_layers(self) -> int:
         return self.spec.end - self.spec.start
-
-    @property
-    def num_sliding(self) -> int:
-        return sum(layer.sliding for layer in self.layers.values())
 
     def make_kv_cache(self, num_slots: int, layers: Optional[int] = None) -> KVCache:
         """A cache of `num_slots` slots for this stage's layers, or for `layers` of them (the

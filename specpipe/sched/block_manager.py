@@ -52,6 +52,10 @@ class _Pool:
         """Slots the request may hold, leaving the spare blocks free."""
         return (self.held.get(request_id, 0) + self.num_free() - self.spare) * self.block_size
 
+    def admissible(self) -> int:
+        """The most slots one request can ever be admitted with (the pool above its spare blocks)."""
+        return (self.num_blocks - self.spare) * self.block_size
+
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, window: Optional[int] = None, window_blocks: int = 0) -> None:
@@ -93,11 +97,15 @@ class BlockManager:
         """Every stage has settled the request's first `committed` positions (see the module)."""
         self._floor[request_id] = committed
 
+    def _evictable(self, request_id: int) -> int:
+        """Committed positions every stage's window table has forgotten for the request."""
+        return max(0, self._floor.get(request_id, 0) - self.window + 1)
+
     def _tokens(self, request_id: int, tokens: int) -> list[int]:
         """`tokens` slots of the main pool, as slots of each pool."""
         if self.window_pool is None:
             return [tokens]
-        return [tokens, tokens - max(0, self._floor.get(request_id, 0) - self.window + 1)]
+        return [tokens, tokens - self._evictable(request_id)]
 
     def fits(self, request_id: int, tokens: int, above_watermark: bool = False) -> bool:
         """Could the request hold `tokens` slots now (leaving the watermark free, if asked)?"""
@@ -108,17 +116,15 @@ class BlockManager:
         """The most slots the request may hold, leaving the watermark free."""
         room = self.pool.room(request_id)
         if self.window_pool is not None:
-            evictable = max(0, self._floor.get(request_id, 0) - self.window + 1)
-            room = min(room, self.window_pool.room(request_id) + evictable)
+            room = min(room, self.window_pool.room(request_id) + self._evictable(request_id))
         return room
 
     def admissible_tokens(self) -> int:
         """The most main-pool slots a request can ever be admitted with (above the watermark)."""
-        return (self.pool.num_blocks - self.pool.spare) * self.block_size
+        return self.pool.admissible()
 
     def window_admissible_tokens(self) -> Optional[int]:
-        p = self.window_pool
-        return None if p is None else (p.num_blocks - p.spare) * self.block_size
+        return None if self.window_pool is None else self.window_pool.admissible()
 
     def reserve(self, request_id: int, tokens: int) -> None:
         """Grow the request's blocks so that `tokens` slots fit (never shrinks them)."""
