@@ -8,7 +8,8 @@ the batch-invariant padded F.linear; dequant / int4pack / native = kernels/regis
 int8pack = torch's _weight_int8pack_mm after requantizing Q8_0 to one scale per row (lossy:
 measured for comparison only, never used).
 
-    PYTHONPATH=. python benchmarks/bench_qlinear.py [--threads 2] [--out benchmarks/results/qlinear_cpu.json]
+    PYTHONPATH=. python benchmarks/bench_qlinear.py [--threads 2] [--rows 1,2,8,16] [--float-only]
+        [--out benchmarks/results/qlinear_cpu.json]
 """
 
 from __future__ import annotations
@@ -65,8 +66,11 @@ def int8_per_row(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--rows", default=",".join(map(str, ROWS)), help="row counts, comma-separated")
+    p.add_argument("--float-only", action="store_true", help="only float32 weights (plain and batch-invariant)")
     p.add_argument("--out", default="benchmarks/results/qlinear_cpu.json")
     args = p.parse_args()
+    rows = tuple(int(t) for t in args.rows.split(","))
     if args.threads:
         torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
@@ -75,13 +79,13 @@ def main() -> None:
         for model, shapes in SHAPES.items():
             for n, k in shapes:
                 w32 = torch.randn(n, k) * 0.02
-                for t in ROWS:
+                for t in rows:
                     x = torch.randn(t, k)
                     results.append(dict(model=model, n=n, k=k, rows=t, qtype="F32", kernel="float32",
                                         ms=timed(lambda: F.linear(x, w32))))
                     results.append(dict(model=model, n=n, k=k, rows=t, qtype="F32", kernel="float32-tile",
                                         ms=timed(lambda: invariant_linear(x, w32))))
-                for qtype in TYPES:
+                for qtype in () if args.float_only else TYPES:
                     if k % BLOCKS[qtype][0]:
                         continue  # K-quants need rows of 256: SmolLM2's 576 does not fit them
                     packed = packed_rows(qtype, n, k, rng)
@@ -91,7 +95,7 @@ def main() -> None:
                         w8, s8 = int8_per_row(packed)
                         runs.append(("int8pack", lambda x, prep: torch.ops.aten._weight_int8pack_mm(x, *prep), (w8, s8)))
                     for name, mm, prep in runs:
-                        for t in ROWS:
+                        for t in rows:
                             x = torch.randn(t, k)
                             ms = timed(lambda: mm(x, prep))
                             results.append(dict(model=model, n=n, k=k, rows=t, qtype=qtype.name, kernel=name, ms=ms))
@@ -99,10 +103,10 @@ def main() -> None:
     print("\nms per call (fastest of the repeats); columns: rows")
     keys = sorted({(r["model"], r["n"], r["k"], r["qtype"], r["kernel"]) for r in results},
                   key=lambda key: (key[0], -key[1] * key[2], key[3], key[4]))
-    print(f"{'model':9s} {'shape':11s} {'type':5s} {'kernel':12s} " + " ".join(f"{t:>8d}" for t in ROWS))
+    print(f"{'model':9s} {'shape':11s} {'type':5s} {'kernel':12s} " + " ".join(f"{t:>8d}" for t in rows))
     for key in keys:
         row = {r["rows"]: r["ms"] for r in results if (r["model"], r["n"], r["k"], r["qtype"], r["kernel"]) == key}
-        print(f"{key[0]:9s} {key[1]:5d}x{key[2]:<5d} {key[3]:5s} {key[4]:12s} " + " ".join(f"{row[t]:8.3f}" for t in ROWS))
+        print(f"{key[0]:9s} {key[1]:5d}x{key[2]:<5d} {key[3]:5s} {key[4]:12s} " + " ".join(f"{row[t]:8.3f}" for t in rows))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"machine": platform.processor() or platform.machine(),
                                           "threads": torch.get_num_threads(), "torch": torch.__version__,
