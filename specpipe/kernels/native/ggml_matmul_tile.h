@@ -32,7 +32,7 @@ SP_INLINE SP_ATTR void SP_K(tiles)(const job *jb, int64_t n0, int64_t n1, const 
           if (type == SP_Q4_K) unpack_q4_k(row + g * 144, &wt, r);
           else if (type == SP_Q5_K) unpack_q5_k(row + g * 176, &wt, r);
           else if (type == SP_Q6_K) unpack_q6_k(row + g * 210, &wt, r);
-          else unpack_group32(type, row, g, jb->nblk32, &wt, r);
+          else SP_K(unpack_group32)(type, row, g, jb->nblk32, &wt, r);
           if (is_k) SP_K(prep_scales)(&wt, r, type == SP_Q6_K ? 16 : 32);
         }
         for (int i = 0; i < tb; i++) {
