@@ -125,13 +125,17 @@ def test_thread_count_invariance(qtype):
         assert torch.equal(y, ys[0])
 
 
-@pytest.mark.parametrize("qtype", ALL_TYPES, ids=lambda q: q.name)
-def test_isa_paths_bitwise_equal(qtype):
-    packed = random_packed(qtype, 37, 768, seed=int(qtype) + 100)
-    x = torch.randn(11, 768, generator=torch.Generator().manual_seed(3))
+@pytest.mark.parametrize("qtype,k", [(q, 768) for q in ALL_TYPES] +  # 288: a short last group
+                         [(q, 288) for q in ALL_TYPES if q not in TYPES_K], ids=lambda v: getattr(v, "name", str(v)))
+def test_isa_paths_bitwise_equal(qtype, k):
+    packed = random_packed(qtype, 37, k, seed=int(qtype) + 100)
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(3))
     base = run(x, packed, qtype, isa="portable")
     for isa in native.supported_isas():
         assert torch.equal(run(x, packed, qtype, isa=isa), base), isa
+        # 2-4 rows take the tile, more the row lanes on AVX-512 VNNI
+        for t in (2, 3, 4, 5):
+            assert torch.equal(run(x[:t], packed, qtype, isa=isa), base[:t]), (isa, t)
         # one row (decode) takes a path of its own on some ISAs (Q4_K / Q6_K on AVX-512 VNNI)
         for threads in (1, 2):
             assert torch.equal(run(x[3:4], packed, qtype, isa=isa, threads=threads), base[3:4]), isa

@@ -850,31 +850,56 @@ SP_INLINE void tile_prefetch_step(const tile_prefetch *pf, const job *jb, int64_
 typedef struct {
   int64_t chunks;  /* ceil(T / 8) */
   int8_t *q;       /* [g][chunk][64 kq][8 lanes][4] */
+  /* K-quants */
   int32_t *pairs;  /* [g][chunk][8 pairs][8 lanes]: int16 pairs of block sums (for the offsets) */
   float *d;        /* [g][chunk][8 lanes]: the activation scale of the group */
+  /* 32-value types, per 32-block: [g][chunk][8 blocks][8 lanes] */
+  int32_t *bsum;   /* integer sum */
+  float *bd, *bdsum; /* scale, and scale * sum (Q4_1/Q5_1) */
 } xlanes;
+
+#define SP_LANES_BYTES (3 * 64 * 4 + 2048) /* per group and chunk: pairs/bsum, d/bd, bdsum, then q */
+
+static int is_kquant(int type) { return type == SP_Q4_K || type == SP_Q5_K || type == SP_Q6_K; }
+
+/* xl's arrays in one allocation of SP_LANES_BYTES per group and chunk, freed through xl->pairs. */
+static int alloc_lanes(int64_t ng, xlanes *xl) {
+  const int64_t n = ng * xl->chunks;
+  int32_t *mem = malloc((size_t)(n * SP_LANES_BYTES));
+  if (!mem) return 0;
+  xl->pairs = xl->bsum = mem;
+  xl->d = xl->bd = (float *)(mem + n * 64);
+  xl->bdsum = xl->bd + n * 64;
+  xl->q = (int8_t *)(xl->bdsum + n * 64);
+  return 1;
+}
 
 static void build_lanes(const xquant *xq, int type, xlanes *xl) {
   const int64_t t = xq->t, ng = xq->kp / 256, ch = xl->chunks;
-  const int npairs = type == SP_Q6_K ? 8 : 4;
+  const int kq = is_kquant(type), npairs = type == SP_Q6_K ? 8 : 4;
   for (int64_t g = 0; g < ng; g++)
     for (int64_t c = 0; c < ch; c++) {
-      int8_t *q = xl->q + (g * ch + c) * 2048;
-      int32_t *pr = xl->pairs + (g * ch + c) * 64;
-      float *d = xl->d + (g * ch + c) * 8;
+      const int64_t gc = g * ch + c;
+      int8_t *q = xl->q + gc * 2048;
       for (int l = 0; l < 8; l++) {
         const int64_t row = 8 * c + l, at = g * t + row;
-        if (row >= t) { /* padding lanes: zeros, never stored */
-          for (int kq = 0; kq < 64; kq++) memset(q + 32 * kq + 4 * l, 0, 4);
-          for (int j = 0; j < npairs; j++) pr[8 * j + l] = 0;
-          d[l] = 0.f;
-          continue;
+        const int real = row < t; /* padding lanes: zeros, never stored */
+        for (int i = 0; i < 64; i++) {
+          if (real) memcpy(q + 32 * i + 4 * l, xq->q + 256 * at + 4 * i, 4);
+          else memset(q + 32 * i + 4 * l, 0, 4);
         }
-        for (int kq = 0; kq < 64; kq++) memcpy(q + 32 * kq + 4 * l, xq->q + 256 * at + 4 * kq, 4);
-        const int32_t *bs = type == SP_Q6_K ? xq->s16 + 16 * at : xq->s32 + 8 * at;
-        for (int j = 0; j < npairs; j++) /* |block sum| <= 32 * 127: an int16 */
-          pr[8 * j + l] = (int32_t)(((uint32_t)(uint16_t)bs[2 * j]) | ((uint32_t)(uint16_t)bs[2 * j + 1] << 16));
-        d[l] = xq->d[8 * at];
+        if (kq) {
+          const int32_t *bs = type == SP_Q6_K ? xq->s16 + 16 * at : xq->s32 + 8 * at;
+          for (int j = 0; j < npairs; j++) /* |block sum| <= 32 * 127: an int16 */
+            xl->pairs[gc * 64 + 8 * j + l] = real ? (int32_t)(((uint32_t)(uint16_t)bs[2 * j]) |
+                                                              ((uint32_t)(uint16_t)bs[2 * j + 1] << 16)) : 0;
+          xl->d[gc * 8 + l] = real ? xq->d[8 * at] : 0.f;
+        } else
+          for (int j = 0; j < 8; j++) {
+            xl->bsum[gc * 64 + 8 * j + l] = real ? xq->s32[8 * at + j] : 0;
+            xl->bd[gc * 64 + 8 * j + l] = real ? xq->d[8 * at + j] : 0.f;
+            xl->bdsum[gc * 64 + 8 * j + l] = real ? xq->dsum[8 * at + j] : 0.f;
+          }
       }
     }
 }
@@ -981,10 +1006,82 @@ SP_INLINE SP_VNNI void tiles_lanes(const job *jb, const xlanes *xl, int64_t n0, 
   }
 }
 
+/* The 32-value types in row lanes: per 32-block j of weight row r, the 8 lanes' dots by vpdpbusd,
+ * folded per block as fold_group32 does (blocks in ascending order, the same expression per
+ * element). Q8_0's int8 weights enter vpdpbusd as w + 128 (unsigned): 128 x the lane's block sum
+ * comes off again with Q4_0's 8 and Q5_0's 16 (all exact integers). */
+SP_INLINE SP_VNNI void tiles_lanes32(const job *jb, const xlanes *xl, int64_t n0, int64_t n1,
+                                     const int type) {
+  const int64_t ng = jb->xq.kp / 256, ch = xl->chunks;
+  const int shift = type == SP_Q4_0 ? 3 : type == SP_Q5_0 ? 4 : type == SP_Q8_0 ? 7 : 0;
+  const int has_m = type == SP_Q4_1 || type == SP_Q5_1;
+  const uint32_t flip = type == SP_Q8_0 ? 0x80808080u : 0u;
+  const tile_prefetch pf = tile_prefetch_start(jb, n0, n1);
+  wtile wt;
+  __m256 acc[8][SP_NR]; /* [chunk][weight row]: 8 activation rows each */
+  memset(&wt, 0, sizeof wt);
+  for (int64_t n = n0; n < n1; n += SP_NR) {
+    const int nr = (int)(n1 - n < SP_NR ? n1 - n : SP_NR);
+    for (int64_t c0 = 0; c0 < ch; c0 += 8) { /* up to 64 activation rows per pass */
+      const int cb = (int)(ch - c0 < 8 ? ch - c0 : 8);
+      for (int c = 0; c < cb; c++)
+        for (int r = 0; r < SP_NR; r++) acc[c][r] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < ng; g++) {
+        for (int r = 0; r < nr; r++) {
+          if (c0 == 0) tile_prefetch_step(&pf, jb, n, g * SP_NR + r);
+          unpack_group32_avx2(type, jb->w + (n + r) * jb->row_bytes, g, jb->nblk32, &wt, r);
+        }
+        for (int c = 0; c < cb; c++) {
+          const int64_t at = g * ch + c0 + c;
+          const int8_t *xq = xl->q + at * 2048;
+          for (int j = 0; j < wt.nb; j++) {
+            __m256i xv[8];
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) xv[i] = LD(xq + 32 * (8 * j + i));
+            const __m256 dx = _mm256_loadu_ps(xl->bd + at * 64 + 8 * j);
+            const __m256i off = shift ? _mm256_sll_epi32(LD(xl->bsum + at * 64 + 8 * j), _mm_cvtsi32_si128(shift))
+                                      : _mm256_setzero_si256(); /* Q4_1/Q5_1: no offset */
+            const __m256 dsum = has_m ? _mm256_loadu_ps(xl->bdsum + at * 64 + 8 * j) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+            for (int r = 0; r < SP_NR; r++) {
+              const uint8_t *wq = wt.q[r] + 32 * j;
+              __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+              for (int i = 0; i < 8; i += 2) {
+                s0 = _mm256_dpbusd_epi32(s0, _mm256_set1_epi32((int)(load_u32(wq + 4 * i) ^ flip)), xv[i]);
+                s1 = _mm256_dpbusd_epi32(s1, _mm256_set1_epi32((int)(load_u32(wq + 4 * i + 4) ^ flip)), xv[i + 1]);
+              }
+              const __m256i dot = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), off);
+              const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(wt.d[j][r]), dx);
+              __m256 term = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(dot));
+              if (has_m) term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_set1_ps(wt.m[j][r]), dsum));
+              acc[c][r] = _mm256_add_ps(acc[c][r], term);
+            }
+          }
+        }
+      }
+      for (int c = 0; c < cb; c++)
+        for (int r = 0; r < nr; r++) {
+          float v[8];
+          _mm256_storeu_ps(v, acc[c][r]);
+          for (int l = 0; l < 8 && 8 * (c0 + c) + l < jb->t; l++)
+            jb->y[(8 * (c0 + c) + l) * jb->n + n + r] = v[l];
+        }
+    }
+  }
+}
+
 static SP_VNNI void tiles_lanes_vnni(const job *jb, const xlanes *xl, int64_t n0, int64_t n1) {
-  if (jb->type == SP_Q4_K) tiles_lanes(jb, xl, n0, n1, SP_Q4_K);
-  else if (jb->type == SP_Q5_K) tiles_lanes(jb, xl, n0, n1, SP_Q5_K);
-  else tiles_lanes(jb, xl, n0, n1, SP_Q6_K);
+  switch (jb->type) {
+  case SP_Q4_K: tiles_lanes(jb, xl, n0, n1, SP_Q4_K); break;
+  case SP_Q5_K: tiles_lanes(jb, xl, n0, n1, SP_Q5_K); break;
+  case SP_Q6_K: tiles_lanes(jb, xl, n0, n1, SP_Q6_K); break;
+  case SP_Q4_0: tiles_lanes32(jb, xl, n0, n1, SP_Q4_0); break;
+  case SP_Q4_1: tiles_lanes32(jb, xl, n0, n1, SP_Q4_1); break;
+  case SP_Q5_0: tiles_lanes32(jb, xl, n0, n1, SP_Q5_0); break;
+  case SP_Q5_1: tiles_lanes32(jb, xl, n0, n1, SP_Q5_1); break;
+  default: tiles_lanes32(jb, xl, n0, n1, SP_Q8_0); break;
+  }
 }
 #endif
 
@@ -1240,23 +1337,18 @@ int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, 
     free(mem);
     return SP_OK;
   }
-  /* 5 rows or more: the row-lanes kernel (below that, most of its 8 lanes would idle and the
-   * tile path is as fast: Q4_K 8960 x 1536, 1 thread, 4 rows 1.10 vs 1.13 ms, 8 rows 1.80 vs
-   * 1.14 ms) */
-  if (t >= 5 && isa == SP_ISA_AVX512VNNI && (type == SP_Q4_K || type == SP_Q5_K || type == SP_Q6_K)) {
-    const int64_t ng = kp / 256, ch = (t + 7) / 8;
-    xlanes xl = {ch, 0, 0, 0};
-    void *lmem = malloc((size_t)(ng * ch * (2048 + 64 * 4 + 8 * 4)));
-    if (!lmem) {
+  /* The row-lanes kernel from 5 rows (K-quants) or 3 (32-value types); below that most of its 8
+   * lanes would idle and the tile is as fast or faster (1 thread, 8960 x 1536: Q4_K 4 rows 1.10
+   * vs 1.13 ms, 8 rows 1.80 vs 1.14 ms; Q5_0 2 rows 1.08 vs 1.32 ms, 3 rows 1.43 vs 1.34 ms) */
+  if (t >= (is_kquant(type) ? 5 : 3) && isa == SP_ISA_AVX512VNNI) {
+    xlanes xl = {(t + 7) / 8};
+    if (!alloc_lanes(kp / 256, &xl)) {
       free(mem);
       return SP_ERR_MEMORY;
     }
-    xl.pairs = (int32_t *)lmem;
-    xl.d = (float *)(xl.pairs + ng * ch * 64);
-    xl.q = (int8_t *)(xl.d + ng * ch * 8);
     build_lanes(xq, type, &xl);
     run_parallel_lanes(&jb, &xl, ntiles, mthreads);
-    free(lmem);
+    free(xl.pairs);
     free(mem);
     return SP_OK;
   }
