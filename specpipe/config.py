@@ -191,6 +191,7 @@ class EngineConfig:
     stages: int = 1
     stage_layers: Optional[list[int]] = None
     draft: Optional[str] = None  # source spec (see spec_decode/build.py); tree/specpipe default: ngram
+    draft_vocab: Optional[int] = None  # a draft model proposes from about this many tokens (None: all)
     tree_width: int = 8  # W: nodes per tree layer
     tree_depth: int = 4  # D: layers per round in mode `tree`
     layers_per_step: int | str = 1  # d: tree layers per step in specpipe / specpipe-db, or "auto"
@@ -246,6 +247,8 @@ class EngineConfig:
             raise ConfigError(f"--restart-stages must be >= 0, got {self.restart_stages}")
         if self.stage_timeout_s <= 0:
             raise ConfigError(f"--stage-timeout must be positive, got {self.stage_timeout_s}")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise ConfigError(f"--draft-vocab must be at least 1, got {self.draft_vocab}")
         if self.mode not in SPECULATIVE_MODES and self.draft:
             raise ConfigError(f"--draft has no effect in mode {self.mode}; choose a speculative mode "
                               f"({', '.join(SPECULATIVE_MODES)})")

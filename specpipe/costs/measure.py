@@ -85,9 +85,9 @@ class StageTimer:
 
 
 def measure_checkpoint(model, draft, rows: list[int], contexts: list[int], device: str = "cpu",
-                       dtype: str = "auto", threads: int = 0, repeats: int = 3):
-    """The cost profile of a checkpoint (the target, and the draft if given); `model` None is the
-    embedded default model."""
+                       dtype: str = "auto", threads: int = 0, repeats: int = 3, draft_vocab: int | None = None):
+    """The cost profile of a checkpoint (the target, and the draft if given, its LM head over
+    `draft_vocab` tokens if given); `model` None is the embedded default model."""
     import torch
 
     from specpipe.config import EngineConfig, StageSpec
@@ -107,6 +107,14 @@ def measure_checkpoint(model, draft, rows: list[int], contexts: list[int], devic
         draft_model = build_stage(dckpt, StageSpec.whole(dckpt.config), dev, torch_dtype)
         draft_meta = {"path": str(draft), "num_layers": dckpt.config.num_layers,
                       "hidden_size": dckpt.config.hidden_size}
+        if draft_vocab is not None:
+            from specpipe.kernels.qlinear import select_outputs
+            from specpipe.spec_decode.draft_model import frequent_vocab
+            from specpipe.tokenizer.tokenizer import Tokenizer
+
+            ids = frequent_vocab(Tokenizer.from_path(draft), draft_vocab)
+            draft_model.lm_head = select_outputs(draft_model.lm_head, ids)
+            draft_meta["vocab"] = len(ids)
     prof = profile_stages(lambda spec: build_stage(ckpt, spec, dev, torch_dtype), ckpt.config, rows, contexts,
                           repeats, dev, torch_dtype, draft_model)
     prof.model["path"], prof.draft = str(target), draft_meta

@@ -67,7 +67,8 @@ class EngineCore:
         self.width, self.depth, self.layers = width, depth, layers
         self.auto_plan: Optional[AutoPlan] = None  # shared by every request in `--layers-per-step auto`
         if layers == AUTO and mode in SPECULATIVE_MODES and mode != "tree":
-            cost = StepCost(cost_profile, pipeline.num_stages) if cost_profile is not None else None
+            cost = (StepCost(cost_profile, pipeline.num_stages, draft_cost=source.runs_model)
+                    if cost_profile is not None else None)
             self.auto_plan = AutoPlan(HitProfile(width), pipeline.num_stages, cost)
         self.step_rows = step_rows if mode in BUDGETED_MODES else None
         window, window_blocks = window_pool or (None, 0)

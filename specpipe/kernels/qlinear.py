@@ -46,6 +46,25 @@ class FloatLinear(nn.Linear):
         return invariant_linear(x, w, b)
 
 
+def select_outputs(linear: nn.Module, ids: torch.Tensor) -> nn.Module:
+    """A linear layer computing only the outputs `ids` of `linear` (its weight rows `ids`): a
+    draft's LM head over part of the vocabulary. With the native kernel each output keeps its bits
+    (an element depends on its own weight row alone)."""
+    ids = ids.to(torch.long)
+    if isinstance(linear, QuantLinear):
+        if linear.packed is None:
+            raise ValueError(f"the {linear.kernel} kernel repacks its weights: their rows cannot be selected")
+        bias = None if linear.bias is None else linear.bias[ids.to(linear.bias.device)]
+        return QuantLinear(linear.packed.index_select(0, ids.to(linear.packed.device)), linear.qtype,
+                           linear.in_features, len(ids), bias, linear._kernel)
+    w = linear.weight.detach()
+    out = FloatLinear(linear.in_features, len(ids), bias=linear.bias is not None, device="meta")
+    out.weight = nn.Parameter(w.index_select(0, ids.to(w.device)), requires_grad=False)
+    if linear.bias is not None:
+        out.bias = nn.Parameter(linear.bias.detach()[ids.to(w.device)], requires_grad=False)
+    return out
+
+
 class QuantLinear(nn.Module):
     """y = x W^T + b with W (out, in) held as packed GGML rows; x (T, in) float32 -> (T, out)."""
 

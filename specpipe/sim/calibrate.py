@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="write the profile (JSON) here")
     p.add_argument("--model", default=None, help="target GGUF file or HF directory (default: embedded SmolLM2-135M)")
     p.add_argument("--draft", default=None, help="draft model to profile (a path; default: none)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="the draft's LM head over its N most frequent tokens, as `--draft-vocab` serves it")
     p.add_argument("--rows", type=_ints, default=DEFAULT_ROWS, help="row counts (default 1,2,4,...,256)")
     p.add_argument("--contexts", type=_ints, default=DEFAULT_CONTEXTS, help="context lengths (default 256,...,8192)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
@@ -64,7 +66,7 @@ def main(args: argparse.Namespace) -> int:
         from specpipe.costs.measure import measure_checkpoint
 
         prof = measure_checkpoint(args.model, args.draft, args.rows, args.contexts, args.device, args.dtype,
-                                  args.threads, args.repeats)
+                                  args.threads, args.repeats, args.draft_vocab)
         for S in args.probe_links:
             for link in probe_link(args.model, S, args.device, args.threads):
                 prof.links[link.name] = asdict(link)

@@ -4,6 +4,8 @@
   self:K         the target's first K layers plus its final norm and LM head (early exit)
   PATH           a draft model (GGUF file or Hugging Face directory) with the target's tokenizer
   A+B[+C...]     several of these merged into one layer
+
+draft_vocab N (--draft-vocab): every draft model proposes from about N tokens only (frequent_vocab).
 """
 
 from __future__ import annotations
@@ -16,25 +18,28 @@ from specpipe.config import ConfigError, StageSpec
 from specpipe.tokenizer.tokenizer import Tokenizer
 from specpipe.loader import Checkpoint, open_checkpoint
 from specpipe.model.stage import build_stage
-from specpipe.spec_decode.draft_model import DraftModelSource
+from specpipe.spec_decode.draft_model import DraftModelSource, frequent_vocab
 from specpipe.spec_decode.sources import MergedSource, NgramSource, TokenSource
 
 
 def build_source(spec: str, target: Checkpoint, tokenizer: Tokenizer, num_blocks: int, block_size: int,
                  device: str = "cpu", dtype: Optional[torch.dtype] = torch.float32,
-                 quantization: Optional[str] = None) -> TokenSource:
+                 quantization: Optional[str] = None, draft_vocab: Optional[int] = None) -> TokenSource:
     """A model source gets a KV pool of `num_blocks` x `block_size` slots: a stage's pool plus
     room for the layers it drafts ahead (Engine.draft_blocks), since it holds the same committed
     tokens and tree nodes of every request and those besides."""
     parts = [p.strip() for p in spec.split("+") if p.strip()]
     if not parts:
         raise ConfigError("--draft is empty")
-    sources = [_one(p, target, tokenizer, (num_blocks, block_size), device, dtype, quantization) for p in parts]
+    if draft_vocab is not None and all(p == "ngram" for p in parts):
+        raise ConfigError(f"--draft-vocab applies to a draft model (PATH or self:K); --draft {spec} has none")
+    vocab = None if draft_vocab is None else frequent_vocab(tokenizer, draft_vocab)
+    sources = [_one(p, target, tokenizer, (num_blocks, block_size), device, dtype, quantization, vocab) for p in parts]
     return sources[0] if len(sources) == 1 else MergedSource(sources)
 
 
 def _one(part: str, target: Checkpoint, tokenizer: Tokenizer, pool: tuple[int, int], device, dtype,
-         quantization: Optional[str] = None) -> TokenSource:
+         quantization: Optional[str] = None, vocab: Optional[torch.Tensor] = None) -> TokenSource:
     if part == "ngram":
         return NgramSource()
     if part.startswith("self:"):
@@ -46,7 +51,7 @@ def _one(part: str, target: Checkpoint, tokenizer: Tokenizer, pool: tuple[int, i
         if not 1 <= k < n:
             raise ConfigError(f"--draft self:K needs 1 <= K < {n} (the target's layer count), got {k}")
         model = build_stage(target, StageSpec(0, k, first=True, last=True), device, dtype, quantization)
-        return DraftModelSource(model, *pool, f"self:{k}", tokenizer.fingerprint())
+        return _draft_model(model, pool, f"self:{k}", tokenizer.fingerprint(), vocab)
     ckpt = open_checkpoint(part)
     draft_tok = Tokenizer.from_path(part)
     if draft_tok.fingerprint() != tokenizer.fingerprint():
@@ -58,4 +63,11 @@ def _one(part: str, target: Checkpoint, tokenizer: Tokenizer, pool: tuple[int, i
             f"--draft {part}: vocabulary size {ckpt.config.vocab_size} differs from the target's "
             f"{target.config.vocab_size}")
     model = build_stage(ckpt, StageSpec.whole(ckpt.config), device, dtype, quantization)
-    return DraftModelSource(model, *pool, part, draft_tok.fingerprint())
+    return _draft_model(model, pool, part, draft_tok.fingerprint(), vocab)
+
+
+def _draft_model(model, pool: tuple[int, int], name: str, fingerprint: str, vocab) -> DraftModelSource:
+    try:
+        return DraftModelSource(model, *pool, name, fingerprint, vocab)
+    except ValueError as e:  # a head whose kernel repacked its rows cannot be cut to a vocabulary
+        raise ConfigError(f"--draft {name} with --draft-vocab: {e}") from None

@@ -16,18 +16,40 @@ from typing import Sequence
 
 import torch
 
+from specpipe.kernels.qlinear import select_outputs
 from specpipe.messages import Rows
 from specpipe.model.llama import LlamaStage
 from specpipe.spec_decode.sources import ProposeCall, SourceRows, TokenSource
 from specpipe.kv.packed_forward import run_packed
 from specpipe.kv.slot_table import SlotTable
+from specpipe.tokenizer.tokenizer import Tokenizer
+
+
+def frequent_vocab(tokenizer: Tokenizer, n: int) -> torch.Tensor:
+    """A draft's vocabulary cut to about n tokens: the ids below n (BPE and SentencePiece
+    vocabularies number their tokens in the order they were learned, the most frequent first),
+    plus every added token (end of turn, end of text, ...) so that the draft can still propose
+    stopping. Ascending ids."""
+    if n < 1:
+        raise ValueError(f"a draft vocabulary needs at least one token, got {n}")
+    extra = [i for i in (*tokenizer.added_token_ids(), *tokenizer.eos_token_ids) if i >= n]
+    return torch.tensor(sorted({*range(min(n, tokenizer.vocab_size)), *extra}), dtype=torch.long)
 
 
 class DraftModelSource(TokenSource):
+    """A draft model's proposals. `vocab_ids`: the tokens the draft may propose (its LM head computes those rows only: on a
+    CPU the head of a small model with a large vocabulary is a third of its forward); None: all.
+    The target verifies every proposal, so this changes how often the tree hits, never the output."""
+
+    runs_model = True
+
     def __init__(self, model: LlamaStage, num_blocks: int, block_size: int, name: str,
-                 tokenizer_fingerprint: str | None = None) -> None:
+                 tokenizer_fingerprint: str | None = None, vocab_ids: torch.Tensor | None = None) -> None:
         if not (model.spec.first and model.spec.last):
             raise ValueError("a draft model needs its embedding and its LM head")
+        if vocab_ids is not None:
+            model.lm_head = select_outputs(model.lm_head, vocab_ids)
+        self.vocab_ids = vocab_ids
         self.model, self.name = model, name
         self.tokenizer_fingerprint = tokenizer_fingerprint
         # Horizon 0: the draft is fed synchronously, never a pruned node's row, so it remembers none.
@@ -62,8 +84,9 @@ class DraftModelSource(TokenSource):
             c = calls[i]
             if logits is None or not len(c.want):
                 continue
-            top = torch.log_softmax(logits.float(), dim=-1).topk(c.k, dim=-1)
-            ids, lps = top.indices.tolist(), top.values.tolist()
+            top = torch.log_softmax(logits.float(), dim=-1).topk(min(c.k, logits.shape[-1]), dim=-1)
+            ids = top.indices if self.vocab_ids is None else self.vocab_ids[top.indices]
+            ids, lps = ids.tolist(), top.values.tolist()
             out[i] = {n: list(zip(ids[j], lps[j])) for j, n in enumerate(c.want)}
         return out
 

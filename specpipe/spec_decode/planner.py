@@ -14,7 +14,9 @@ up to the proposals' count follows from where the target's tokens ranked (HitPro
 
 A step costs the slowest of: the stages, each computing about the rows of one block per step
 (d x w), and the drafting, d source forwards one after another while the stages compute. The
-plan is the (d, w) with the most tokens per millisecond, E / step time. Without a cost profile
+plan is the (d, w) with the most tokens per millisecond, E / step time; with a cost profile also
+d = 0, no drafting at all: pp's 1 / S tokens per step at the stages' one-row step (a draft that
+costs more than its hits save, as a small model on a CPU can, makes that the plan). Without a cost profile
 every shape costs the same (rows nearly free, drafting hidden: an accelerator far from its
 compute bound) and the deepest, widest block wins; the engine still backs off a layer whenever
 drafting measurably outlasts the stages.
@@ -76,14 +78,15 @@ class StepCost:
     """The time of one pipeline step when each stage computes `rows` rows and the source makes
     `forwards` forwards of `draft_rows` rows while they compute: the slowest of the two. From a
     cost profile (`specpipe profile`, or a roofline preset), with the profile's layers split over
-    `num_stages` stages; the slowest stage is the one that counts."""
+    `num_stages` stages; the slowest stage is the one that counts. `draft_cost` False: the source
+    runs no model (n-gram lookup) and its forwards cost nothing, whatever draft the profile holds."""
 
-    def __init__(self, profile: "CostProfile", num_stages: int) -> None:
+    def __init__(self, profile: "CostProfile", num_stages: int, draft_cost: bool = True) -> None:
         from specpipe.loader.partition import partition_layers
 
         if not profile.num_layers:
             raise ValueError("the cost profile does not say how many layers its model has")
-        self.profile = profile
+        self.profile, self.draft_cost = profile, draft_cost
         self.layers = [p.end - p.start for p in partition_layers(profile.num_layers, num_stages)]
         self._ms: dict[tuple[int, int, int, int], float] = {}  # every request plans every step: remember
 
@@ -94,13 +97,15 @@ class StepCost:
         if key not in self._ms:
             p, S = self.profile, len(self.layers)
             stages = max(p.stage(n, s == S - 1, rows, context) for s, n in enumerate(self.layers))
-            self._ms[key] = max(stages, forwards * p.draft_forward(draft_rows, context))
+            drafting = forwards * p.draft_forward(draft_rows, context) if forwards and self.draft_cost else 0.0
+            self._ms[key] = max(stages, drafting)
         return self._ms[key]
 
 
 def plan_block(hits: HitProfile, used_width: int, num_stages: int, max_layers: int, widths: Sequence[int],
                cost: Optional[StepCost], context: int) -> tuple[int, int]:
-    """The (layers, width) with the most expected tokens per unit of step time."""
+    """The (layers, width) with the most expected tokens per unit of step time; layers 0: do not
+    draft (only with a cost profile, and only where it is strictly faster)."""
     best, best_rate = (1, max(widths)), -1.0
     for w in sorted(set(widths)):
         h = hits.hit_rate(w, used_width)
@@ -110,4 +115,6 @@ def plan_block(hits: HitProfile, used_width: int, num_stages: int, max_layers: i
             rate = tokens / ms if ms > 0 else tokens
             if rate > best_rate * (1 + 1e-9):  # ties: the smaller block (fewer rows, fewer forwards)
                 best, best_rate = (d, w), rate
+    if cost is not None and (1.0 / num_stages) / cost.step_ms(1, 0, 0, context) > best_rate * (1 + 1e-9):
+        return 0, max(widths)
     return best

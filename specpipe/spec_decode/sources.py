@@ -52,6 +52,7 @@ class TokenSource(ABC):
 
     name: str = "source"
     tokenizer_fingerprint: str | None = None  # set by model sources, checked against the target's
+    runs_model = False  # its proposals cost a model's forward (priced by a cost profile's draft)
 
     def start(self, request_id: int) -> None:
         """A request begins (its prompt arrives through the first `propose`)."""
@@ -186,6 +187,7 @@ class MergedSource(TokenSource):
             raise ValueError("a merged source needs at least one source")
         self.sources = list(sources)
         self.name = "+".join(s.name for s in sources)
+        self.runs_model = any(s.runs_model for s in sources)
         prints = {s.tokenizer_fingerprint for s in sources} - {None}
         self.tokenizer_fingerprint = prints.pop() if len(prints) == 1 else None
 

@@ -326,6 +326,11 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._backend.token_to_id(token)
 
+    def added_token_ids(self) -> list[int]:
+        """Ids of the tokens added to the base vocabulary (specials such as <|im_end|>, and
+        user-defined ones), ascending."""
+        return sorted(self._backend.get_added_tokens_decoder())
+
     @property
     def has_chat_template(self) -> bool:
         return self._chat_template is not None

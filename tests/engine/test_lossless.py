@@ -84,6 +84,9 @@ def all_sources(target, draft_ckpt) -> dict:
         "draft": lambda: DraftModelSource(build_stage(draft_ckpt, StageSpec.whole(draft_ckpt.config)),
                                           BLOCKS, BLOCK_SIZE, "draft"),
         "self:6+ngram": lambda: MergedSource([self_draft(target, 6), NgramSource()]),
+        # a draft proposing from part of the vocabulary (--draft-vocab): every other token id
+        "self:3/vocab": lambda: DraftModelSource(build_stage(target, StageSpec(0, 3, first=True, last=True)),
+                                                 BLOCKS, BLOCK_SIZE, "self:3", vocab_ids=torch.arange(0, 300, 2)),
     }
 
 
@@ -165,6 +168,29 @@ def test_auto_plans_small_blocks_where_rows_cost(tiny8):
         shapes[name] = req.stats.block_shapes
     assert set(shapes["costly"]) == {"1x1"}
     assert max(shapes["free"], key=shapes["free"].get) == f"{AUTO_MAX_LAYERS}x4"
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_auto_stops_drafting_where_the_draft_costs_too_much(tiny8, sampling):
+    """A profile in which a draft forward costs 50 stage steps: auto plans no drafting, the
+    request runs as pp (pp's tokens and steps), and the draft holds nothing for it."""
+    target, _ = tiny8
+    max_committed = len(TINY_PROMPT) + sampling.max_tokens
+    reference = run(make_pipeline(target, 1, 1, max_committed), "pp", TINY_PROMPT, sampling).output_ids
+    rows = [1, 64]
+    dear = CostProfile("dear draft", rows, [[1.0, 1.0]], [0.0, 0.0], [[100.0, 100.0]], model={"num_layers": 8})
+    pipe = make_pipeline(target, 4, 4 * AUTO_MAX_LAYERS, max_committed)
+    draft = self_draft(target, 7)
+    req = Request(0, TINY_PROMPT, sampling, frozenset())
+    decode(pipe, req, "specpipe", draft, 4, 3, layers="auto", cost_profile=dear)
+    assert req.output_ids == reference
+    assert set(req.stats.block_shapes) == {"0x0"} and req.stats.drafted == 0
+    assert req.stats.pipeline_steps == 4 * len(reference)
+    assert draft.slots.total_in_use() == 0 and not draft.slots.requests
+    # n-gram lookup runs no model: the profile's draft does not price it, and it drafts
+    req = Request(1, TINY_PROMPT, sampling, frozenset())
+    decode(pipe, req, "specpipe", NgramSource(), 4, 3, layers="auto", cost_profile=dear)
+    assert req.output_ids == reference and req.stats.drafted > 0 and "0x0" not in req.stats.block_shapes
 
 
 def test_several_layers_pass_one_token_per_step(tiny8):

@@ -22,7 +22,7 @@ import torch
 from specpipe.config import StageSpec
 from specpipe.kernels import native
 from specpipe.kernels.ggml_types import BLOCKS
-from specpipe.kernels.qlinear import FloatLinear, QuantLinear
+from specpipe.kernels.qlinear import FloatLinear, QuantLinear, select_outputs
 from specpipe.kernels.registry import kernels
 from specpipe.loader import open_checkpoint
 from specpipe.model.attention import SegmentPlan
@@ -64,6 +64,21 @@ def test_kernel_rows_do_not_depend_on_the_batch(kernel, qtype):
     x = torch.randn(ROWS, K, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         assert_invariant(layer, x)
+
+
+@pytest.mark.parametrize("kernel,qtype", [c for c in CASES if c[0] in ("native", "dequant")],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_selected_outputs_keep_their_bits(kernel, qtype):
+    """A head over part of the vocabulary (select_outputs, --draft-vocab) gives those outputs'
+    bits: an element depends on its own weight row alone."""
+    k = next(k for k in kernels() if k.name == kernel)
+    layer = QuantLinear(random_packed(qtype, N, K, int(qtype)), qtype, K, N, kernel=k,
+                        bias=torch.randn(N, generator=torch.Generator().manual_seed(2)))
+    ids = torch.tensor([0, 5, 6, 40, 95])
+    part = select_outputs(layer, ids)
+    x = torch.randn(9, K, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert part.out_features == len(ids) and torch.equal(part(x), layer(x)[:, ids])
 
 
 def test_every_cpu_type_has_a_kernel():

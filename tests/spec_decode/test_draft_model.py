@@ -115,3 +115,51 @@ def test_draft_out_of_blocks_drops_only_that_request(tiny_model_dir):
     assert source.slots.requests[1].failed and source.slots.blocks_in_use() == 1
     assert source.propose(1, None, SourceRows([6], [5], [6], [5]), [6], 2) == {}  # until it finishes
     source.finish(1)
+
+
+def test_a_draft_vocabulary_proposes_the_best_of_its_tokens(tiny_model_dir):
+    """With vocab_ids the draft's head computes those rows only, and it proposes the top-k of the
+    whole head's distribution restricted to them, as token ids of the whole vocabulary."""
+    ckpt = open_checkpoint(tiny_model_dir("llama"))
+    ids = torch.tensor([0, 3, 7, 50, 51, 120, 200, 299])
+    full = DraftModelSource(build_stage(ckpt, StageSpec(0, 3, True, True)), 8, 4, "self:3")
+    part = DraftModelSource(build_stage(ckpt, StageSpec(0, 3, True, True)), 8, 4, "self:3", vocab_ids=ids)
+    assert part.model.lm_head.weight.shape[0] == len(ids)
+    rows = SourceRows(list(range(6)), [NO_PARENT] + list(range(5)), list(range(6)), [5, 17, 33, 90, 5, 17])
+    for src in (full, part):
+        src.start(0)
+    m = len(rows.node_ids)
+    kv = full.model.make_kv_cache(m)
+    logits = run_rows(full.model, kv, rows.tokens, list(range(m)), list(range(m)), list(range(m)),
+                      np.tri(m, dtype=bool), [m - 1])[0]
+    want = logits[ids].log_softmax(-1).topk(5)
+    got = part.propose(0, None, rows, [5], 5)[5]
+    assert [t for t, _ in got] == ids[want.indices].tolist()
+    assert np.allclose([lp for _, lp in got], want.values.tolist(), atol=1e-4)
+    assert len(part.propose(0, None, SourceRows([6], [5], [6], [9]), [6], 20)[6]) == len(ids)  # k > |vocab|
+
+
+def test_frequent_vocab_keeps_the_special_tokens(tiny_model_dir):
+    from specpipe.spec_decode.draft_model import frequent_vocab
+    from specpipe.tokenizer.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_path(tiny_model_dir("llama"))
+    ids = frequent_vocab(tok, 100).tolist()
+    assert ids[:100] == list(range(100)) and ids == sorted(set(ids))
+    assert set(tok.eos_token_ids) <= set(ids) and set(tok.added_token_ids()) <= set(ids)
+    assert frequent_vocab(tok, 10 ** 9).tolist() == list(range(tok.vocab_size))
+    with pytest.raises(ValueError):
+        frequent_vocab(tok, 0)
+
+
+def test_draft_vocab_needs_a_draft_model(tiny_model_dir):
+    from specpipe.config import ConfigError
+    from specpipe.spec_decode.build import build_source
+    from specpipe.tokenizer.tokenizer import Tokenizer
+
+    path = tiny_model_dir("llama")
+    ckpt, tok = open_checkpoint(path), Tokenizer.from_path(path)
+    with pytest.raises(ConfigError, match="draft model"):
+        build_source("ngram", ckpt, tok, 8, 4, draft_vocab=100)
+    merged = build_source("self:2+ngram", ckpt, tok, 8, 4, draft_vocab=100)
+    assert merged.sources[0].model.lm_head.weight.shape[0] == len(merged.sources[0].vocab_ids) >= 100

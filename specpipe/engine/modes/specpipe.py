@@ -30,7 +30,10 @@ tokens ranked among the source's proposals) and, with a cost profile, what the s
 the d draft forwards cost. Without a profile rows are taken as nearly free (an accelerator) and
 the deepest block of AUTO_MAX_LAYERS wins; either way the depth backs off a layer whenever drafting
 outlasted the stages' compute (the draft set the pace) and creeps back after two steps that were
-not draft-bound. Under specpipe-db the scheduler's grant caps the block as for a fixed d.
+not draft-bound. Under specpipe-db the scheduler's grant caps the block as for a fixed d. Where
+the plan is not to draft at all (a draft dearer than what its hits save), the request stops
+drafting for good and goes on as pp: the source forgets it, its steps count as block "0x0", and
+its verifications no longer feed the shared hit profile.
 """
 
 from __future__ import annotations
@@ -129,6 +132,8 @@ class SpecPipeState(ModeState):
             shape = f"{self.layers}x{self.block_width}"
             self.req.stats.block_shapes[shape] = self.req.stats.block_shapes.get(shape, 0) + 1
             rows = concat_rows(rows, node_rows(self.pid, block))
+        elif self.auto and self.layers == 0:
+            self.req.stats.block_shapes["0x0"] = self.req.stats.block_shapes.get("0x0", 0) + 1
         self.req.stats.live_nodes_sum += tree.num_live()
         return self._sent(rows)
 
@@ -194,16 +199,17 @@ class SpecPipeState(ModeState):
     # -- verification ---------------------------------------------------------------------------------
     def verify(self) -> None:
         tree, req, stats = self.tree, self.req, self.req.stats
+        planning = self.auto is not None and self.layers > 0  # a request that stopped drafting only waits
         commit, drop = [], []
         while tree.root_target() is not None and not req.finished:
             parent = tree.root_id
             depth = max((self.drafted_depth.get(n.node_id, 0) for n in tree.live_nodes() if n.parent == parent),
                         default=0)  # when the root's children were sent (0: none were)
-            rank = self._rank(parent, tree.root_target()) if self.auto else None
+            rank = self._rank(parent, tree.root_target()) if planning else None
             v = tree.verify(tree.root_target())
             stats.verifications += 1
             hit = v.hit and v.committed_id in self.sent
-            if self.auto:
+            if planning:
                 self.auto.hits.record(rank, hit)
             if hit:
                 stats.hits += 1
@@ -220,7 +226,7 @@ class SpecPipeState(ModeState):
             req.append(v.token)
         if self.started and not self.prefill.left():
             stats.commits_per_step[len(commit)] = stats.commits_per_step.get(len(commit), 0) + 1
-            if self.auto:
+            if planning:
                 self._adapt()
         if not (commit or drop):
             return
@@ -256,6 +262,9 @@ class SpecPipeState(ModeState):
                           self.req.context_len)
         self.layers, self.block_width = min(d, self._cap), w
         self.tree.width = w
+        if d == 0 and self.source is not None:  # for good: the source forgets the request
+            self.source.finish(self.pid)
+            self.source = None
 
     def _discard_unsent(self, keep: set[int]) -> None:
         """Drop the nodes drafted ahead that are not in this step's block (the source forgets
