@@ -15,8 +15,9 @@ up to the proposals' count follows from where the target's tokens ranked (HitPro
 A step costs the slowest of: the stages, each computing about the rows of one block per step
 (d x w), and the drafting, d source forwards one after another while the stages compute. The
 plan is the (d, w) with the most tokens per millisecond, E / step time; with a cost profile also
-d = 0, no drafting at all: pp's 1 / S tokens per step at the stages' one-row step (a draft that
-costs more than its hits save, as a small model on a CPU can, makes that the plan). Without a cost profile
+d = 0, no drafting at all: pp's one token per pass of one row through every stage, one after
+another (a draft that costs more than its hits save, as a small model on a CPU can, makes that
+the plan). Without a cost profile
 every shape costs the same (rows nearly free, drafting hidden: an accelerator far from its
 compute bound) and the deepest, widest block wins; the engine still backs off a layer whenever
 drafting measurably outlasts the stages.
@@ -90,6 +91,12 @@ class StepCost:
         self.layers = [p.end - p.start for p in partition_layers(profile.num_layers, num_stages)]
         self._ms: dict[tuple[int, int, int, int], float] = {}  # every request plans every step: remember
 
+    def pass_ms(self, context: int) -> float:
+        """One row through every stage, one after another: what a token costs without drafting."""
+        context = -(-max(context, 1) // CONTEXT_STEP) * CONTEXT_STEP
+        S = len(self.layers)
+        return sum(self.profile.stage(n, s == S - 1, 1, context) for s, n in enumerate(self.layers))
+
     def step_ms(self, rows: int, forwards: int, draft_rows: int, context: int) -> float:
         """Contexts are rounded up to CONTEXT_STEP tokens."""
         context = -(-max(context, 1) // CONTEXT_STEP) * CONTEXT_STEP
@@ -97,7 +104,7 @@ class StepCost:
         if key not in self._ms:
             p, S = self.profile, len(self.layers)
             stages = max(p.stage(n, s == S - 1, rows, context) for s, n in enumerate(self.layers))
-            drafting = forwards * p.draft_forward(draft_rows, context) if forwards and self.draft_cost else 0.0
+            drafting = forwards * p.draft_forward(draft_rows, context) if self.draft_cost else 0.0
             self._ms[key] = max(stages, drafting)
         return self._ms[key]
 
@@ -115,6 +122,6 @@ def plan_block(hits: HitProfile, used_width: int, num_stages: int, max_layers: i
             rate = tokens / ms if ms > 0 else tokens
             if rate > best_rate * (1 + 1e-9):  # ties: the smaller block (fewer rows, fewer forwards)
                 best, best_rate = (d, w), rate
-    if cost is not None and (1.0 / num_stages) / cost.step_ms(1, 0, 0, context) > best_rate * (1 + 1e-9):
+    if cost is not None and 1.0 / cost.pass_ms(context) > best_rate * (1 + 1e-9):
         return 0, max(widths)
     return best

@@ -840,12 +840,13 @@ SP_INLINE void tile_prefetch_step(const tile_prefetch *pf, const job *jb, int64_
 
 #ifdef SP_X86
 /* ------------------------------------------------------------------------------------------- */
-/* Several activation rows against K-quant rows, AVX-512 VNNI, "row lanes": the vector lanes are  */
-/* 8 activation rows, so no horizontal sums are needed.  The activations are laid out once per   */
+/* Several activation rows, "row lanes" (AVX-512 VNNI and AVX2): the vector lanes are 8          */
+/* activation rows, so no horizontal sums are needed.  The activations are laid out once per     */
 /* call as xl[g][chunk][kq][lane][4] (kq: the 64 groups of 4 values of a 256-group); a weight     */
-/* row's 4 unpacked values are broadcast to all lanes and vpdpbusd adds their products with the  */
-/* 8 rows' 4 values to each lane.  Each lane's integers are the tile path's (exact), and the     */
-/* folding is fold_k4's / fold_q6_k's expression per element, in ascending group order.           */
+/* row's 4 unpacked values are broadcast to all lanes and vpdpbusd (AVX2: vpmaddubsw + vpmaddwd)  */
+/* adds their products with the 8 rows' 4 values to each lane.  Each lane's integers are the tile */
+/* path's (exact), and the folding is fold_k4's / fold_q6_k's / fold_group32's expression per     */
+/* element, in ascending block order (ggml_matmul_lanes.h).                                        */
 
 typedef struct {
   int64_t chunks;  /* ceil(T / 8) */
@@ -904,185 +905,40 @@ static void build_lanes(const xquant *xq, int type, xlanes *xl) {
     }
 }
 
-/* sumi[r] += sum over the sub-blocks of sc[r][j] * (row r's values . the 8 lanes' values), for
- * the SP_NR unpacked rows of wt and one chunk of lanes; sub = 32 (Q4_K, Q5_K) or 16 (Q6_K), a
- * constant where inlined. */
-SP_INLINE SP_VNNI void lanes_dot(const wtile *wt, const int8_t *xq, const int sub, __m256i *sumi) {
-  for (int j = 0; j < 256 / sub; j++) {
-    __m256i xv[8];
-#pragma GCC unroll 8
-    for (int i = 0; i < sub / 4; i++) xv[i] = LD(xq + 32 * (sub / 4 * j + i));
-    /* a weight row's 4 values (unsigned) broadcast to the lanes times each lane's 4 activations;
-     * unrolled over the rows so that their dependency chains interleave, two partial sums per
-     * row (integers: exact in any order) */
-#pragma GCC unroll 8
-    for (int r = 0; r < SP_NR; r++) {
-      const uint8_t *wq = wt->q[r] + sub * j;
-      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-#pragma GCC unroll 8
-      for (int i = 0; i < sub / 4; i += 2) {
-        s0 = _mm256_dpbusd_epi32(s0, _mm256_set1_epi32((int)load_u32(wq + 4 * i)), xv[i]);
-        s1 = _mm256_dpbusd_epi32(s1, _mm256_set1_epi32((int)load_u32(wq + 4 * i + 4)), xv[i + 1]);
-      }
-      sumi[r] = _mm256_add_epi32(sumi[r], _mm256_mullo_epi32(_mm256_add_epi32(s0, s1),
-                                                             _mm256_set1_epi32(wt->sc32[r][j])));
-    }
-  }
+#define SP_ISA avx2
+#define SP_ATTR SP_AVX2
+/* maddubs sums pairs to int16 (exact: unsigned weights <= 63; Q8_0 as |w| times x with w's sign,
+ * |pair| <= 2 * 128 * 127), madd with 1 widens to int32 */
+#define SP_DP4(acc, w, x) \
+  _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi32((int)(w)), x), _mm256_set1_epi16(1)))
+#define SP_DP4S(acc, w, x) sp_dp4s_avx2(acc, _mm256_set1_epi32((int)(w)), x)
+#define SP_Q8_SHIFT 0
+#define SP_DP2W(acc, p, w) _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi32((int)(w))))
+SP_INLINE SP_AVX2 __m256i sp_dp4s_avx2(__m256i acc, __m256i w, __m256i x) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)),
+                                                 _mm256_set1_epi16(1)));
 }
-
-/* The offsets, as fold_k4 / fold_q6_k need them, for the 8 lanes: sum_j mn_j * xsum32_j (Q4_K,
- * Q5_K) or sc_j * xsum16_j (Q6_K), two blocks per vpdpwssd. */
-SP_INLINE SP_VNNI __m256i lanes_offsets(const wtile *wt, int r, const int32_t *pr, const int q6) {
-  __m256i off = _mm256_setzero_si256();
-  for (int j = 0; j < (q6 ? 8 : 4); j++)
-    off = _mm256_dpwssd_epi32(off, LD(pr + 8 * j), _mm256_set1_epi32(wt->pairs[r][j]));
-  return off;
-}
-
-/* What lanes_dot and lanes_offsets need of unpacked row r, once per group (not per lane chunk):
- * the scales as int32, and the offsets' weights as int16 pairs (mins, or Q6_K's scales). */
-SP_INLINE SP_VNNI void lanes_prep(wtile *wt, int r, const int q6) {
-  const int nsub = q6 ? 16 : 8;
-  for (int j = 0; j < nsub; j++) wt->sc32[r][j] = wt->sc[r][j];
-  for (int j = 0; j < nsub / 2; j++) {
-    const int32_t a = q6 ? wt->sc[r][2 * j] : wt->mn[r][2 * j];
-    const int32_t b = q6 ? wt->sc[r][2 * j + 1] : wt->mn[r][2 * j + 1];
-    wt->pairs[r][j] = (int32_t)(((uint32_t)(uint16_t)a) | ((uint32_t)(uint16_t)b << 16));
-  }
-}
-
-SP_INLINE SP_VNNI void tiles_lanes(const job *jb, const xlanes *xl, int64_t n0, int64_t n1,
-                                   const int type) {
-  const int q6 = type == SP_Q6_K;
-  const int64_t ng = jb->xq.kp / 256, ch = xl->chunks;
-  const int64_t gbytes = type == SP_Q4_K ? 144 : type == SP_Q5_K ? 176 : 210;
-  const tile_prefetch pf = tile_prefetch_start(jb, n0, n1);
-  wtile wt;
-  __m256 acc[8][SP_NR]; /* [chunk][weight row]: 8 activation rows each */
-  memset(&wt, 0, sizeof wt);
-  for (int64_t n = n0; n < n1; n += SP_NR) {
-    const int nr = (int)(n1 - n < SP_NR ? n1 - n : SP_NR);
-    for (int64_t c0 = 0; c0 < ch; c0 += 8) { /* up to 64 activation rows per pass */
-      const int cb = (int)(ch - c0 < 8 ? ch - c0 : 8);
-      for (int c = 0; c < cb; c++)
-        for (int r = 0; r < SP_NR; r++) acc[c][r] = _mm256_setzero_ps();
-      for (int64_t g = 0; g < ng; g++) {
-        for (int r = 0; r < nr; r++) {
-          const uint8_t *b = jb->w + (n + r) * jb->row_bytes + g * gbytes;
-          if (c0 == 0) tile_prefetch_step(&pf, jb, n, g * SP_NR + r);
-          if (type == SP_Q4_K) unpack_q4_k(b, &wt, r);
-          else if (type == SP_Q5_K) unpack_q5_k(b, &wt, r);
-          else unpack_q6_k(b, &wt, r);
-          lanes_prep(&wt, r, q6);
-        }
-        for (int c = 0; c < cb; c++) {
-          const int64_t at = g * ch + c0 + c;
-          const __m256 dx = _mm256_loadu_ps(xl->d + at * 8);
-          __m256i sumi[SP_NR];
-          for (int r = 0; r < SP_NR; r++) sumi[r] = _mm256_setzero_si256();
-          lanes_dot(&wt, xl->q + at * 2048, q6 ? 16 : 32, sumi);
-          for (int r = 0; r < nr; r++) {
-            const __m256i off = lanes_offsets(&wt, r, xl->pairs + at * 64, q6);
-            const __m256 d0 = _mm256_mul_ps(_mm256_set1_ps(wt.d[0][r]), dx);
-            __m256 term;
-            if (q6) /* fold_q6_k */
-              term = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[r], _mm256_slli_epi32(off, 5))));
-            else /* fold_k4 */
-              term = _mm256_sub_ps(_mm256_mul_ps(d0, _mm256_cvtepi32_ps(sumi[r])),
-                                   _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(wt.d[1][r]), dx),
-                                                 _mm256_cvtepi32_ps(off)));
-            acc[c][r] = _mm256_add_ps(acc[c][r], term);
-          }
-        }
-      }
-      for (int c = 0; c < cb; c++)
-        for (int r = 0; r < nr; r++) {
-          float v[8];
-          _mm256_storeu_ps(v, acc[c][r]);
-          for (int l = 0; l < 8 && 8 * (c0 + c) + l < jb->t; l++)
-            jb->y[(8 * (c0 + c) + l) * jb->n + n + r] = v[l];
-        }
-    }
-  }
-}
-
-/* The 32-value types in row lanes: per 32-block j of weight row r, the 8 lanes' dots by vpdpbusd,
- * folded per block as fold_group32 does (blocks in ascending order, the same expression per
- * element). Q8_0's int8 weights enter vpdpbusd as w + 128 (unsigned): 128 x the lane's block sum
- * comes off again with Q4_0's 8 and Q5_0's 16 (all exact integers). */
-SP_INLINE SP_VNNI void tiles_lanes32(const job *jb, const xlanes *xl, int64_t n0, int64_t n1,
-                                     const int type) {
-  const int64_t ng = jb->xq.kp / 256, ch = xl->chunks;
-  const int shift = type == SP_Q4_0 ? 3 : type == SP_Q5_0 ? 4 : type == SP_Q8_0 ? 7 : 0;
-  const int has_m = type == SP_Q4_1 || type == SP_Q5_1;
-  const uint32_t flip = type == SP_Q8_0 ? 0x80808080u : 0u;
-  const tile_prefetch pf = tile_prefetch_start(jb, n0, n1);
-  wtile wt;
-  __m256 acc[8][SP_NR]; /* [chunk][weight row]: 8 activation rows each */
-  memset(&wt, 0, sizeof wt);
-  for (int64_t n = n0; n < n1; n += SP_NR) {
-    const int nr = (int)(n1 - n < SP_NR ? n1 - n : SP_NR);
-    for (int64_t c0 = 0; c0 < ch; c0 += 8) { /* up to 64 activation rows per pass */
-      const int cb = (int)(ch - c0 < 8 ? ch - c0 : 8);
-      for (int c = 0; c < cb; c++)
-        for (int r = 0; r < SP_NR; r++) acc[c][r] = _mm256_setzero_ps();
-      for (int64_t g = 0; g < ng; g++) {
-        for (int r = 0; r < nr; r++) {
-          if (c0 == 0) tile_prefetch_step(&pf, jb, n, g * SP_NR + r);
-          unpack_group32_avx2(type, jb->w + (n + r) * jb->row_bytes, g, jb->nblk32, &wt, r);
-        }
-        for (int c = 0; c < cb; c++) {
-          const int64_t at = g * ch + c0 + c;
-          const int8_t *xq = xl->q + at * 2048;
-          for (int j = 0; j < wt.nb; j++) {
-            __m256i xv[8];
-#pragma GCC unroll 8
-            for (int i = 0; i < 8; i++) xv[i] = LD(xq + 32 * (8 * j + i));
-            const __m256 dx = _mm256_loadu_ps(xl->bd + at * 64 + 8 * j);
-            const __m256i off = shift ? _mm256_sll_epi32(LD(xl->bsum + at * 64 + 8 * j), _mm_cvtsi32_si128(shift))
-                                      : _mm256_setzero_si256(); /* Q4_1/Q5_1: no offset */
-            const __m256 dsum = has_m ? _mm256_loadu_ps(xl->bdsum + at * 64 + 8 * j) : _mm256_setzero_ps();
-#pragma GCC unroll 8
-            for (int r = 0; r < SP_NR; r++) {
-              const uint8_t *wq = wt.q[r] + 32 * j;
-              __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-#pragma GCC unroll 4
-              for (int i = 0; i < 8; i += 2) {
-                s0 = _mm256_dpbusd_epi32(s0, _mm256_set1_epi32((int)(load_u32(wq + 4 * i) ^ flip)), xv[i]);
-                s1 = _mm256_dpbusd_epi32(s1, _mm256_set1_epi32((int)(load_u32(wq + 4 * i + 4) ^ flip)), xv[i + 1]);
-              }
-              const __m256i dot = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), off);
-              const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(wt.d[j][r]), dx);
-              __m256 term = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(dot));
-              if (has_m) term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_set1_ps(wt.m[j][r]), dsum));
-              acc[c][r] = _mm256_add_ps(acc[c][r], term);
-            }
-          }
-        }
-      }
-      for (int c = 0; c < cb; c++)
-        for (int r = 0; r < nr; r++) {
-          float v[8];
-          _mm256_storeu_ps(v, acc[c][r]);
-          for (int l = 0; l < 8 && 8 * (c0 + c) + l < jb->t; l++)
-            jb->y[(8 * (c0 + c) + l) * jb->n + n + r] = v[l];
-        }
-    }
-  }
-}
-
-static SP_VNNI void tiles_lanes_vnni(const job *jb, const xlanes *xl, int64_t n0, int64_t n1) {
-  switch (jb->type) {
-  case SP_Q4_K: tiles_lanes(jb, xl, n0, n1, SP_Q4_K); break;
-  case SP_Q5_K: tiles_lanes(jb, xl, n0, n1, SP_Q5_K); break;
-  case SP_Q6_K: tiles_lanes(jb, xl, n0, n1, SP_Q6_K); break;
-  case SP_Q4_0: tiles_lanes32(jb, xl, n0, n1, SP_Q4_0); break;
-  case SP_Q4_1: tiles_lanes32(jb, xl, n0, n1, SP_Q4_1); break;
-  case SP_Q5_0: tiles_lanes32(jb, xl, n0, n1, SP_Q5_0); break;
-  case SP_Q5_1: tiles_lanes32(jb, xl, n0, n1, SP_Q5_1); break;
-  default: tiles_lanes32(jb, xl, n0, n1, SP_Q8_0); break;
-  }
-}
+#include "ggml_matmul_lanes.h"
+#undef SP_ISA
+#undef SP_ATTR
+#undef SP_DP4
+#undef SP_DP4S
+#undef SP_Q8_SHIFT
+#undef SP_DP2W
+#define SP_ISA vnni
+#define SP_ATTR SP_VNNI
+#define SP_DP4(acc, w, x) _mm256_dpbusd_epi32(acc, _mm256_set1_epi32((int)(w)), x)
+/* the signed weights as w + 128 (unsigned): 128 x the block sum comes off again */
+#define SP_DP4S(acc, w, x) _mm256_dpbusd_epi32(acc, _mm256_set1_epi32((int)((w) ^ 0x80808080u)), x)
+#define SP_Q8_SHIFT 7
+#define SP_DP2W(acc, p, w) _mm256_dpwssd_epi32(acc, p, _mm256_set1_epi32((int)(w)))
+#include "ggml_matmul_lanes.h"
+#undef SP_ISA
+#undef SP_ATTR
+#undef SP_DP4
+#undef SP_DP4S
+#undef SP_Q8_SHIFT
+#undef SP_DP2W
 #endif
 
 /* ------------------------------------------------------------------------------------------- */
@@ -1266,7 +1122,9 @@ static void run_parallel_rows(const job *jb, const int8_t *xk, int threads) {
 #endif
 
 #ifdef SP_X86
-static void run_parallel_lanes(const job *jb, const xlanes *xl, int64_t ntiles, int threads) {
+typedef void (*lanes_fn)(const job *, const xlanes *, int64_t, int64_t);
+
+static void run_parallel_lanes(lanes_fn fn, const job *jb, const xlanes *xl, int64_t ntiles, int threads) {
 #ifdef _OPENMP
   if (threads > 1) {
 #pragma omp parallel num_threads(threads)
@@ -1275,13 +1133,13 @@ static void run_parallel_lanes(const job *jb, const xlanes *xl, int64_t ntiles, 
       part_range(ntiles, omp_get_num_threads(), omp_get_thread_num(), &a, &b);
       a *= SP_NR;
       b = b * SP_NR < jb->n ? b * SP_NR : jb->n;
-      if (a < b) tiles_lanes_vnni(jb, xl, a, b);
+      if (a < b) fn(jb, xl, a, b);
     }
     return;
   }
 #endif
   (void)ntiles, (void)threads;
-  tiles_lanes_vnni(jb, xl, 0, jb->n);
+  fn(jb, xl, 0, jb->n);
 }
 #endif
 
@@ -1340,14 +1198,14 @@ int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, 
   /* The row-lanes kernel from 5 rows (K-quants) or 3 (32-value types); below that most of its 8
    * lanes would idle and the tile is as fast or faster (1 thread, 8960 x 1536: Q4_K 4 rows 1.10
    * vs 1.13 ms, 8 rows 1.80 vs 1.14 ms; Q5_0 2 rows 1.08 vs 1.32 ms, 3 rows 1.43 vs 1.34 ms) */
-  if (t >= (is_kquant(type) ? 5 : 3) && isa == SP_ISA_AVX512VNNI) {
+  if (t >= (is_kquant(type) ? 5 : 3) && (isa == SP_ISA_AVX512VNNI || isa == SP_ISA_AVX2)) {
     xlanes xl = {(t + 7) / 8};
     if (!alloc_lanes(kp / 256, &xl)) {
       free(mem);
       return SP_ERR_MEMORY;
     }
     build_lanes(xq, type, &xl);
-    run_parallel_lanes(&jb, &xl, ntiles, mthreads);
+    run_parallel_lanes(isa == SP_ISA_AVX2 ? tiles_lanes_any_avx2 : tiles_lanes_any_vnni, &jb, &xl, ntiles, mthreads);
     free(xl.pairs);
     free(mem);
     return SP_OK;

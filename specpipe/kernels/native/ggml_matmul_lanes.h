@@ -1,0 +1,197 @@
+/* The row-lanes kernels of ggml_matmul.c, included once per x86 ISA (as ggml_matmul_tile.h) with
+ * SP_ISA, SP_ATTR and these defined:
+ *   SP_DP4(acc, w, x)   acc + in each int32 lane, the 4 unsigned bytes of w (broadcast) times
+ *                       that lane's 4 int8 activations
+ *   SP_DP4S(acc, w, x)  the same for 4 signed bytes (Q8_0)
+ *   SP_Q8_SHIFT         what SP_DP4S leaves to subtract: (block sum << SP_Q8_SHIFT); 0: nothing
+ *   SP_DP2W(acc, p, w)  acc + in each lane, the two int16 of p times the two int16 of w
+ * All exact integers, so every ISA's lanes give the tile path's integers and bits. */
+#define SP_CAT2(a, b) a##b
+#define SP_CAT(a, b) SP_CAT2(a, b)
+#define SP_K(name) SP_CAT(name, SP_CAT(_, SP_ISA))
+
+/* sumi[r] += sum over the sub-blocks of sc[r][j] * (row r's values . the 8 lanes' values), for
+ * the SP_NR unpacked rows of wt and one chunk of lanes; sub = 32 (Q4_K, Q5_K) or 16 (Q6_K), a
+ * constant where inlined. */
+SP_INLINE SP_ATTR void SP_K(lanes_dot)(const wtile *wt, const int8_t *xq, const int sub, __m256i *sumi) {
+  for (int j = 0; j < 256 / sub; j++) {
+    __m256i xv[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < sub / 4; i++) xv[i] = LD(xq + 32 * (sub / 4 * j + i));
+    /* a weight row's 4 values (unsigned) broadcast to the lanes times each lane's 4 activations;
+     * unrolled over the rows so that their dependency chains interleave, two partial sums per
+     * row (integers: exact in any order) */
+#pragma GCC unroll 8
+    for (int r = 0; r < SP_NR; r++) {
+      const uint8_t *wq = wt->q[r] + sub * j;
+      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int i = 0; i < sub / 4; i += 2) {
+        s0 = SP_DP4(s0, load_u32(wq + 4 * i), xv[i]);
+        s1 = SP_DP4(s1, load_u32(wq + 4 * i + 4), xv[i + 1]);
+      }
+      sumi[r] = _mm256_add_epi32(sumi[r], _mm256_mullo_epi32(_mm256_add_epi32(s0, s1),
+                                                             _mm256_set1_epi32(wt->sc32[r][j])));
+    }
+  }
+}
+
+/* The offsets, as fold_k4 / fold_q6_k need them, for the 8 lanes: sum_j mn_j * xsum32_j (Q4_K,
+ * Q5_K) or sc_j * xsum16_j (Q6_K), two blocks per vpdpwssd. */
+SP_INLINE SP_ATTR __m256i SP_K(lanes_offsets)(const wtile *wt, int r, const int32_t *pr, const int q6) {
+  __m256i off = _mm256_setzero_si256();
+  for (int j = 0; j < (q6 ? 8 : 4); j++)
+    off = SP_DP2W(off, LD(pr + 8 * j), wt->pairs[r][j]);
+  return off;
+}
+
+/* What lanes_dot and lanes_offsets need of unpacked row r, once per group (not per lane chunk):
+ * the scales as int32, and the offsets' weights as int16 pairs (mins, or Q6_K's scales). */
+SP_INLINE SP_ATTR void SP_K(lanes_prep)(wtile *wt, int r, const int q6) {
+  const int nsub = q6 ? 16 : 8;
+  for (int j = 0; j < nsub; j++) wt->sc32[r][j] = wt->sc[r][j];
+  for (int j = 0; j < nsub / 2; j++) {
+    const int32_t a = q6 ? wt->sc[r][2 * j] : wt->mn[r][2 * j];
+    const int32_t b = q6 ? wt->sc[r][2 * j + 1] : wt->mn[r][2 * j + 1];
+    wt->pairs[r][j] = (int32_t)(((uint32_t)(uint16_t)a) | ((uint32_t)(uint16_t)b << 16));
+  }
+}
+
+SP_INLINE SP_ATTR void SP_K(tiles_lanes)(const job *jb, const xlanes *xl, int64_t n0, int64_t n1,
+                                   const int type) {
+  const int q6 = type == SP_Q6_K;
+  const int64_t ng = jb->xq.kp / 256, ch = xl->chunks;
+  const int64_t gbytes = type == SP_Q4_K ? 144 : type == SP_Q5_K ? 176 : 210;
+  const tile_prefetch pf = tile_prefetch_start(jb, n0, n1);
+  wtile wt;
+  __m256 acc[8][SP_NR]; /* [chunk][weight row]: 8 activation rows each */
+  memset(&wt, 0, sizeof wt);
+  for (int64_t n = n0; n < n1; n += SP_NR) {
+    const int nr = (int)(n1 - n < SP_NR ? n1 - n : SP_NR);
+    for (int64_t c0 = 0; c0 < ch; c0 += 8) { /* up to 64 activation rows per pass */
+      const int cb = (int)(ch - c0 < 8 ? ch - c0 : 8);
+      for (int c = 0; c < cb; c++)
+        for (int r = 0; r < SP_NR; r++) acc[c][r] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < ng; g++) {
+        for (int r = 0; r < nr; r++) {
+          const uint8_t *b = jb->w + (n + r) * jb->row_bytes + g * gbytes;
+          if (c0 == 0) tile_prefetch_step(&pf, jb, n, g * SP_NR + r);
+          if (type == SP_Q4_K) unpack_q4_k(b, &wt, r);
+          else if (type == SP_Q5_K) unpack_q5_k(b, &wt, r);
+          else unpack_q6_k(b, &wt, r);
+          SP_K(lanes_prep)(&wt, r, q6);
+        }
+        for (int c = 0; c < cb; c++) {
+          const int64_t at = g * ch + c0 + c;
+          const __m256 dx = _mm256_loadu_ps(xl->d + at * 8);
+          __m256i sumi[SP_NR];
+          for (int r = 0; r < SP_NR; r++) sumi[r] = _mm256_setzero_si256();
+          SP_K(lanes_dot)(&wt, xl->q + at * 2048, q6 ? 16 : 32, sumi);
+          for (int r = 0; r < nr; r++) {
+            const __m256i off = SP_K(lanes_offsets)(&wt, r, xl->pairs + at * 64, q6);
+            const __m256 d0 = _mm256_mul_ps(_mm256_set1_ps(wt.d[0][r]), dx);
+            __m256 term;
+            if (q6) /* fold_q6_k */
+              term = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[r], _mm256_slli_epi32(off, 5))));
+            else /* fold_k4 */
+              term = _mm256_sub_ps(_mm256_mul_ps(d0, _mm256_cvtepi32_ps(sumi[r])),
+                                   _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(wt.d[1][r]), dx),
+                                                 _mm256_cvtepi32_ps(off)));
+            acc[c][r] = _mm256_add_ps(acc[c][r], term);
+          }
+        }
+      }
+      for (int c = 0; c < cb; c++)
+        for (int r = 0; r < nr; r++) {
+          float v[8];
+          _mm256_storeu_ps(v, acc[c][r]);
+          for (int l = 0; l < 8 && 8 * (c0 + c) + l < jb->t; l++)
+            jb->y[(8 * (c0 + c) + l) * jb->n + n + r] = v[l];
+        }
+    }
+  }
+}
+
+/* The 32-value types in row lanes: per 32-block j of weight row r, the 8 lanes' dots (SP_DP4),
+ * folded per block as fold_group32 does (blocks in ascending order, the same expression per
+ * element). Q8_0's signed weights go through SP_DP4S; Q4_0's offset 8 and Q5_0's 16 (and on
+ * VNNI Q8_0's 128, see SP_DP4S) come off as that multiple of the lane's block sum (all exact
+ * integers). */
+SP_INLINE SP_ATTR void SP_K(tiles_lanes32)(const job *jb, const xlanes *xl, int64_t n0, int64_t n1,
+                                     const int type) {
+  const int64_t ng = jb->xq.kp / 256, ch = xl->chunks;
+  const int shift = type == SP_Q4_0 ? 3 : type == SP_Q5_0 ? 4 : type == SP_Q8_0 ? SP_Q8_SHIFT : 0;
+  const int has_m = type == SP_Q4_1 || type == SP_Q5_1;
+  const tile_prefetch pf = tile_prefetch_start(jb, n0, n1);
+  wtile wt;
+  __m256 acc[8][SP_NR]; /* [chunk][weight row]: 8 activation rows each */
+  memset(&wt, 0, sizeof wt);
+  for (int64_t n = n0; n < n1; n += SP_NR) {
+    const int nr = (int)(n1 - n < SP_NR ? n1 - n : SP_NR);
+    for (int64_t c0 = 0; c0 < ch; c0 += 8) { /* up to 64 activation rows per pass */
+      const int cb = (int)(ch - c0 < 8 ? ch - c0 : 8);
+      for (int c = 0; c < cb; c++)
+        for (int r = 0; r < SP_NR; r++) acc[c][r] = _mm256_setzero_ps();
+      for (int64_t g = 0; g < ng; g++) {
+        for (int r = 0; r < nr; r++) {
+          if (c0 == 0) tile_prefetch_step(&pf, jb, n, g * SP_NR + r);
+          SP_K(unpack_group32)(type, jb->w + (n + r) * jb->row_bytes, g, jb->nblk32, &wt, r);
+        }
+        for (int c = 0; c < cb; c++) {
+          const int64_t at = g * ch + c0 + c;
+          const int8_t *xq = xl->q + at * 2048;
+          for (int j = 0; j < wt.nb; j++) {
+            __m256i xv[8];
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++) xv[i] = LD(xq + 32 * (8 * j + i));
+            const __m256 dx = _mm256_loadu_ps(xl->bd + at * 64 + 8 * j);
+            const __m256i off = shift ? _mm256_sll_epi32(LD(xl->bsum + at * 64 + 8 * j), _mm_cvtsi32_si128(shift))
+                                      : _mm256_setzero_si256(); /* Q4_1/Q5_1: no offset */
+            const __m256 dsum = has_m ? _mm256_loadu_ps(xl->bdsum + at * 64 + 8 * j) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+            for (int r = 0; r < SP_NR; r++) {
+              const uint8_t *wq = wt.q[r] + 32 * j;
+              __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+              for (int i = 0; i < 8; i += 2) {
+                if (type == SP_Q8_0) {
+                  s0 = SP_DP4S(s0, load_u32(wq + 4 * i), xv[i]);
+                  s1 = SP_DP4S(s1, load_u32(wq + 4 * i + 4), xv[i + 1]);
+                } else {
+                  s0 = SP_DP4(s0, load_u32(wq + 4 * i), xv[i]);
+                  s1 = SP_DP4(s1, load_u32(wq + 4 * i + 4), xv[i + 1]);
+                }
+              }
+              const __m256i dot = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), off);
+              const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(wt.d[j][r]), dx);
+              __m256 term = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(dot));
+              if (has_m) term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_set1_ps(wt.m[j][r]), dsum));
+              acc[c][r] = _mm256_add_ps(acc[c][r], term);
+            }
+          }
+        }
+      }
+      for (int c = 0; c < cb; c++)
+        for (int r = 0; r < nr; r++) {
+          float v[8];
+          _mm256_storeu_ps(v, acc[c][r]);
+          for (int l = 0; l < 8 && 8 * (c0 + c) + l < jb->t; l++)
+            jb->y[(8 * (c0 + c) + l) * jb->n + n + r] = v[l];
+        }
+    }
+  }
+}
+
+static SP_ATTR void SP_K(tiles_lanes_any)(const job *jb, const xlanes *xl, int64_t n0, int64_t n1) {
+  switch (jb->type) {
+  case SP_Q4_K: SP_K(tiles_lanes)(jb, xl, n0, n1, SP_Q4_K); break;
+  case SP_Q5_K: SP_K(tiles_lanes)(jb, xl, n0, n1, SP_Q5_K); break;
+  case SP_Q6_K: SP_K(tiles_lanes)(jb, xl, n0, n1, SP_Q6_K); break;
+  case SP_Q4_0: SP_K(tiles_lanes32)(jb, xl, n0, n1, SP_Q4_0); break;
+  case SP_Q4_1: SP_K(tiles_lanes32)(jb, xl, n0, n1, SP_Q4_1); break;
+  case SP_Q5_0: SP_K(tiles_lanes32)(jb, xl, n0, n1, SP_Q5_0); break;
+  case SP_Q5_1: SP_K(tiles_lanes32)(jb, xl, n0, n1, SP_Q5_1); break;
+  default: SP_K(tiles_lanes32)(jb, xl, n0, n1, SP_Q8_0); break;
+  }
+}
+#undef SP_K
