@@ -57,71 +57,74 @@ SP_INLINE SP_ATTR void SP_K(lanes_prep)(wtile *wt, int r, const int q6) {
   }
 }
 
-SP_INLINE SP_ATTR void SP_K(tiles_lanes)(const job *jb, const xlanes *xl, int64_t n0, int64_t n1,
-                                   const int type) {
-  const int q6 = type == SP_Q6_K;
-  const int64_t ng = jb->xq.kp / 256, ch = xl->chunks;
-  const int64_t gbytes = type == SP_Q4_K ? 144 : type == SP_Q5_K ? 176 : 210;
-  const tile_prefetch pf = tile_prefetch_start(jb, n0, n1);
-  wtile wt;
-  __m256 acc[8][SP_NR]; /* [chunk][weight row]: 8 activation rows each */
-  memset(&wt, 0, sizeof wt);
-  for (int64_t n = n0; n < n1; n += SP_NR) {
-    const int nr = (int)(n1 - n < SP_NR ? n1 - n : SP_NR);
-    for (int64_t c0 = 0; c0 < ch; c0 += 8) { /* up to 64 activation rows per pass */
-      const int cb = (int)(ch - c0 < 8 ? ch - c0 : 8);
-      for (int c = 0; c < cb; c++)
-        for (int r = 0; r < SP_NR; r++) acc[c][r] = _mm256_setzero_ps();
-      for (int64_t g = 0; g < ng; g++) {
-        for (int r = 0; r < nr; r++) {
-          const uint8_t *b = jb->w + (n + r) * jb->row_bytes + g * gbytes;
-          if (c0 == 0) tile_prefetch_step(&pf, jb, n, g * SP_NR + r);
-          if (type == SP_Q4_K) unpack_q4_k(b, &wt, r);
-          else if (type == SP_Q5_K) unpack_q5_k(b, &wt, r);
-          else unpack_q6_k(b, &wt, r);
-          SP_K(lanes_prep)(&wt, r, q6);
-        }
-        for (int c = 0; c < cb; c++) {
-          const int64_t at = g * ch + c0 + c;
-          const __m256 dx = _mm256_loadu_ps(xl->d + at * 8);
-          __m256i sumi[SP_NR];
-          for (int r = 0; r < SP_NR; r++) sumi[r] = _mm256_setzero_si256();
-          SP_K(lanes_dot)(&wt, xl->q + at * 2048, q6 ? 16 : 32, sumi);
-          for (int r = 0; r < nr; r++) {
-            const __m256i off = SP_K(lanes_offsets)(&wt, r, xl->pairs + at * 64, q6);
-            const __m256 d0 = _mm256_mul_ps(_mm256_set1_ps(wt.d[0][r]), dx);
-            __m256 term;
-            if (q6) /* fold_q6_k */
-              term = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[r], _mm256_slli_epi32(off, 5))));
-            else /* fold_k4 */
-              term = _mm256_sub_ps(_mm256_mul_ps(d0, _mm256_cvtepi32_ps(sumi[r])),
-                                   _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(wt.d[1][r]), dx),
-                                                 _mm256_cvtepi32_ps(off)));
-            acc[c][r] = _mm256_add_ps(acc[c][r], term);
-          }
+/* One group of the K-quants for one chunk of lanes: acc[r] += the group's term of weight row r,
+ * fold_k4's / fold_q6_k's expression per element. */
+SP_INLINE SP_ATTR void SP_K(lanes_group_k)(const wtile *wt, const xlanes *xl, int64_t at, int nr, const int q6,
+                                           __m256 *acc) {
+  const __m256 dx = _mm256_loadu_ps(xl->d + at * 8);
+  __m256i sumi[SP_NR];
+  for (int r = 0; r < SP_NR; r++) sumi[r] = _mm256_setzero_si256();
+  SP_K(lanes_dot)(wt, xl->q + at * 2048, q6 ? 16 : 32, sumi);
+  for (int r = 0; r < nr; r++) {
+    const __m256i off = SP_K(lanes_offsets)(wt, r, xl->pairs + at * 64, q6);
+    const __m256 d0 = _mm256_mul_ps(_mm256_set1_ps(wt->d[0][r]), dx);
+    __m256 term;
+    if (q6) /* fold_q6_k */
+      term = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_sub_epi32(sumi[r], _mm256_slli_epi32(off, 5))));
+    else /* fold_k4 */
+      term = _mm256_sub_ps(_mm256_mul_ps(d0, _mm256_cvtepi32_ps(sumi[r])),
+                           _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(wt->d[1][r]), dx), _mm256_cvtepi32_ps(off)));
+    acc[r] = _mm256_add_ps(acc[r], term);
+  }
+}
+
+/* One group of a 32-value type for one chunk of lanes: per 32-block j of weight row r, the 8
+ * lanes' dots (SP_DP4), folded per block as fold_group32 does (blocks in ascending order, the same
+ * expression per element). Q8_0's signed weights go through SP_DP4S; Q4_0's offset 8 and Q5_0's
+ * 16 (and on VNNI Q8_0's 128, see SP_DP4S) come off as that multiple of the lane's block sum (all
+ * exact integers). */
+SP_INLINE SP_ATTR void SP_K(lanes_group32)(const wtile *wt, const xlanes *xl, int64_t at, const int type,
+                                           __m256 *acc) {
+  const int shift = type == SP_Q4_0 ? 3 : type == SP_Q5_0 ? 4 : type == SP_Q8_0 ? SP_Q8_SHIFT : 0;
+  const int has_m = type == SP_Q4_1 || type == SP_Q5_1;
+  const int8_t *xq = xl->q + at * 2048;
+  for (int j = 0; j < wt->nb; j++) {
+    __m256i xv[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; i++) xv[i] = LD(xq + 32 * (8 * j + i));
+    const __m256 dx = _mm256_loadu_ps(xl->bd + at * 64 + 8 * j);
+    const __m256i off = shift ? _mm256_sll_epi32(LD(xl->bsum + at * 64 + 8 * j), _mm_cvtsi32_si128(shift))
+                              : _mm256_setzero_si256(); /* Q4_1/Q5_1: no offset */
+    const __m256 dsum = has_m ? _mm256_loadu_ps(xl->bdsum + at * 64 + 8 * j) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < SP_NR; r++) {
+      const uint8_t *wq = wt->q[r] + 32 * j;
+      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int i = 0; i < 8; i += 2) {
+        if (type == SP_Q8_0) {
+          s0 = SP_DP4S(s0, load_u32(wq + 4 * i), xv[i]);
+          s1 = SP_DP4S(s1, load_u32(wq + 4 * i + 4), xv[i + 1]);
+        } else {
+          s0 = SP_DP4(s0, load_u32(wq + 4 * i), xv[i]);
+          s1 = SP_DP4(s1, load_u32(wq + 4 * i + 4), xv[i + 1]);
         }
       }
-      for (int c = 0; c < cb; c++)
-        for (int r = 0; r < nr; r++) {
-          float v[8];
-          _mm256_storeu_ps(v, acc[c][r]);
-          for (int l = 0; l < 8 && 8 * (c0 + c) + l < jb->t; l++)
-            jb->y[(8 * (c0 + c) + l) * jb->n + n + r] = v[l];
-        }
+      const __m256i dot = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), off);
+      const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(wt->d[j][r]), dx);
+      __m256 term = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(dot));
+      if (has_m) term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_set1_ps(wt->m[j][r]), dsum));
+      acc[r] = _mm256_add_ps(acc[r], term);
     }
   }
 }
 
-/* The 32-value types in row lanes: per 32-block j of weight row r, the 8 lanes' dots (SP_DP4),
- * folded per block as fold_group32 does (blocks in ascending order, the same expression per
- * element). Q8_0's signed weights go through SP_DP4S; Q4_0's offset 8 and Q5_0's 16 (and on
- * VNNI Q8_0's 128, see SP_DP4S) come off as that multiple of the lane's block sum (all exact
- * integers). */
-SP_INLINE SP_ATTR void SP_K(tiles_lanes32)(const job *jb, const xlanes *xl, int64_t n0, int64_t n1,
-                                     const int type) {
+/* Weight rows [n0, n1) against every activation row, for one compile-time type. */
+SP_INLINE SP_ATTR void SP_K(tiles_lanes)(const job *jb, const xlanes *xl, int64_t n0, int64_t n1,
+                                         const int type) {
+  const int is_k = type == SP_Q4_K || type == SP_Q5_K || type == SP_Q6_K, q6 = type == SP_Q6_K;
   const int64_t ng = jb->xq.kp / 256, ch = xl->chunks;
-  const int shift = type == SP_Q4_0 ? 3 : type == SP_Q5_0 ? 4 : type == SP_Q8_0 ? SP_Q8_SHIFT : 0;
-  const int has_m = type == SP_Q4_1 || type == SP_Q5_1;
+  const int64_t gbytes = type == SP_Q4_K ? 144 : type == SP_Q5_K ? 176 : 210; /* K-quants */
   const tile_prefetch pf = tile_prefetch_start(jb, n0, n1);
   wtile wt;
   __m256 acc[8][SP_NR]; /* [chunk][weight row]: 8 activation rows each */
@@ -134,41 +137,20 @@ SP_INLINE SP_ATTR void SP_K(tiles_lanes32)(const job *jb, const xlanes *xl, int6
         for (int r = 0; r < SP_NR; r++) acc[c][r] = _mm256_setzero_ps();
       for (int64_t g = 0; g < ng; g++) {
         for (int r = 0; r < nr; r++) {
+          const uint8_t *row = jb->w + (n + r) * jb->row_bytes;
           if (c0 == 0) tile_prefetch_step(&pf, jb, n, g * SP_NR + r);
-          SP_K(unpack_group32)(type, jb->w + (n + r) * jb->row_bytes, g, jb->nblk32, &wt, r);
+          if (!is_k) {
+            SP_K(unpack_group32)(type, row, g, jb->nblk32, &wt, r);
+            continue;
+          }
+          if (type == SP_Q4_K) unpack_q4_k(row + g * gbytes, &wt, r);
+          else if (type == SP_Q5_K) unpack_q5_k(row + g * gbytes, &wt, r);
+          else unpack_q6_k(row + g * gbytes, &wt, r);
+          SP_K(lanes_prep)(&wt, r, q6);
         }
         for (int c = 0; c < cb; c++) {
-          const int64_t at = g * ch + c0 + c;
-          const int8_t *xq = xl->q + at * 2048;
-          for (int j = 0; j < wt.nb; j++) {
-            __m256i xv[8];
-#pragma GCC unroll 8
-            for (int i = 0; i < 8; i++) xv[i] = LD(xq + 32 * (8 * j + i));
-            const __m256 dx = _mm256_loadu_ps(xl->bd + at * 64 + 8 * j);
-            const __m256i off = shift ? _mm256_sll_epi32(LD(xl->bsum + at * 64 + 8 * j), _mm_cvtsi32_si128(shift))
-                                      : _mm256_setzero_si256(); /* Q4_1/Q5_1: no offset */
-            const __m256 dsum = has_m ? _mm256_loadu_ps(xl->bdsum + at * 64 + 8 * j) : _mm256_setzero_ps();
-#pragma GCC unroll 8
-            for (int r = 0; r < SP_NR; r++) {
-              const uint8_t *wq = wt.q[r] + 32 * j;
-              __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-#pragma GCC unroll 4
-              for (int i = 0; i < 8; i += 2) {
-                if (type == SP_Q8_0) {
-                  s0 = SP_DP4S(s0, load_u32(wq + 4 * i), xv[i]);
-                  s1 = SP_DP4S(s1, load_u32(wq + 4 * i + 4), xv[i + 1]);
-                } else {
-                  s0 = SP_DP4(s0, load_u32(wq + 4 * i), xv[i]);
-                  s1 = SP_DP4(s1, load_u32(wq + 4 * i + 4), xv[i + 1]);
-                }
-              }
-              const __m256i dot = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), off);
-              const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(wt.d[j][r]), dx);
-              __m256 term = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(dot));
-              if (has_m) term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_set1_ps(wt.m[j][r]), dsum));
-              acc[c][r] = _mm256_add_ps(acc[c][r], term);
-            }
-          }
+          if (is_k) SP_K(lanes_group_k)(&wt, xl, g * ch + c0 + c, nr, q6, acc[c]);
+          else SP_K(lanes_group32)(&wt, xl, g * ch + c0 + c, type, acc[c]);
         }
       }
       for (int c = 0; c < cb; c++)
@@ -187,11 +169,11 @@ static SP_ATTR void SP_K(tiles_lanes_any)(const job *jb, const xlanes *xl, int64
   case SP_Q4_K: SP_K(tiles_lanes)(jb, xl, n0, n1, SP_Q4_K); break;
   case SP_Q5_K: SP_K(tiles_lanes)(jb, xl, n0, n1, SP_Q5_K); break;
   case SP_Q6_K: SP_K(tiles_lanes)(jb, xl, n0, n1, SP_Q6_K); break;
-  case SP_Q4_0: SP_K(tiles_lanes32)(jb, xl, n0, n1, SP_Q4_0); break;
-  case SP_Q4_1: SP_K(tiles_lanes32)(jb, xl, n0, n1, SP_Q4_1); break;
-  case SP_Q5_0: SP_K(tiles_lanes32)(jb, xl, n0, n1, SP_Q5_0); break;
-  case SP_Q5_1: SP_K(tiles_lanes32)(jb, xl, n0, n1, SP_Q5_1); break;
-  default: SP_K(tiles_lanes32)(jb, xl, n0, n1, SP_Q8_0); break;
+  case SP_Q4_0: SP_K(tiles_lanes)(jb, xl, n0, n1, SP_Q4_0); break;
+  case SP_Q4_1: SP_K(tiles_lanes)(jb, xl, n0, n1, SP_Q4_1); break;
+  case SP_Q5_0: SP_K(tiles_lanes)(jb, xl, n0, n1, SP_Q5_0); break;
+  case SP_Q5_1: SP_K(tiles_lanes)(jb, xl, n0, n1, SP_Q5_1); break;
+  default: SP_K(tiles_lanes)(jb, xl, n0, n1, SP_Q8_0); break;
   }
 }
 #undef SP_K
