@@ -14,10 +14,12 @@ up to the proposals' count follows from where the target's tokens ranked (HitPro
 
 A step costs the slowest of: the stages, each computing about the rows of one block per step
 (d x w), and the drafting, d source forwards one after another while the stages compute. The
-plan is the (d, w) with the most tokens per millisecond, E / step time; with a cost profile also
-d = 0, no drafting at all: pp's one token per pass of one row through every stage, one after
-another (a draft that costs more than its hits save, as a small model on a CPU can, makes that
-the plan). Without a cost profile
+plan is the (d, w) with the most tokens per millisecond, E / step time. For a source that runs a
+model, with a cost profile, also d = 0, no drafting at all: pp's one token per pass of one row
+through every stage, one after another (a draft that costs more than its hits save, as a small
+model on a CPU can, makes that the plan). Not for a source that costs nothing (n-gram): there
+only the stages' rows weigh against pp, and the step time above overstates them (every stage is
+priced for the whole block, though verifications prune it on its way down the pipeline). Without a cost profile
 every shape costs the same (rows nearly free, drafting hidden: an accelerator far from its
 compute bound) and the deepest, widest block wins; the engine still backs off a layer whenever
 drafting measurably outlasts the stages.
@@ -112,7 +114,7 @@ class StepCost:
 def plan_block(hits: HitProfile, used_width: int, num_stages: int, max_layers: int, widths: Sequence[int],
                cost: Optional[StepCost], context: int) -> tuple[int, int]:
     """The (layers, width) with the most expected tokens per unit of step time; layers 0: do not
-    draft (only with a cost profile, and only where it is strictly faster)."""
+    draft (only for a model source priced by a cost profile, where strictly faster)."""
     best, best_rate = (1, max(widths)), -1.0
     for w in sorted(set(widths)):
         h = hits.hit_rate(w, used_width)
@@ -122,6 +124,6 @@ def plan_block(hits: HitProfile, used_width: int, num_stages: int, max_layers: i
             rate = tokens / ms if ms > 0 else tokens
             if rate > best_rate * (1 + 1e-9):  # ties: the smaller block (fewer rows, fewer forwards)
                 best, best_rate = (d, w), rate
-    if cost is not None and 1.0 / cost.pass_ms(context) > best_rate * (1 + 1e-9):
+    if cost is not None and cost.draft_cost and 1.0 / cost.pass_ms(context) > best_rate * (1 + 1e-9):
         return 0, max(widths)
     return best

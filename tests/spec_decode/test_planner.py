@@ -73,14 +73,15 @@ def test_plans():
 
 
 def test_plans_no_drafting_where_the_draft_costs_more_than_it_saves():
-    """d = 0 (pp): 1 / S tokens at the stages' one-row step. Chosen only with a cost profile and
-    only where every block is slower per token; never without a profile (rows free)."""
+    """d = 0 (pp): a token per pass of one row through the stages. Chosen only for a model source
+    with a cost profile, where every block is slower per token; never without a profile (rows
+    free) or for a source that costs nothing."""
     rows = [1, 64]
     hits = HitProfile(8)
     for i in range(100):
         hits.record(0 if i % 2 else None, hit=bool(i % 2))  # half the target's tokens drafted
     # 8 layers over 4 stages: 2 ms a stage step; a draft forward of 10 ms. Drafting d = 1 gives
-    # E(0.5, 1, 4) = 0.4 tokens per 10 ms, pp 0.25 per 2 ms: no drafting.
+    # E(0.5, 1, 4) = 0.4 tokens per 10 ms, pp a token per 8 ms pass: no drafting.
     dear = StepCost(CostProfile("t", rows, [[1.0, 1.0]], [0.0, 0.0], [[10.0, 10.0]], model={"num_layers": 8}), 4)
     assert plan_block(hits, 8, 4, 8, [8, 4, 2], dear, 256) == (0, 8)
     # A draft forward of 1 ms hides behind the stages: draft.
