@@ -17,7 +17,9 @@ A step costs the slowest of: the stages, each computing about the rows of one bl
 plan is the (d, w) with the most tokens per millisecond, E / step time. For a source that runs a
 model, with a cost profile, also d = 0, no drafting at all: pp's one token per pass of one row
 through every stage, one after another (a draft that costs more than its hits save, as a small
-model on a CPU can, makes that the plan). Not for a source that costs nothing (n-gram): there
+model on a CPU can, makes that the plan): a request that takes it stops drafting for good, so
+until the hit profile holds STOP_EVIDENCE verifications it is taken only where drafting would lose
+even if every token hit. Not for a source that costs nothing (n-gram): there
 only the stages' rows weigh against pp, and the step time above overstates them (every stage is
 priced for the whole block, though verifications prune it on its way down the pipeline). Without a cost profile
 every shape costs the same (rows nearly free, drafting hidden: an accelerator far from its
@@ -36,6 +38,7 @@ if TYPE_CHECKING:
 PRIOR_VERIFICATIONS = 8  # the hit profile starts as this many verifications at PRIOR_HIT_RATE
 PRIOR_HIT_RATE = 0.8
 CONTEXT_STEP = 256  # step costs are looked up for contexts rounded up to this many tokens
+STOP_EVIDENCE = 64  # verifications measured before a hit rate may decide against drafting
 
 
 def expected_tokens_per_step(h: float, d: int, num_stages: int) -> float:
@@ -115,15 +118,17 @@ def plan_block(hits: HitProfile, used_width: int, num_stages: int, max_layers: i
                cost: Optional[StepCost], context: int) -> tuple[int, int]:
     """The (layers, width) with the most expected tokens per unit of step time; layers 0: do not
     draft (only for a model source priced by a cost profile, where strictly faster)."""
-    best, best_rate = (1, max(widths)), -1.0
+    best, best_rate, best_hoped = (1, max(widths)), -1.0, -1.0
     for w in sorted(set(widths)):
         h = hits.hit_rate(w, used_width)
         for d in range(1, max_layers + 1):
-            tokens = expected_tokens_per_step(h, d, num_stages)
             ms = cost.step_ms(d * w, d, w, context) if cost is not None else 1.0
-            rate = tokens / ms if ms > 0 else tokens
+            rate = expected_tokens_per_step(h, d, num_stages) / ms if ms > 0 else float("inf")
             if rate > best_rate * (1 + 1e-9):  # ties: the smaller block (fewer rows, fewer forwards)
                 best, best_rate = (d, w), rate
-    if cost is not None and cost.draft_cost and 1.0 / cost.pass_ms(context) > best_rate * (1 + 1e-9):
-        return 0, max(widths)
+            best_hoped = max(best_hoped, expected_tokens_per_step(1.0, d, num_stages) / ms if ms > 0 else float("inf"))
+    if cost is not None and cost.draft_cost:
+        against = best_rate if hits.verifications >= STOP_EVIDENCE else best_hoped
+        if 1.0 / cost.pass_ms(context) > against * (1 + 1e-9):
+            return 0, max(widths)
     return best

@@ -88,6 +88,13 @@ def test_plans_no_drafting_where_the_draft_costs_more_than_it_saves():
     cheap = StepCost(CostProfile("t", rows, [[1.0, 1.0]], [0.0, 0.0], [[1.0, 1.0]], model={"num_layers": 8}), 4)
     assert plan_block(hits, 8, 4, 8, [8, 4, 2], cheap, 256)[0] >= 1
     assert plan_block(hits, 8, 4, 8, [8, 4, 2], None, 256)[0] >= 1
+    # Stopping is for good: with little evidence only a draft that would lose at any hit rate stops.
+    few = HitProfile(8)
+    for i in range(10):
+        few.record(None, hit=False)  # 10 misses: the measured rate says stop, a perfect draft would pay
+    fair = StepCost(CostProfile("t", rows, [[1.0, 1.0]], [0.0, 0.0], [[3.0, 3.0]], model={"num_layers": 8}), 4)
+    assert plan_block(few, 8, 4, 8, [8, 4, 2], fair, 256)[0] >= 1
+    assert plan_block(few, 8, 4, 8, [8, 4, 2], dear, 256) == (0, 8)  # 10 ms a forward: hopeless
     # The same profile for a source that runs no model (n-gram): its proposals cost nothing.
     free = StepCost(CostProfile("t", rows, [[1.0, 1.0]], [0.0, 0.0], [[10.0, 10.0]], model={"num_layers": 8}), 4,
                     draft_cost=False)
