@@ -1195,10 +1195,13 @@ int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, 
     free(mem);
     return SP_OK;
   }
-  /* The row-lanes kernel from 5 rows (K-quants) or 3 (32-value types); below that most of its 8
-   * lanes would idle and the tile is as fast or faster (1 thread, 8960 x 1536: Q4_K 4 rows 1.10
-   * vs 1.13 ms, 8 rows 1.80 vs 1.14 ms; Q5_0 2 rows 1.08 vs 1.32 ms, 3 rows 1.43 vs 1.34 ms) */
-  if (t >= (is_kquant(type) ? 5 : 3) && (isa == SP_ISA_AVX512VNNI || isa == SP_ISA_AVX2)) {
+  /* The row-lanes kernel, AVX-512 VNNI from 5 rows (K-quants) or 3 (32-value types), AVX2 from
+   * 8; below that most of its 8 lanes would idle and the tile is as fast or faster (1 thread,
+   * 8960 x 1536, tile vs lanes: VNNI Q4_K 4 rows 1.10 vs 1.13 ms, 8 rows 1.80 vs 1.14 ms; Q5_0 2
+   * rows 1.08 vs 1.32 ms, 3 rows 1.43 vs 1.34 ms; AVX2 Q4_K 5 rows 1.54 vs 1.81, 8 rows 2.19 vs
+   * 1.77; Q5_0 5 rows 1.79 vs 2.00, 8 rows 2.53 vs 2.03) */
+  const int64_t lanes_from = isa == SP_ISA_AVX2 ? 8 : is_kquant(type) ? 5 : 3;
+  if ((isa == SP_ISA_AVX512VNNI || isa == SP_ISA_AVX2) && t >= lanes_from) {
     xlanes xl = {(t + 7) / 8};
     if (!alloc_lanes(kp / 256, &xl)) {
       free(mem);
