@@ -109,10 +109,9 @@ def measure_checkpoint(model, draft, rows: list[int], contexts: list[int], devic
                       "hidden_size": dckpt.config.hidden_size}
         if draft_vocab is not None:
             from specpipe.kernels.qlinear import select_outputs
-            from specpipe.spec_decode.draft_model import frequent_vocab
             from specpipe.tokenizer.tokenizer import Tokenizer
 
-            ids = frequent_vocab(Tokenizer.from_path(draft), draft_vocab)
+            ids = torch.tensor(Tokenizer.from_path(draft).frequent_ids(draft_vocab))
             draft_model.lm_head = select_outputs(draft_model.lm_head, ids)
             draft_meta["vocab"] = len(ids)
     prof = profile_stages(lambda spec: build_stage(ckpt, spec, dev, torch_dtype), ckpt.config, rows, contexts,

@@ -5,7 +5,8 @@
   PATH           a draft model (GGUF file or Hugging Face directory) with the target's tokenizer
   A+B[+C...]     several of these merged into one layer
 
-draft_vocab N (--draft-vocab): every draft model proposes from about N tokens only (frequent_vocab).
+draft_vocab N (--draft-vocab): every draft model proposes from about N tokens only
+(Tokenizer.frequent_ids).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from specpipe.config import ConfigError, StageSpec
 from specpipe.tokenizer.tokenizer import Tokenizer
 from specpipe.loader import Checkpoint, open_checkpoint
 from specpipe.model.stage import build_stage
-from specpipe.spec_decode.draft_model import DraftModelSource, frequent_vocab
+from specpipe.spec_decode.draft_model import DraftModelSource
 from specpipe.spec_decode.sources import MergedSource, NgramSource, TokenSource
 
 
@@ -33,7 +34,7 @@ def build_source(spec: str, target: Checkpoint, tokenizer: Tokenizer, num_blocks
         raise ConfigError("--draft is empty")
     if draft_vocab is not None and all(p == "ngram" for p in parts):
         raise ConfigError(f"--draft-vocab applies to a draft model (PATH or self:K); --draft {spec} has none")
-    vocab = None if draft_vocab is None else frequent_vocab(tokenizer, draft_vocab)
+    vocab = None if draft_vocab is None else torch.tensor(tokenizer.frequent_ids(draft_vocab))
     sources = [_one(p, target, tokenizer, (num_blocks, block_size), device, dtype, quantization, vocab) for p in parts]
     return sources[0] if len(sources) == 1 else MergedSource(sources)
 

@@ -22,18 +22,6 @@ from specpipe.model.llama import LlamaStage
 from specpipe.spec_decode.sources import ProposeCall, SourceRows, TokenSource
 from specpipe.kv.packed_forward import run_packed
 from specpipe.kv.slot_table import SlotTable
-from specpipe.tokenizer.tokenizer import Tokenizer
-
-
-def frequent_vocab(tokenizer: Tokenizer, n: int) -> torch.Tensor:
-    """A draft's vocabulary cut to about n tokens: the ids below n (BPE and SentencePiece
-    vocabularies number their tokens in the order they were learned, the most frequent first),
-    plus every added token (end of turn, end of text, ...) so that the draft can still propose
-    stopping. Ascending ids."""
-    if n < 1:
-        raise ValueError(f"a draft vocabulary needs at least one token, got {n}")
-    extra = [i for i in (*tokenizer.added_token_ids(), *tokenizer.eos_token_ids) if i >= n]
-    return torch.tensor(sorted({*range(min(n, tokenizer.vocab_size)), *extra}), dtype=torch.long)
 
 
 class DraftModelSource(TokenSource):

@@ -14,15 +14,17 @@ up to the proposals' count follows from where the target's tokens ranked (HitPro
 
 A step costs the slowest of: the stages, each computing about the rows of one block per step
 (d x w), and the drafting, d source forwards one after another while the stages compute. The
-plan is the (d, w) with the most tokens per millisecond, E / step time. For a source that runs a
-model, with a cost profile, also d = 0, no drafting at all: pp's one token per pass of one row
-through every stage, one after another (a draft that costs more than its hits save, as a small
-model on a CPU can, makes that the plan): a request that takes it stops drafting for good, so
-until the hit profile holds STOP_EVIDENCE verifications it is taken only where drafting would lose
-even if every token hit. Not for a source that costs nothing (n-gram): there
+plan is the (d, w) with the most tokens per millisecond, E / step time.
+
+For a source that runs a model, with a cost profile, d = 0 competes too: no drafting, pp's one
+token per pass of one row through every stage in turn (a draft that costs more than its hits
+save, as a small model on a CPU can, makes that the plan). A request that takes it stops drafting
+for good, so until the hit profile holds STOP_EVIDENCE verifications it is taken only where
+drafting would lose even if every token hit. Not for a source that costs nothing (n-gram): there
 only the stages' rows weigh against pp, and the step time above overstates them (every stage is
-priced for the whole block, though verifications prune it on its way down the pipeline). Without a cost profile
-every shape costs the same (rows nearly free, drafting hidden: an accelerator far from its
+priced for the whole block, though verifications prune it on its way down the pipeline).
+
+Without a cost profile every shape costs the same (rows nearly free, drafting hidden: an accelerator far from its
 compute bound) and the deepest, widest block wins; the engine still backs off a layer whenever
 drafting measurably outlasts the stages.
 """
@@ -96,21 +98,22 @@ class StepCost:
         self.layers = [p.end - p.start for p in partition_layers(profile.num_layers, num_stages)]
         self._ms: dict[tuple[int, int, int, int], float] = {}  # every request plans every step: remember
 
-    def pass_ms(self, context: int) -> float:
-        """One row through every stage, one after another: what a token costs without drafting."""
+    def _stages_ms(self, rows: int, context: int) -> list[float]:
+        """Each stage's time for `rows` rows; contexts are rounded up to CONTEXT_STEP tokens."""
         context = -(-max(context, 1) // CONTEXT_STEP) * CONTEXT_STEP
         S = len(self.layers)
-        return sum(self.profile.stage(n, s == S - 1, 1, context) for s, n in enumerate(self.layers))
+        return [self.profile.stage(n, s == S - 1, rows, context) for s, n in enumerate(self.layers)]
+
+    def pass_ms(self, context: int) -> float:
+        """One row through every stage, one after another: what a token costs without drafting."""
+        return sum(self._stages_ms(1, context))
 
     def step_ms(self, rows: int, forwards: int, draft_rows: int, context: int) -> float:
-        """Contexts are rounded up to CONTEXT_STEP tokens."""
         context = -(-max(context, 1) // CONTEXT_STEP) * CONTEXT_STEP
         key = (rows, forwards, draft_rows, context)
         if key not in self._ms:
-            p, S = self.profile, len(self.layers)
-            stages = max(p.stage(n, s == S - 1, rows, context) for s, n in enumerate(self.layers))
-            drafting = forwards * p.draft_forward(draft_rows, context) if self.draft_cost else 0.0
-            self._ms[key] = max(stages, drafting)
+            drafting = forwards * self.profile.draft_forward(draft_rows, context) if self.draft_cost else 0.0
+            self._ms[key] = max(max(self._stages_ms(rows, context)), drafting)
         return self._ms[key]
 
 

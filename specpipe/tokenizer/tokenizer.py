@@ -331,6 +331,16 @@ class Tokenizer:
         user-defined ones), ascending."""
         return sorted(self._backend.get_added_tokens_decoder())
 
+    def frequent_ids(self, n: int) -> list[int]:
+        """About the n most frequent tokens, for a draft's cut vocabulary (--draft-vocab): the
+        ids below n (BPE and SentencePiece vocabularies number their tokens in the order they were
+        learned, the most frequent first), plus every added token and EOS (end of turn, end of
+        text, ...) so that a draft can still propose stopping. Ascending."""
+        if n < 1:
+            raise ValueError(f"a draft vocabulary needs at least one token, got {n}")
+        extra = [i for i in (*self.added_token_ids(), *self.eos_token_ids) if i >= n]
+        return sorted({*range(min(n, self.vocab_size)), *extra})
+
     @property
     def has_chat_template(self) -> bool:
         return self._chat_template is not None

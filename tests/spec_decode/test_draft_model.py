@@ -139,17 +139,16 @@ def test_a_draft_vocabulary_proposes_the_best_of_its_tokens(tiny_model_dir):
     assert len(part.propose(0, None, SourceRows([6], [5], [6], [9]), [6], 20)[6]) == len(ids)  # k > |vocab|
 
 
-def test_frequent_vocab_keeps_the_special_tokens(tiny_model_dir):
-    from specpipe.spec_decode.draft_model import frequent_vocab
+def test_frequent_ids_keep_the_special_tokens(tiny_model_dir):
     from specpipe.tokenizer.tokenizer import Tokenizer
 
     tok = Tokenizer.from_path(tiny_model_dir("llama"))
-    ids = frequent_vocab(tok, 100).tolist()
+    ids = tok.frequent_ids(100)
     assert ids[:100] == list(range(100)) and ids == sorted(set(ids))
     assert set(tok.eos_token_ids) <= set(ids) and set(tok.added_token_ids()) <= set(ids)
-    assert frequent_vocab(tok, 10 ** 9).tolist() == list(range(tok.vocab_size))
+    assert tok.frequent_ids(10 ** 9) == list(range(tok.vocab_size))
     with pytest.raises(ValueError):
-        frequent_vocab(tok, 0)
+        tok.frequent_ids(0)
 
 
 def test_draft_vocab_needs_a_draft_model(tiny_model_dir):

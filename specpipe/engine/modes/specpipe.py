@@ -31,9 +31,9 @@ the d draft forwards cost. Without a profile rows are taken as nearly free (an a
 the deepest block of AUTO_MAX_LAYERS wins; either way the depth backs off a layer whenever drafting
 outlasted the stages' compute (the draft set the pace) and creeps back after two steps that were
 not draft-bound. Under specpipe-db the scheduler's grant caps the block as for a fixed d. Where
-the plan is not to draft at all (a draft dearer than what its hits save; planner.STOP_EVIDENCE), the request stops
-drafting for good and goes on as pp: the source forgets it, its steps count as block "0x0", and
-its verifications no longer feed the shared hit profile.
+the plan is not to draft at all (a draft dearer than what its hits save; see the planner), the
+request stops drafting for good and goes on as pp: the source forgets it, its steps count as
+block "0x0", and its verifications no longer feed the shared hit profile.
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ SP_INLINE SP_ATTR void SP_K(lanes_group32)(const wtile *wt, const xlanes *xl, in
 /* Weight rows [n0, n1) against every activation row, for one compile-time type. */
 SP_INLINE SP_ATTR void SP_K(tiles_lanes)(const job *jb, const xlanes *xl, int64_t n0, int64_t n1,
                                          const int type) {
-  const int is_k = type == SP_Q4_K || type == SP_Q5_K || type == SP_Q6_K, q6 = type == SP_Q6_K;
+  const int is_k = is_kquant(type), q6 = type == SP_Q6_K;
   const int64_t ng = jb->xq.kp / 256, ch = xl->chunks;
   const int64_t gbytes = type == SP_Q4_K ? 144 : type == SP_Q5_K ? 176 : 210; /* K-quants */
   const tile_prefetch pf = tile_prefetch_start(jb, n0, n1);
