@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="stream a completion of PROMPT to the terminal")
     g.add_argument("prompt", help="the prompt text ('-' reads it from standard input)")
     g.add_argument("--max-tokens", type=_positive_int, default=128, help="stop after this many new tokens (default 128)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="decode up to --max-tokens whatever the model says (benchmarks; as the server's ignore_eos)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -181,7 +183,7 @@ def _generate(args: argparse.Namespace) -> int:
     engine = Engine(config, rank_env=rank_env, progress=progress)
     try:
         stream = None if args.json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
-        result = engine.generate(prompt, sampling, chat=args.chat, on_text=stream)
+        result = engine.generate(prompt, sampling, chat=args.chat, on_text=stream, ignore_eos=args.ignore_eos)
     finally:
         engine.close()
     if args.json:

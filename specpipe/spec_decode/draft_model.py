@@ -25,9 +25,10 @@ from specpipe.kv.slot_table import SlotTable
 
 
 class DraftModelSource(TokenSource):
-    """A draft model's proposals. `vocab_ids`: the tokens the draft may propose (its LM head computes those rows only: on a
-    CPU the head of a small model with a large vocabulary is a third of its forward); None: all.
-    The target verifies every proposal, so this changes how often the tree hits, never the output."""
+    """A draft model's proposals. `vocab_ids`: the tokens the draft may propose (its LM head
+    computes those rows only: in a small model with a large vocabulary the head is a third of the
+    bytes a forward reads); None: all. The target verifies every proposal, so this changes how
+    often the tree hits, never the output."""
 
     runs_model = True
 

@@ -165,3 +165,14 @@ def test_serve_refuses_limits_that_cannot_serve_in_one_line(capsys, tiny_llama_d
     code, _, err = run_cli(capsys, "serve", "--model", str(tiny_llama_dir), "--port", "0", *argv)
     assert_user_error(code, err, *words)
     assert err.strip().count("\n") == 0, err
+
+
+def test_ignore_eos_decodes_up_to_max_tokens(capsys, tiny_model_dir):
+    """The tiny model ends this text after some 170 tokens; --ignore-eos goes on to --max-tokens."""
+    model = str(tiny_model_dir("llama", max_position_embeddings=4096))
+    base = ["generate", "--model", model, "--max-tokens", "400", "--no-chat", "--json", "the theatre in the sea"]
+    stopped = last_json(run_cli(capsys, *base)[1])
+    assert stopped["finish_reason"] == "stop" and len(stopped["token_ids"]) < 400
+    d = last_json(run_cli(capsys, *base, "--ignore-eos")[1])
+    assert d["finish_reason"] == "length" and len(d["token_ids"]) == 400
+    assert d["token_ids"][:len(stopped["token_ids"])] == stopped["token_ids"]

@@ -153,9 +153,10 @@ def long_model(tiny_model_dir) -> Path:
 
 
 def start_long_run(model: Path, *extra: str) -> Run:
-    """A 2-stage generation that runs for a minute or more unless something stops it."""
+    """A 2-stage generation that runs for a minute or more unless something stops it (past the
+    tiny model's end of sequence, which it reaches after some 170 tokens: a few seconds)."""
     run = Run(["generate", "--model", str(model), "--no-chat", "--json", "--max-tokens", "2000", "--max-context", "4096",
-               "--stages", "2", "--link-delay-ms", "5", *extra, PROMPT])
+               "--ignore-eos", "--stages", "2", "--link-delay-ms", "5", *extra, PROMPT])
     run.wait_for_stderr(" ready: ", 2, timeout_s=90)  # both stages loaded
     time.sleep(2.0)  # mid-generation
     assert run.proc.poll() is None, run.stderr
