@@ -93,13 +93,19 @@ def kill_session(proc: subprocess.Popen) -> None:
         pass
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Run:
     """A CLI run in the background whose stderr is collected line by line as it comes."""
 
     def __init__(self, args: list[str], env: Optional[dict] = None, cmd_prefix: Optional[list[str]] = None) -> None:
+        # SIGINT at its default in the child: a test started from a script in the background
+        # inherits it ignored, and Python then never turns Ctrl-C into KeyboardInterrupt.
         self.proc = subprocess.Popen([*(cmd_prefix or []), *CLI, *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, text=True, env=env or clean_env(),
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=_default_sigint)
         self.err_lines: list[str] = []
         self.out = ""
         self._t_err = threading.Thread(target=self._read_err, daemon=True)
