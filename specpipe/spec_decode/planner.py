@@ -99,22 +99,26 @@ class StepCost:
         self._ms: dict[tuple[int, int, int, int], float] = {}  # every request plans every step: remember
 
     def _stages_ms(self, rows: int, context: int) -> list[float]:
-        """Each stage's time for `rows` rows; contexts are rounded up to CONTEXT_STEP tokens."""
-        context = -(-max(context, 1) // CONTEXT_STEP) * CONTEXT_STEP
+        """Each stage's time for `rows` rows at a rounded context."""
         S = len(self.layers)
         return [self.profile.stage(n, s == S - 1, rows, context) for s, n in enumerate(self.layers)]
 
     def pass_ms(self, context: int) -> float:
         """One row through every stage, one after another: what a token costs without drafting."""
-        return sum(self._stages_ms(1, context))
+        return sum(self._stages_ms(1, _rounded(context)))
 
     def step_ms(self, rows: int, forwards: int, draft_rows: int, context: int) -> float:
-        context = -(-max(context, 1) // CONTEXT_STEP) * CONTEXT_STEP
+        context = _rounded(context)
         key = (rows, forwards, draft_rows, context)
         if key not in self._ms:
             drafting = forwards * self.profile.draft_forward(draft_rows, context) if self.draft_cost else 0.0
             self._ms[key] = max(max(self._stages_ms(rows, context)), drafting)
         return self._ms[key]
+
+
+def _rounded(context: int) -> int:
+    """Step costs are looked up for contexts rounded up to CONTEXT_STEP tokens."""
+    return -(-max(context, 1) // CONTEXT_STEP) * CONTEXT_STEP
 
 
 def plan_block(hits: HitProfile, used_width: int, num_stages: int, max_layers: int, widths: Sequence[int],
@@ -129,7 +133,7 @@ def plan_block(hits: HitProfile, used_width: int, num_stages: int, max_layers: i
             rate = expected_tokens_per_step(h, d, num_stages) / ms if ms > 0 else float("inf")
             if rate > best_rate * (1 + 1e-9):  # ties: the smaller block (fewer rows, fewer forwards)
                 best, best_rate = (d, w), rate
-            best_hoped = max(best_hoped, expected_tokens_per_step(1.0, d, num_stages) / ms if ms > 0 else float("inf"))
+            best_hoped = max(best_hoped, d / ms if ms > 0 else float("inf"))  # every token hit: d a step
     if cost is not None and cost.draft_cost:
         against = best_rate if hits.verifications >= STOP_EVIDENCE else best_hoped
         if 1.0 / cost.pass_ms(context) > against * (1 + 1e-9):

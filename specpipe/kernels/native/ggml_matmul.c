@@ -235,40 +235,40 @@ SP_INLINE void add_high_bits32(uint32_t qh, uint8_t *q) {
   }
 }
 
-/* 32-value types: blocks 8g .. 8g+nb-1 of row r (nblk blocks per row). */
-SP_INLINE void unpack_group32(int type, const uint8_t *row, int64_t g, int64_t nblk, wtile *w,
-                              int r) {
-  const int64_t b0 = 8 * g;
-  const int nb = (int)(nblk - b0 < 8 ? nblk - b0 : 8);
+/* 32-value types: the blocks of group g of row r (nblk blocks per row), read by every ISA's
+ * unpacking: sets w->nb and zeroes the values past it, then for block j sets its scales (d, and m
+ * for Q4_1/Q5_1) and returns where its values start: 16 bytes of nibbles (Q5_0/Q5_1: *qh gets the
+ * fifth bits) or, for Q8_0, 32 int8 values. */
+SP_INLINE int group32_blocks(const uint8_t *row, int64_t g, int64_t nblk, wtile *w, int r) {
+  const int nb = (int)(nblk - 8 * g < 8 ? nblk - 8 * g : 8);
   w->nb = nb;
   if (nb < 8) memset(w->q[r] + 32 * nb, 0, 32 * (8 - nb)); /* the padded activations are 0 too */
+  return nb;
+}
+SP_INLINE const uint8_t *block32(int type, const uint8_t *row, int64_t g, int j, wtile *w, int r,
+                                 uint32_t *qh) {
+  static const int bytes[] = {[SP_Q4_0] = 18, [SP_Q4_1] = 20, [SP_Q5_0] = 22, [SP_Q5_1] = 24, [SP_Q8_0] = 34};
+  const uint8_t *b = row + (8 * g + j) * bytes[type];
+  const int has_m = type == SP_Q4_1 || type == SP_Q5_1, has_h = type == SP_Q5_0 || type == SP_Q5_1;
+  w->d[j][r] = f16_to_f32(b);
+  if (has_m) w->m[j][r] = f16_to_f32(b + 2);
+  if (has_h) *qh = load_u32(b + 2 + 2 * has_m);
+  return b + 2 + 2 * has_m + 4 * has_h;
+}
+
+SP_INLINE void unpack_group32(int type, const uint8_t *row, int64_t g, int64_t nblk, wtile *w,
+                              int r) {
+  const int nb = group32_blocks(row, g, nblk, w, r);
   for (int j = 0; j < nb; j++) {
+    uint32_t qh = 0;
+    const uint8_t *qs = block32(type, row, g, j, w, r, &qh);
     uint8_t *q = w->q[r] + 32 * j;
-    if (type == SP_Q4_0) {
-      const uint8_t *b = row + (b0 + j) * 18;
-      w->d[j][r] = f16_to_f32(b);
-      unpack_nibbles16(b + 2, q);
-    } else if (type == SP_Q4_1) {
-      const uint8_t *b = row + (b0 + j) * 20;
-      w->d[j][r] = f16_to_f32(b);
-      w->m[j][r] = f16_to_f32(b + 2);
-      unpack_nibbles16(b + 4, q);
-    } else if (type == SP_Q5_0) {
-      const uint8_t *b = row + (b0 + j) * 22;
-      w->d[j][r] = f16_to_f32(b);
-      unpack_nibbles16(b + 6, q);
-      add_high_bits32(load_u32(b + 2), q);
-    } else if (type == SP_Q5_1) {
-      const uint8_t *b = row + (b0 + j) * 24;
-      w->d[j][r] = f16_to_f32(b);
-      w->m[j][r] = f16_to_f32(b + 2);
-      unpack_nibbles16(b + 8, q);
-      add_high_bits32(load_u32(b + 4), q);
-    } else { /* SP_Q8_0 */
-      const uint8_t *b = row + (b0 + j) * 34;
-      w->d[j][r] = f16_to_f32(b);
-      memcpy(q, b + 2, 32);
+    if (type == SP_Q8_0) {
+      memcpy(q, qs, 32);
+      continue;
     }
+    unpack_nibbles16(qs, q);
+    if (type == SP_Q5_0 || type == SP_Q5_1) add_high_bits32(qh, q);
   }
 }
 
@@ -548,37 +548,13 @@ SP_INLINE SP_AVX2 __m256i high_bits32_avx2(uint32_t qh) { /* byte i: 16 where bi
 }
 SP_INLINE SP_AVX2 void unpack_group32_avx2(int type, const uint8_t *row, int64_t g, int64_t nblk,
                                            wtile *w, int r) {
-  const int64_t b0 = 8 * g;
-  const int nb = (int)(nblk - b0 < 8 ? nblk - b0 : 8);
-  w->nb = nb;
-  if (nb < 8) memset(w->q[r] + 32 * nb, 0, 32 * (8 - nb)); /* the padded activations are 0 too */
+  const int nb = group32_blocks(row, g, nblk, w, r);
   for (int j = 0; j < nb; j++) {
-    uint8_t *q = w->q[r] + 32 * j;
-    __m256i v;
-    if (type == SP_Q4_0) {
-      const uint8_t *b = row + (b0 + j) * 18;
-      w->d[j][r] = f16_to_f32(b);
-      v = nibbles32_avx2(b + 2);
-    } else if (type == SP_Q4_1) {
-      const uint8_t *b = row + (b0 + j) * 20;
-      w->d[j][r] = f16_to_f32(b);
-      w->m[j][r] = f16_to_f32(b + 2);
-      v = nibbles32_avx2(b + 4);
-    } else if (type == SP_Q5_0) {
-      const uint8_t *b = row + (b0 + j) * 22;
-      w->d[j][r] = f16_to_f32(b);
-      v = _mm256_or_si256(nibbles32_avx2(b + 6), high_bits32_avx2(load_u32(b + 2)));
-    } else if (type == SP_Q5_1) {
-      const uint8_t *b = row + (b0 + j) * 24;
-      w->d[j][r] = f16_to_f32(b);
-      w->m[j][r] = f16_to_f32(b + 2);
-      v = _mm256_or_si256(nibbles32_avx2(b + 8), high_bits32_avx2(load_u32(b + 4)));
-    } else { /* SP_Q8_0 */
-      const uint8_t *b = row + (b0 + j) * 34;
-      w->d[j][r] = f16_to_f32(b);
-      v = LD(b + 2);
-    }
-    ST(q, v);
+    uint32_t qh = 0;
+    const uint8_t *qs = block32(type, row, g, j, w, r, &qh);
+    __m256i v = type == SP_Q8_0 ? LD(qs) : nibbles32_avx2(qs);
+    if (type == SP_Q5_0 || type == SP_Q5_1) v = _mm256_or_si256(v, high_bits32_avx2(qh));
+    ST(w->q[r] + 32 * j, v);
   }
 }
 #define unpack_group32_vnni unpack_group32_avx2
@@ -918,13 +894,7 @@ SP_INLINE SP_AVX2 __m256i sp_dp4s_avx2(__m256i acc, __m256i w, __m256i x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)),
                                                  _mm256_set1_epi16(1)));
 }
-#include "ggml_matmul_lanes.h"
-#undef SP_ISA
-#undef SP_ATTR
-#undef SP_DP4
-#undef SP_DP4S
-#undef SP_Q8_SHIFT
-#undef SP_DP2W
+#include "ggml_matmul_lanes.h" /* (it undefines these) */
 #define SP_ISA vnni
 #define SP_ATTR SP_VNNI
 #define SP_DP4(acc, w, x) _mm256_dpbusd_epi32(acc, _mm256_set1_epi32((int)(w)), x)
@@ -932,13 +902,7 @@ SP_INLINE SP_AVX2 __m256i sp_dp4s_avx2(__m256i acc, __m256i w, __m256i x) {
 #define SP_DP4S(acc, w, x) _mm256_dpbusd_epi32(acc, _mm256_set1_epi32((int)((w) ^ 0x80808080u)), x)
 #define SP_Q8_SHIFT 7
 #define SP_DP2W(acc, p, w) _mm256_dpwssd_epi32(acc, p, _mm256_set1_epi32((int)(w)))
-#include "ggml_matmul_lanes.h"
-#undef SP_ISA
-#undef SP_ATTR
-#undef SP_DP4
-#undef SP_DP4S
-#undef SP_Q8_SHIFT
-#undef SP_DP2W
+#include "ggml_matmul_lanes.h" /* (it undefines these) */
 #endif
 
 /* ------------------------------------------------------------------------------------------- */

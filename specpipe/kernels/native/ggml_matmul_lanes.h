@@ -5,7 +5,8 @@
  *   SP_DP4S(acc, w, x)  the same for 4 signed bytes (Q8_0)
  *   SP_Q8_SHIFT         what SP_DP4S leaves to subtract: (block sum << SP_Q8_SHIFT); 0: nothing
  *   SP_DP2W(acc, p, w)  acc + in each lane, the two int16 of p times the two int16 of w
- * All exact integers, so every ISA's lanes give the tile path's integers and bits. */
+ * All exact integers, so every ISA's lanes give the tile path's integers and bits. The header
+ * undefines all of these (and SP_K) at its end. */
 #define SP_CAT2(a, b) a##b
 #define SP_CAT(a, b) SP_CAT2(a, b)
 #define SP_K(name) SP_CAT(name, SP_CAT(_, SP_ISA))
@@ -177,3 +178,9 @@ static SP_ATTR void SP_K(tiles_lanes_any)(const job *jb, const xlanes *xl, int64
   }
 }
 #undef SP_K
+#undef SP_ISA
+#undef SP_ATTR
+#undef SP_DP4
+#undef SP_DP4S
+#undef SP_Q8_SHIFT
+#undef SP_DP2W
