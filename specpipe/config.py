@@ -192,6 +192,7 @@ class EngineConfig:
     stage_layers: Optional[list[int]] = None
     draft: Optional[str] = None  # source spec (see spec_decode/build.py); tree/specpipe default: ngram
     draft_vocab: Optional[int] = None  # a draft model proposes from about this many tokens (None: all)
+    draft_quantization: Optional[str] = None  # int8 | int4: a draft model's weights requantized at load
     tree_width: int = 8  # W: nodes per tree layer
     tree_depth: int = 4  # D: layers per round in mode `tree`
     layers_per_step: int | str = 1  # d: tree layers per step in specpipe / specpipe-db, or "auto"
@@ -247,6 +248,11 @@ class EngineConfig:
             raise ConfigError(f"--restart-stages must be >= 0, got {self.restart_stages}")
         if self.stage_timeout_s <= 0:
             raise ConfigError(f"--stage-timeout must be positive, got {self.stage_timeout_s}")
+        if self.draft_quantization not in (None, "int8", "int4"):
+            raise ConfigError(f"--draft-quantization must be int8 or int4, got {self.draft_quantization!r}")
+        if self.mode not in SPECULATIVE_MODES and (self.draft_quantization or self.draft_vocab):
+            raise ConfigError(f"--draft-quantization and --draft-vocab have no effect in mode {self.mode}; "
+                              f"choose a speculative mode ({', '.join(SPECULATIVE_MODES)})")
         if self.draft_vocab is not None and self.draft_vocab < 1:
             raise ConfigError(f"--draft-vocab must be at least 1, got {self.draft_vocab}")
         if self.mode not in SPECULATIVE_MODES and self.draft:

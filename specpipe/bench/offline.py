@@ -78,6 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="target GGUF or HF directory (default: embedded SmolLM2-135M)")
     p.add_argument("--draft", default=None, help="speculative source (default ngram)")
     p.add_argument("--draft-vocab", type=int, default=None, help="a draft model proposes from N tokens only")
+    p.add_argument("--draft-quantization", default=None, choices=["int8", "int4"],
+                   help="a draft model's weights requantized at load to Q8_0 / Q4_0")
     p.add_argument("--tree-width", type=int, default=8, help="W unless a run says width= (default 8)")
     p.add_argument("--tree-depth", type=int, default=4, help="tree mode's D unless a run says depth= (default 4)")
     p.add_argument("--dataset", default="specbench", help="specbench (Spec-Bench's six groups), or a JSONL file of prompts")
@@ -178,7 +180,8 @@ def _tracer(args, run: RunSpec, S: int, real: bool, source: Optional[str]):
 
     return StepTracer(S, {"mode": run.mode, "label": run.label, "real": real, "source": source or "none",
                           "model": args.model or "SmolLM2-135M-Instruct", "concurrency": args.concurrency,
-                          "draft_vocab": args.draft_vocab, **dict(run.options)})
+                          "draft_vocab": args.draft_vocab, "draft_quantization": args.draft_quantization,
+                          **dict(run.options)})
 
 
 def _save_trace(args, tracer, run: RunSpec, S: int, groups: dict[int, str]) -> Optional[str]:
@@ -201,7 +204,7 @@ def _config(args, S: int, runs: list[RunSpec], **extra):
     deepest = max((r.get("layers", 1) for r in runs if r.mode.startswith("specpipe")), default=1,
                   key=lambda d: 99 if d == "auto" else d)
     return EngineConfig(model=args.model, mode="specpipe", stages=S, draft=args.draft, draft_vocab=args.draft_vocab,
-                        tree_width=args.tree_width,
+                        draft_quantization=args.draft_quantization, tree_width=args.tree_width,
                         tree_depth=args.tree_depth, layers_per_step=deepest, device=args.device,
                         max_num_seqs=max(1, args.concurrency), max_step_rows=args.max_step_rows,
                         stage_timeout_s=600, cost_profile=args.cost_profile,

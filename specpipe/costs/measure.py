@@ -85,9 +85,11 @@ class StageTimer:
 
 
 def measure_checkpoint(model, draft, rows: list[int], contexts: list[int], device: str = "cpu",
-                       dtype: str = "auto", threads: int = 0, repeats: int = 3, draft_vocab: int | None = None):
+                       dtype: str = "auto", threads: int = 0, repeats: int = 3, draft_vocab: int | None = None,
+                       draft_quantization: str | None = None):
     """The cost profile of a checkpoint (the target, and the draft if given, its LM head over
-    `draft_vocab` tokens if given); `model` None is the embedded default model."""
+    `draft_vocab` tokens and its weights requantized to `draft_quantization` if given, as
+    --draft-vocab and --draft-quantization serve it); `model` None is the embedded default model."""
     import torch
 
     from specpipe.config import EngineConfig, StageSpec
@@ -104,9 +106,10 @@ def measure_checkpoint(model, draft, rows: list[int], contexts: list[int], devic
     draft_model, draft_meta = None, None
     if draft:
         dckpt = open_checkpoint(draft)
-        draft_model = build_stage(dckpt, StageSpec.whole(dckpt.config), dev, torch_dtype)
+        draft_model = build_stage(dckpt, StageSpec.whole(dckpt.config), dev, torch_dtype,
+                                  quantization=draft_quantization, requantize=draft_quantization is not None)
         draft_meta = {"path": str(draft), "num_layers": dckpt.config.num_layers,
-                      "hidden_size": dckpt.config.hidden_size}
+                      "hidden_size": dckpt.config.hidden_size, "quantization": draft_quantization}
         if draft_vocab is not None:
             from specpipe.kernels.qlinear import select_outputs
             from specpipe.tokenizer.tokenizer import Tokenizer

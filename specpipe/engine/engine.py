@@ -80,7 +80,7 @@ class Engine:
             c = self.config
             self.source = build_source(c.draft or DEFAULT_DRAFT, self.checkpoint, self.tokenizer,
                                        self.draft_blocks, self.block_size, c.device, c.torch_dtype(),
-                                       c.quantization, c.draft_vocab)
+                                       c.quantization, c.draft_vocab, c.draft_quantization)
         return self.source
 
     def core(self, mode: Optional[str] = None, tree_width: Optional[int] = None,

@@ -3,7 +3,9 @@
 Weights stay in the form the checkpoint stores them: GGUF quantized blocks become QuantLinear /
 QuantEmbedding modules holding the packed rows (kernels/qlinear.py), float weights stay in their
 stored float type (bf16 stays bf16) unless a dtype is asked for. `quantization` ("int8" / "int4")
-turns float weights into Q8_0 / Q4_0 blocks at load, so they go through the same QuantLinear.
+turns float weights into Q8_0 / Q4_0 blocks at load, so they go through the same QuantLinear;
+with `requantize` (a draft model's --draft-quantization) quantized weights stored in a wider type
+are requantized to it as well.
 Tensors are loaded one at a time, so the peak is the stage plus one tensor in float32.
 """
 
@@ -39,16 +41,25 @@ def checkpoint_name(param_name: str, ckpt_names: set[str]) -> str:
     return param_name
 
 
-def _packed(ckpt: Checkpoint, src: str, quantization: Optional[str], kernel: Optional[str]):
-    """(qtype, packed rows) when `src` is to stay (or become) quantized, else None."""
+def bits_per_weight(qtype) -> float:
+    values, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    return 8 * nbytes / values
+
+
+def _packed(ckpt: Checkpoint, src: str, quantization: Optional[str], kernel: Optional[str],
+            requantize: bool = False):
+    """(qtype, packed rows) when `src` is to stay (or become) quantized, else None. requantize:
+    a quantized tensor whose type takes more bits per weight than `quantization`'s is
+    requantized (from its dequantized values) too; one that takes as few or fewer is kept."""
     if kernel == "float32":
         return None  # the old way: dequantized to float32 at load (for comparisons and benchmarks)
+    qtype = QUANTIZATIONS[quantization] if quantization is not None else None
     found = ckpt.load_packed(src)
     if found is not None and found[0] not in FLOAT_TYPES:
-        return found[0], found[1]
-    if quantization is None or len(ckpt.shape(src)) != 2:
+        if not (requantize and bits_per_weight(found[0]) > bits_per_weight(qtype)):
+            return found[0], found[1]
+    if qtype is None or len(ckpt.shape(src)) != 2:
         return None
-    qtype = QUANTIZATIONS[quantization]
     w = ckpt.load(src).numpy()  # one tensor in float32 at a time
     return qtype, torch.from_numpy(np.ascontiguousarray(gguf.quants.quantize(w, qtype)))
 
@@ -73,7 +84,7 @@ def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 def build_stage(ckpt: Checkpoint, spec: StageSpec, device: torch.device | str = "cpu",
                 dtype: Optional[torch.dtype] = torch.float32, quantization: Optional[str] = None,
-                kernel: Optional[str] = None, stack: bool = True) -> LlamaStage:
+                kernel: Optional[str] = None, stack: bool = True, requantize: bool = False) -> LlamaStage:
     """A `LlamaStage` for `spec` with its weights taken from `ckpt`, every shape checked.
 
     dtype: the activations' type, and the float weights' when given; None = float32 activations
@@ -81,6 +92,7 @@ def build_stage(ckpt: Checkpoint, spec: StageSpec, device: torch.device | str = 
     "float32" to dequantize every weight to float32 at load as SpecPipe did before (8.5x the
     memory of a Q4 file; kept for comparisons). stack: stack q/k/v and gate/up where the kernel
     allows (stack_projections; False keeps one module per checkpoint tensor, for inspection).
+    requantize: weights the file stores in wider quantized types become `quantization`'s type too.
     """
     if kernel is None:
         kernel = default_kernel(device, quantization)
@@ -89,6 +101,8 @@ def build_stage(ckpt: Checkpoint, spec: StageSpec, device: torch.device | str = 
         raise ValueError(f"unknown kernel {kernel!r} (SPECPIPE_KERNEL?); this machine has: {', '.join(names)}")
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+    if requantize and quantization is None:
+        raise ValueError("requantize needs a quantization to requantize to")
     act = dtype or torch.float32
     cfg = ckpt.config
     # Built on the meta device, then every weight replaced by a real one: the stage never holds
@@ -121,7 +135,7 @@ def build_stage(ckpt: Checkpoint, spec: StageSpec, device: torch.device | str = 
         else:
             continue
         checked(src, module.weight.shape)
-        found = _packed(ckpt, src, quantization, kernel)
+        found = _packed(ckpt, src, quantization, kernel, requantize)
         parent, attr = _parent(model, name)
         if found is None:
             module.weight = nn.Parameter(load_float(src), requires_grad=False)

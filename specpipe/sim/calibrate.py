@@ -34,6 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default=None, help="draft model to profile (a path; default: none)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="the draft's LM head over its N most frequent tokens, as `--draft-vocab` serves it")
+    p.add_argument("--draft-quantization", default=None, choices=["int8", "int4"],
+                   help="the draft's weights requantized at load, as `--draft-quantization` serves them")
     p.add_argument("--rows", type=_ints, default=DEFAULT_ROWS, help="row counts (default 1,2,4,...,256)")
     p.add_argument("--contexts", type=_ints, default=DEFAULT_CONTEXTS, help="context lengths (default 256,...,8192)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
@@ -66,7 +68,7 @@ def main(args: argparse.Namespace) -> int:
         from specpipe.costs.measure import measure_checkpoint
 
         prof = measure_checkpoint(args.model, args.draft, args.rows, args.contexts, args.device, args.dtype,
-                                  args.threads, args.repeats, args.draft_vocab)
+                                  args.threads, args.repeats, args.draft_vocab, args.draft_quantization)
         for S in args.probe_links:
             for link in probe_link(args.model, S, args.device, args.threads):
                 prof.links[link.name] = asdict(link)

@@ -87,6 +87,10 @@ def all_sources(target, draft_ckpt) -> dict:
         # a draft proposing from part of the vocabulary (--draft-vocab): every other token id
         "self:3/vocab": lambda: DraftModelSource(build_stage(target, StageSpec(0, 3, first=True, last=True)),
                                                  BLOCKS, BLOCK_SIZE, "self:3", vocab_ids=torch.arange(0, 300, 2)),
+        # a draft whose weights are requantized to Q4_0 blocks (--draft-quantization int4)
+        "draft/int4": lambda: DraftModelSource(build_stage(draft_ckpt, StageSpec.whole(draft_ckpt.config),
+                                                           quantization="int4", requantize=True),
+                                               BLOCKS, BLOCK_SIZE, "draft/int4"),
     }
 
 

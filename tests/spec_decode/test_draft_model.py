@@ -162,3 +162,51 @@ def test_draft_vocab_needs_a_draft_model(tiny_model_dir):
         build_source("ngram", ckpt, tok, 8, 4, draft_vocab=100)
     merged = build_source("self:2+ngram", ckpt, tok, 8, 4, draft_vocab=100)
     assert merged.sources[0].model.lm_head.weight.shape[0] == len(merged.sources[0].vocab_ids) >= 100
+
+
+def test_draft_quantization_requantizes_only_wider_blocks(tiny_model_dir, tmp_path):
+    """--draft-quantization int4 turns a draft's Q8_0 weights into Q4_0 blocks of their
+    dequantized values (fewer bytes per forward); int8 keeps Q4_0 weights as they are (never
+    widened); a float checkpoint is quantized as --quantization would."""
+    import gguf
+    from checkpoint_helpers import gguf_twin
+
+    from specpipe.kernels.qlinear import QuantEmbedding, QuantLinear
+    from specpipe.model.stage import weight_nbytes
+
+    Q = gguf.GGMLQuantizationType
+    q8 = open_checkpoint(gguf_twin(tiny_model_dir("llama"), tmp_path / "q8.gguf", Q.Q8_0))
+    spec = StageSpec.whole(q8.config)
+    as_stored = build_stage(q8, spec)
+    int4 = build_stage(q8, spec, quantization="int4", requantize=True)
+    packed = [m for m in int4.modules() if isinstance(m, (QuantLinear, QuantEmbedding))]
+    assert packed and {m.qtype for m in packed} == {Q.Q4_0}
+    assert weight_nbytes(int4) < weight_nbytes(as_stored)
+    src = "layers.0.mlp.down_proj.weight"
+    want = gguf.quants.quantize(q8.load(src).numpy(), Q.Q4_0)
+    assert np.array_equal(int4.get_submodule("layers.0.mlp.down_proj").packed.numpy(), want)
+
+    q4 = open_checkpoint(gguf_twin(tiny_model_dir("llama"), tmp_path / "q4.gguf", Q.Q4_0))
+    kept = build_stage(q4, spec, quantization="int8", requantize=True)
+    assert {m.qtype for m in kept.modules() if isinstance(m, QuantLinear)} == {Q.Q4_0}
+    assert weight_nbytes(kept) == weight_nbytes(build_stage(q4, spec))
+    with pytest.raises(ValueError, match="requantize needs"):
+        build_stage(q4, spec, requantize=True)
+
+
+def test_draft_quantization_reaches_every_draft_model_and_needs_one(tiny_model_dir):
+    from specpipe.config import ConfigError, EngineConfig
+    from specpipe.kernels.qlinear import QuantLinear
+    from specpipe.spec_decode.build import build_source
+    from specpipe.tokenizer.tokenizer import Tokenizer
+
+    path = tiny_model_dir("llama")
+    ckpt, tok = open_checkpoint(path), Tokenizer.from_path(path)
+    merged = build_source("self:2+ngram", ckpt, tok, 8, 4, draft_quantization="int4")
+    assert {m.qtype.name for m in merged.sources[0].model.modules() if isinstance(m, QuantLinear)} == {"Q4_0"}
+    with pytest.raises(ConfigError, match="--draft-quantization applies to a draft model"):
+        build_source("ngram", ckpt, tok, 8, 4, draft_quantization="int4")
+    with pytest.raises(ConfigError, match="no effect in mode pp"):
+        EngineConfig(mode="pp", draft_quantization="int4").validate()
+    with pytest.raises(ConfigError, match="int8 or int4"):
+        EngineConfig(mode="specpipe", draft_quantization="int2").validate()
