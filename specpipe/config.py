@@ -189,7 +189,7 @@ class EngineConfig:
     model: Optional[str] = None  # GGUF file or HF directory; None = the embedded default model
     mode: str = "pp"
     stages: int = 1
-    stage_layers: Optional[list[int]] = None
+    stage_layers: Optional[list[int] | str] = None  # layers per stage, or "balanced" (by --cost-profile)
     draft: Optional[str] = None  # source spec (see spec_decode/build.py); tree/specpipe default: ngram
     draft_vocab: Optional[int] = None  # a draft model proposes from about this many tokens (None: all)
     draft_quantization: Optional[str] = None  # int8 | int4: a draft model's weights requantized at load
@@ -234,8 +234,12 @@ class EngineConfig:
                                                     and 1 <= self.layers_per_step <= MAX_LAYERS_PER_STEP):
             raise ConfigError(f"--layers-per-step must be auto or an integer in [1, {MAX_LAYERS_PER_STEP}], "
                               f"got {self.layers_per_step!r}")
-        if self.cost_profile is not None and self.layers_per_step != "auto":
-            raise ConfigError("--cost-profile only steers --layers-per-step auto")
+        if isinstance(self.stage_layers, str) and self.stage_layers != "balanced":
+            raise ConfigError(f"--stage-layers must be layer counts or balanced, got {self.stage_layers!r}")
+        if self.stage_layers == "balanced" and self.cost_profile is None:
+            raise ConfigError("--stage-layers balanced needs a --cost-profile to balance the stages by")
+        if self.cost_profile is not None and self.layers_per_step != "auto" and self.stage_layers != "balanced":
+            raise ConfigError("--cost-profile only steers --layers-per-step auto and --stage-layers balanced")
         if self.max_context < 2:
             raise ConfigError(f"--max-context must be at least 2, got {self.max_context}")
         if self.transport not in ("auto", "inproc", "processes"):

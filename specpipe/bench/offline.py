@@ -80,6 +80,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-vocab", type=int, default=None, help="a draft model proposes from N tokens only")
     p.add_argument("--draft-quantization", default=None, choices=["int8", "int4"],
                    help="a draft model's weights requantized at load to Q8_0 / Q4_0")
+    p.add_argument("--stage-layers", default=None,
+                   help="layers per stage (one --stages value), or balanced: by --cost-profile for each S and run "
+                        "(default: even split)")
     p.add_argument("--tree-width", type=int, default=8, help="W unless a run says width= (default 8)")
     p.add_argument("--tree-depth", type=int, default=4, help="tree mode's D unless a run says depth= (default 4)")
     p.add_argument("--dataset", default="specbench", help="specbench (Spec-Bench's six groups), or a JSONL file of prompts")
@@ -173,12 +176,13 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _tracer(args, run: RunSpec, S: int, real: bool, source: Optional[str]):
+def _tracer(args, run: RunSpec, S: int, real: bool, source: Optional[str], stage_layers: list[int]):
     if not (args.trace_dir or args.plots):
         return None
     from specpipe.sim.trace import StepTracer
 
     return StepTracer(S, {"mode": run.mode, "label": run.label, "real": real, "source": source or "none",
+                          "stage_layers": stage_layers, "width": run.get("width", args.tree_width),
                           "model": args.model or "SmolLM2-135M-Instruct", "concurrency": args.concurrency,
                           "draft_vocab": args.draft_vocab, "draft_quantization": args.draft_quantization,
                           **dict(run.options)})
@@ -203,7 +207,10 @@ def _config(args, S: int, runs: list[RunSpec], **extra):
 
     deepest = max((r.get("layers", 1) for r in runs if r.mode.startswith("specpipe")), default=1,
                   key=lambda d: 99 if d == "auto" else d)
+    from specpipe.loader.partition import parse_stage_layers
+
     return EngineConfig(model=args.model, mode="specpipe", stages=S, draft=args.draft, draft_vocab=args.draft_vocab,
+                        stage_layers=parse_stage_layers(args.stage_layers) if S > 1 else None,
                         draft_quantization=args.draft_quantization, tree_width=args.tree_width,
                         tree_depth=args.tree_depth, layers_per_step=deepest, device=args.device,
                         max_num_seqs=max(1, args.concurrency), max_step_rows=args.max_step_rows,
@@ -239,7 +246,7 @@ def _real(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
             for run in runs:
                 core = engine.core(*_core_args(args, run))
                 source = core.source.name if core.source is not None else None
-                tracer = _tracer(args, run, S, True, source)
+                tracer = _tracer(args, run, S, True, source, [s.end - s.start for s in engine.stage_specs])
                 core.observer = tracer or NO_OBSERVER
                 res, groups = RunResult(run, S), {}
                 t0 = time.perf_counter()
@@ -262,13 +269,16 @@ def _real(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
 
 def _oracle(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
     from specpipe.config import SPECULATIVE_MODES
+    from specpipe.costs.balance import resolve_stage_layers
     from specpipe.engine.core import EngineCore
     from specpipe.engine.engine import Engine
     from specpipe.engine.observer import NO_OBSERVER
+    from specpipe.loader.partition import parse_stage_layers, partition_layers
     from specpipe.sampling import SamplingParams
     from specpipe.sim.oracle_pipeline import OraclePipeline
 
     engine = Engine(_config(args, 1, runs, transport="inproc"))
+    L, wanted = engine.checkpoint.config.num_layers, parse_stage_layers(args.stage_layers)
     try:
         sampling = SamplingParams(max_tokens=args.max_tokens)
         refs = _references(engine, prompts, sampling, bar)
@@ -280,12 +290,14 @@ def _oracle(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
                 by_pid: dict[int, list[int]] = {}
                 mode, width, depth, layers = _core_args(args, run)
                 source = engine.source if mode in SPECULATIVE_MODES else None
+                counts = [s.end - s.start for s in partition_layers(L, S, resolve_stage_layers(
+                    wanted, engine.cost_profile, L, S, width if mode in SPECULATIVE_MODES else 1))]
                 core = EngineCore(OraclePipeline(S, lambda pid: by_pid.get(pid, [])), mode, source, width=width,
                                   depth=depth, layers=layers, max_num_seqs=max(1, args.concurrency),
                                   step_rows=args.max_step_rows, max_waiting=max(1, len(reqs)),
-                                  cost_profile=engine.cost_profile)
+                                  cost_profile=engine.cost_profile, stage_layers=counts)
                 source = core.source.name if core.source is not None else None
-                tracer = _tracer(args, run, S, False, source)
+                tracer = _tracer(args, run, S, False, source, counts)
                 core.observer = tracer or NO_OBSERVER
                 res = RunResult(run, S)
                 for batch in ([reqs] if args.concurrency > 1 else [[r] for r in reqs]):

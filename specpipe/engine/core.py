@@ -58,8 +58,10 @@ class EngineCore:
                  width: int = 8, depth: int = 4, layers: int | str = 1, kv_blocks: int = 1 << 16, block_size: int = 16,
                  max_num_seqs: int = 32, step_rows: Optional[int] = 64, max_waiting: int = 1024,
                  max_waiting_per_client: Optional[int] = None, pids: Optional[Iterator[int]] = None,
-                 cost_profile: Optional["CostProfile"] = None, window_pool: Optional[tuple[int, int]] = None) -> None:
-        """`cost_profile`: what `--layers-per-step auto` prices rows and draft forwards with.
+                 cost_profile: Optional["CostProfile"] = None, window_pool: Optional[tuple[int, int]] = None,
+                 stage_layers: Optional[list[int]] = None) -> None:
+        """`cost_profile`: what `--layers-per-step auto` prices rows and draft forwards with, for
+        stages of `stage_layers` layers each (default: the even split).
         `window_pool`: (window, blocks) of the stages' sliding-window KV pool, when they keep one."""
         if mode in SPECULATIVE_MODES and source is None:
             raise ConfigError(f"mode {mode} needs a speculative source")
@@ -67,7 +69,7 @@ class EngineCore:
         self.width, self.depth, self.layers = width, depth, layers
         self.auto_plan: Optional[AutoPlan] = None  # shared by every request in `--layers-per-step auto`
         if layers == AUTO and mode in SPECULATIVE_MODES and mode != "tree":
-            cost = (StepCost(cost_profile, pipeline.num_stages, draft_cost=source.runs_model)
+            cost = (StepCost(cost_profile, pipeline.num_stages, source.runs_model, stage_layers)
                     if cost_profile is not None else None)
             self.auto_plan = AutoPlan(HitProfile(width), pipeline.num_stages, cost)
         self.step_rows = step_rows if mode in BUDGETED_MODES else None

@@ -11,7 +11,8 @@ import itertools
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
-from specpipe.config import DEFAULT_DRAFT, MODES, SPECULATIVE_MODES, ConfigError, EngineConfig
+from specpipe.config import DEFAULT_DRAFT, MODES, SPECULATIVE_MODES, ConfigError, EngineConfig, StageSpec
+from specpipe.costs.balance import BALANCED, resolve_stage_layers
 from specpipe.costs.profile import CostProfile, load_profile
 from specpipe.distributed.ranks import RankEnv
 from specpipe.engine.core import EngineCore, spec_reserve
@@ -44,7 +45,11 @@ class Engine:
         cfg = self.checkpoint.config
         self.max_context = min(config.max_context, cfg.max_position)
         self.prompts = PromptProcessor(self.tokenizer, cfg.vocab_size, self.max_context)
-        self.stage_specs = partition_layers(cfg.num_layers, config.stages, config.stage_layers)
+        self.cost_profile = cost_profile_of(config)
+        self.stage_specs = stage_specs(config, cfg, self.cost_profile)
+        if config.stage_layers == BALANCED and progress is not None:
+            progress(f"stages balanced by the cost profile: {','.join(str(s.end - s.start) for s in self.stage_specs)} "
+                     "layers")
         reserve = spec_reserve(config.mode, config.tree_width, config.tree_depth, config.stages,
                                config.layers_per_step)
         self.num_blocks, self.window_blocks, whole_blocks = pool_blocks(
@@ -56,7 +61,6 @@ class Engine:
         # stops speculating for a while: core._draft_failed), never more memory than before.
         self.draft_blocks = whole_blocks + config.max_num_seqs * -(-reserve // config.block_size)
         self.block_size = config.block_size
-        self.cost_profile = _cost_profile(config)
         self.source: Optional[TokenSource] = None
         if config.mode in SPECULATIVE_MODES:
             self._source()  # before any process starts, so a bad --draft leaves nothing running
@@ -101,7 +105,7 @@ class Engine:
                 self.pipeline, key[0], source, width=key[1], depth=key[2], layers=key[3], kv_blocks=self.num_blocks,
                 block_size=self.block_size, max_num_seqs=c.max_num_seqs, step_rows=c.max_step_rows,
                 max_waiting=c.max_waiting, max_waiting_per_client=c.max_waiting_per_client, pids=self._pids,
-                cost_profile=self.cost_profile,
+                cost_profile=self.cost_profile, stage_layers=[s.end - s.start for s in self.stage_specs],
                 window_pool=(self.checkpoint.config.sliding_window, self.window_blocks) if self.window_blocks else None)
         return self._cores[key]
 
@@ -133,7 +137,15 @@ class Engine:
         self.pipeline.close()
 
 
-def _cost_profile(config: EngineConfig) -> Optional[CostProfile]:
+def stage_specs(config: EngineConfig, cfg, profile: Optional[CostProfile]) -> list[StageSpec]:
+    """The stages' layers: --stage-layers' counts, the even split, or counts balanced by the cost
+    profile for the rows a step sends (a tree layer's W in the speculative modes)."""
+    rows = config.tree_width if config.mode in SPECULATIVE_MODES else 1
+    counts = resolve_stage_layers(config.stage_layers, profile, cfg.num_layers, config.stages, rows)
+    return partition_layers(cfg.num_layers, config.stages, counts)
+
+
+def cost_profile_of(config: EngineConfig) -> Optional[CostProfile]:
     if config.cost_profile is None:
         return None
     try:

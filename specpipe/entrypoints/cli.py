@@ -247,12 +247,12 @@ def _serve_stage(config, env) -> int:
     from specpipe.engine.start_pipeline import torchrun_stage
     from specpipe.loader import open_checkpoint
     from specpipe.loader.default_model import default_model_path
-    from specpipe.loader.partition import partition_layers
+    from specpipe.engine.engine import cost_profile_of, stage_specs
 
     path = config.model or str(default_model_path())
     ckpt = open_checkpoint(path)
     cfg = ckpt.config
-    specs = partition_layers(cfg.num_layers, config.stages, config.stage_layers)
+    specs = stage_specs(config, cfg, cost_profile_of(config))
     # The pool this machine's memory allows (shared with the other ranks on it); the driver admits
     # requests against the smallest pool that any stage reports.
     reserve = spec_reserve(config.mode, config.tree_width, config.tree_depth, config.stages, config.layers_per_step)

@@ -33,10 +33,12 @@ def partition_layers(num_layers: int, num_stages: int,
     return specs
 
 
-def parse_stage_layers(text: Optional[str]) -> Optional[list[int]]:
-    """'8,8,7,7' -> [8, 8, 7, 7]."""
+def parse_stage_layers(text: Optional[str]) -> Optional[list[int] | str]:
+    """'8,8,7,7' -> [8, 8, 7, 7]; 'balanced' stays a word (costs/balance.py resolves it)."""
     if not text:
         return None
+    if text == "balanced":
+        return text
     try:
         return [int(x) for x in text.split(",")]
     except ValueError:

@@ -20,7 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--link", default="none",
                    help="link between stages: none, a preset (10gbe, ib-100g, nvlink3, nvlink4), a link measured "
                         "with the profile (loopback-s2) or LATENCY_MS:GBPS")
-    p.add_argument("--stage-layers", default=None, help="layers per stage, e.g. 10,10,... (default: even split)")
+    p.add_argument("--stage-layers", default=None,
+                   help="layers per stage, e.g. 10,10,..., or balanced: by the profile, for the rows a step of the "
+                        "trace's mode sends, as the engine balances them (default: even split)")
     p.add_argument("--driver-ms", type=float, default=0.0, help="the driver's own time per step (default 0)")
     p.add_argument("--no-draft-cost", action="store_true",
                    help="the source costs nothing (n-gram); default: a trace with a model draft pays the profile's draft")
@@ -46,7 +48,8 @@ def parse_link(text: str, profile=None):
 
 
 def main(args: argparse.Namespace) -> int:
-    from specpipe.config import ConfigError
+    from specpipe.config import SPECULATIVE_MODES, ConfigError
+    from specpipe.costs.balance import resolve_stage_layers
     from specpipe.costs.profile import load_profile
     from specpipe.loader.partition import parse_stage_layers
     from specpipe.sim.events import measured, simulate
@@ -65,7 +68,9 @@ def main(args: argparse.Namespace) -> int:
     out = []
     for path, trace in traces:
         try:
-            sim = simulate(trace, profile, layers, link, args.driver_ms,
+            rows = trace.meta.get("width", 8) if trace.meta.get("mode") in SPECULATIVE_MODES else 1
+            counts = resolve_stage_layers(layers, profile, profile.num_layers, trace.num_stages, rows)
+            sim = simulate(trace, profile, counts, link, args.driver_ms,
                            draft_cost=not args.no_draft_cost and trace.meta.get("source", "ngram") != "ngram")
         except ValueError as e:
             raise ConfigError(f"{path}: {e}") from None

@@ -86,7 +86,11 @@ def simulate(trace: Trace, profile: CostProfile, stage_layers: Optional[Sequence
     driver's own time per step (schedule, verify, messages). `draft_cost`: the trace's draft
     forwards cost the profile's draft forward (False for a source that costs ~nothing, n-gram)."""
     S = trace.num_stages
-    layers = list(stage_layers) if stage_layers is not None else default_layers(profile, S)
+    if stage_layers is None:
+        # The counts the traced run used, where it ran the profile's model; else the even split.
+        traced = trace.meta.get("stage_layers")
+        stage_layers = traced if traced and sum(traced) == profile.num_layers else default_layers(profile, S)
+    layers = list(stage_layers)
     if len(layers) != S:
         raise ValueError(f"the trace has {S} stages but {len(layers)} stage layer counts were given")
 

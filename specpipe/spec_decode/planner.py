@@ -86,16 +86,18 @@ class StepCost:
     """The time of one pipeline step when each stage computes `rows` rows and the source makes
     `forwards` forwards of `draft_rows` rows while they compute: the slowest of the two. From a
     cost profile (`specpipe profile`, or a roofline preset), with the profile's layers split over
-    `num_stages` stages; the slowest stage is the one that counts. `draft_cost` False: the source
-    runs no model (n-gram lookup) and its forwards cost nothing, whatever draft the profile holds."""
+    `num_stages` stages as `stage_layers` says (default: the even split); the slowest stage is the
+    one that counts. `draft_cost` False: the source runs no model (n-gram lookup) and its forwards
+    cost nothing, whatever draft the profile holds."""
 
-    def __init__(self, profile: "CostProfile", num_stages: int, draft_cost: bool = True) -> None:
+    def __init__(self, profile: "CostProfile", num_stages: int, draft_cost: bool = True,
+                 stage_layers: Optional[Sequence[int]] = None) -> None:
         from specpipe.loader.partition import partition_layers
 
         if not profile.num_layers:
             raise ValueError("the cost profile does not say how many layers its model has")
         self.profile, self.draft_cost = profile, draft_cost
-        self.layers = [p.end - p.start for p in partition_layers(profile.num_layers, num_stages)]
+        self.layers = [p.end - p.start for p in partition_layers(profile.num_layers, num_stages, stage_layers)]
         self._ms: dict[tuple[int, int, int, int], float] = {}  # every request plans every step: remember
 
     def _stages_ms(self, rows: int, context: int) -> list[float]:
