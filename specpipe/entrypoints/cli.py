@@ -104,7 +104,8 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--mode", default="pp", help="pp | pp-cb | tree | specpipe | specpipe-db (default: pp for generate, specpipe-db for serve)")
     g.add_argument("--stages", type=int, default=1, help="pipeline stages S (default 1)")
-    g.add_argument("--stage-layers", default=None, help="layers per stage, e.g. 8,8,7,7 (default: even split)")
+    g.add_argument("--stage-layers", default=None, help="layers per stage, e.g. 8,8,7,7, or balanced: counts whose slowest stage "
+                   "is fastest by --cost-profile (default: even split)")
     g.add_argument("--draft", default=None,
                    help="speculative source: ngram, self:K, a draft model PATH, or A+B combinations (default ngram)")
     g.add_argument("--draft-vocab", type=_positive_int, default=None,
@@ -119,8 +120,9 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
                    help="d: tree layers entering stage 1 per step in specpipe / specpipe-db (default 1, the paper's "
                         "method), or auto: depth and width of each block planned per request and step")
     g.add_argument("--cost-profile", default=None,
-                   help="with --layers-per-step auto: what rows and draft forwards cost, a `specpipe profile` file "
-                        "or a shipped profile (a100-80gb, h100-80gb, h200); default: rows nearly free")
+                   help="with --layers-per-step auto (and --stage-layers balanced): what rows and draft forwards "
+                        "cost, a `specpipe profile` file or a shipped profile (a100-80gb, h100-80gb, h200); "
+                        "default: rows nearly free")
     g.add_argument("--max-context", type=int, default=4096, help="prompt + output tokens per request (default 4096)")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     g.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16 (auto: float32 activations on CPU "

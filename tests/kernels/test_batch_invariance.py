@@ -70,7 +70,10 @@ def test_kernel_rows_do_not_depend_on_the_batch(kernel, qtype):
                          ids=lambda v: getattr(v, "name", str(v)))
 def test_selected_outputs_keep_their_bits(kernel, qtype):
     """A head over part of the vocabulary (select_outputs, --draft-vocab) gives those outputs'
-    bits: an element depends on its own weight row alone."""
+    bits with the native kernel: an element depends on its own weight row alone. The dequantizing
+    fallback multiplies in float32 (MKL/oneDNN sgemm), whose summation order can follow the number
+    of outputs (last-bit differences on an AMD EPYC, none on an Intel Xeon), so there the outputs
+    agree to rounding only; only a draft cuts its head, so the engine's output never depends on it."""
     k = next(k for k in kernels() if k.name == kernel)
     layer = QuantLinear(random_packed(qtype, N, K, int(qtype)), qtype, K, N, kernel=k,
                         bias=torch.randn(N, generator=torch.Generator().manual_seed(2)))
@@ -78,7 +81,12 @@ def test_selected_outputs_keep_their_bits(kernel, qtype):
     part = select_outputs(layer, ids)
     x = torch.randn(9, K, generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
-        assert part.out_features == len(ids) and torch.equal(part(x), layer(x)[:, ids])
+        got, want = part(x), layer(x)[:, ids]
+    assert part.out_features == len(ids)
+    if kernel == "native":
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_every_cpu_type_has_a_kernel():
