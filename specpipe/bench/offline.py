@@ -290,8 +290,8 @@ def _oracle(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
                 by_pid: dict[int, list[int]] = {}
                 mode, width, depth, layers = _core_args(args, run)
                 source = engine.source if mode in SPECULATIVE_MODES else None
-                counts = [s.end - s.start for s in partition_layers(L, S, resolve_stage_layers(
-                    wanted, engine.cost_profile, L, S, width if mode in SPECULATIVE_MODES else 1))]
+                counts = [s.end - s.start for s in partition_layers(
+                    L, S, resolve_stage_layers(wanted, engine.cost_profile, L, S, mode, width))]
                 core = EngineCore(OraclePipeline(S, lambda pid: by_pid.get(pid, [])), mode, source, width=width,
                                   depth=depth, layers=layers, max_num_seqs=max(1, args.concurrency),
                                   step_rows=args.max_step_rows, max_waiting=max(1, len(reqs)),

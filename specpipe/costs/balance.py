@@ -39,16 +39,17 @@ def balanced_stage_layers(profile: CostProfile, num_layers: int, num_stages: int
     return best
 
 
-def resolve_stage_layers(stage_layers, profile, num_layers: int, num_stages: int, rows: int = 1):
+def resolve_stage_layers(stage_layers, profile, num_layers: int, num_stages: int, mode: str, width: int):
     """--stage-layers as given (counts, or None for the even split), or "balanced": counts from
-    the cost profile (balanced_stage_layers)."""
-    from specpipe.config import ConfigError
+    the cost profile (balanced_stage_layers) for the rows a step of `mode` sends: a tree layer's
+    `width` in the speculative modes, one row per request otherwise."""
+    from specpipe.config import SPECULATIVE_MODES, ConfigError
 
     if stage_layers != BALANCED:
         return stage_layers
     if profile is None:
         raise ConfigError("--stage-layers balanced needs a --cost-profile to balance the stages by")
     try:
-        return balanced_stage_layers(profile, num_layers, num_stages, rows)
+        return balanced_stage_layers(profile, num_layers, num_stages, width if mode in SPECULATIVE_MODES else 1)
     except ValueError as e:
         raise ConfigError(f"--stage-layers balanced: {e}") from None

@@ -139,9 +139,9 @@ class Engine:
 
 def stage_specs(config: EngineConfig, cfg, profile: Optional[CostProfile]) -> list[StageSpec]:
     """The stages' layers: --stage-layers' counts, the even split, or counts balanced by the cost
-    profile for the rows a step sends (a tree layer's W in the speculative modes)."""
-    rows = config.tree_width if config.mode in SPECULATIVE_MODES else 1
-    counts = resolve_stage_layers(config.stage_layers, profile, cfg.num_layers, config.stages, rows)
+    profile (costs/balance.py)."""
+    counts = resolve_stage_layers(config.stage_layers, profile, cfg.num_layers, config.stages, config.mode,
+                                  config.tree_width)
     return partition_layers(cfg.num_layers, config.stages, counts)
 
 

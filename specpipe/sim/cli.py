@@ -48,7 +48,7 @@ def parse_link(text: str, profile=None):
 
 
 def main(args: argparse.Namespace) -> int:
-    from specpipe.config import SPECULATIVE_MODES, ConfigError
+    from specpipe.config import ConfigError
     from specpipe.costs.balance import resolve_stage_layers
     from specpipe.costs.profile import load_profile
     from specpipe.loader.partition import parse_stage_layers
@@ -68,8 +68,8 @@ def main(args: argparse.Namespace) -> int:
     out = []
     for path, trace in traces:
         try:
-            rows = trace.meta.get("width", 8) if trace.meta.get("mode") in SPECULATIVE_MODES else 1
-            counts = resolve_stage_layers(layers, profile, profile.num_layers, trace.num_stages, rows)
+            counts = resolve_stage_layers(layers, profile, profile.num_layers, trace.num_stages,
+                                          trace.meta.get("mode", "pp"), trace.meta.get("width", 8))
             sim = simulate(trace, profile, counts, link, args.driver_ms,
                            draft_cost=not args.no_draft_cost and trace.meta.get("source", "ngram") != "ngram")
         except ValueError as e:

@@ -40,14 +40,16 @@ def build_source(spec: str, target: Checkpoint, tokenizer: Tokenizer, num_blocks
         if value is not None and all(p == "ngram" for p in parts):
             raise ConfigError(f"{option} applies to a draft model (PATH or self:K); --draft {spec} has none")
     vocab = None if draft_vocab is None else torch.tensor(tokenizer.frequent_ids(draft_vocab))
-    weights = (quantization, False) if draft_quantization is None else (draft_quantization, True)
-    sources = [_one(p, target, tokenizer, (num_blocks, block_size), device, dtype, weights, vocab) for p in parts]
+    requantize = draft_quantization is not None
+    quantization = draft_quantization if requantize else quantization
+    sources = [_one(p, target, tokenizer, (num_blocks, block_size), device, dtype, quantization, requantize, vocab)
+               for p in parts]
     return sources[0] if len(sources) == 1 else MergedSource(sources)
 
 
 def _one(part: str, target: Checkpoint, tokenizer: Tokenizer, pool: tuple[int, int], device, dtype,
-         weights: tuple[Optional[str], bool] = (None, False), vocab: Optional[torch.Tensor] = None) -> TokenSource:
-    """weights: (quantization, requantize) for build_stage."""
+         quantization: Optional[str] = None, requantize: bool = False,
+         vocab: Optional[torch.Tensor] = None) -> TokenSource:
     if part == "ngram":
         return NgramSource()
     if part.startswith("self:"):
@@ -59,7 +61,7 @@ def _one(part: str, target: Checkpoint, tokenizer: Tokenizer, pool: tuple[int, i
         if not 1 <= k < n:
             raise ConfigError(f"--draft self:K needs 1 <= K < {n} (the target's layer count), got {k}")
         model = build_stage(target, StageSpec(0, k, first=True, last=True), device, dtype,
-                            quantization=weights[0], requantize=weights[1])
+                            quantization, requantize=requantize)
         return _draft_model(model, pool, f"self:{k}", tokenizer.fingerprint(), vocab)
     ckpt = open_checkpoint(part)
     draft_tok = Tokenizer.from_path(part)
@@ -72,7 +74,7 @@ def _one(part: str, target: Checkpoint, tokenizer: Tokenizer, pool: tuple[int, i
             f"--draft {part}: vocabulary size {ckpt.config.vocab_size} differs from the target's "
             f"{target.config.vocab_size}")
     model = build_stage(ckpt, StageSpec.whole(ckpt.config), device, dtype,
-                        quantization=weights[0], requantize=weights[1])
+                        quantization, requantize=requantize)
     return _draft_model(model, pool, part, draft_tok.fingerprint(), vocab)
 
 

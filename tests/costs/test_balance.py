@@ -36,12 +36,14 @@ def test_a_free_head_keeps_the_even_split():
 
 def test_balanced_needs_a_profile_of_this_model():
     p = profile(head_ms=4.8)
-    assert resolve_stage_layers([20, 8], p, 28, 2) == [20, 8]
-    assert resolve_stage_layers(None, p, 28, 2) is None
+    assert resolve_stage_layers([20, 8], p, 28, 2, "pp", 8) == [20, 8]
+    assert resolve_stage_layers(None, p, 28, 2, "pp", 8) is None
+    assert resolve_stage_layers("balanced", p, 28, 4, "specpipe", 8) == balanced_stage_layers(p, 28, 4, rows=8)
+    assert resolve_stage_layers("balanced", p, 28, 4, "pp-cb", 8) == balanced_stage_layers(p, 28, 4, rows=1)
     with pytest.raises(ConfigError, match="needs a --cost-profile"):
-        resolve_stage_layers("balanced", None, 28, 2)
+        resolve_stage_layers("balanced", None, 28, 2, "pp", 8)
     with pytest.raises(ConfigError, match="28 layers, this one has 30"):
-        resolve_stage_layers("balanced", p, 30, 2)
+        resolve_stage_layers("balanced", p, 30, 2, "pp", 8)
     with pytest.raises(ConfigError, match="needs a --cost-profile"):
         EngineConfig(mode="pp", stages=2, stage_layers="balanced").validate()
     with pytest.raises(ConfigError, match="layer counts or balanced"):
