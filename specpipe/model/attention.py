@@ -50,6 +50,8 @@ class AttentionMetadata:
     positions: torch.Tensor  # (T,) int64 absolute positions, for RoPE
     write_slots: torch.Tensor  # (T,) int64 where each row's K/V is stored
     segments: list[Segment]  # consecutive, covering rows [0, T)
+    # the segments as the fused native layer reads them (model/fused.py), built on first use
+    native: Optional[object] = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @staticmethod
     def build(positions: Sequence[int], write_slots: Sequence[int], segments: Sequence[SegmentPlan],

@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from specpipe.config import ModelConfig, StageSpec
 from specpipe.kernels import native
 from specpipe.kernels.qlinear import FloatLinear, StackedLinear
+from specpipe.model import fused
 from specpipe.model.attention import AttentionMetadata, attend, within_window
 from specpipe.model.kv_cache import KVCache
 from specpipe.model.moe import MLP, SparseMoE
@@ -111,8 +112,11 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(h, eps, plus_one)
         self.mlp = SparseMoE(cfg) if cfg.is_sparse(index) else MLP(h, cfg.intermediate_size, cfg.hidden_act)
         self.sliding = cfg.is_sliding(index)
+        self.native = None  # the layer as one native call (model/fused.py), set after loading
 
     def forward(self, x, rope, meta, kv, layer):
+        if self.native is not None and x.shape[0]:
+            return fused.forward(self, x, rope, meta, kv, layer)
         a = self.self_attn(self.input_layernorm(x), rope, meta, kv, layer)
         if not self.sandwich:
             x = x + a

@@ -26,6 +26,7 @@ from specpipe.kernels.ggml_types import FLOAT_TYPES
 from specpipe.kernels.qlinear import QuantEmbedding, QuantLinear, StackedLinear
 from specpipe.kernels.registry import choose_kernel, get_kernel, kernels
 from specpipe.loader.checkpoint import Checkpoint, CheckpointError
+from specpipe.model.fused import fuse_layers
 from specpipe.model.llama import Attention, LlamaStage
 from specpipe.model.moe import MLP
 
@@ -91,7 +92,8 @@ def build_stage(ckpt: Checkpoint, spec: StageSpec, device: torch.device | str = 
     with float weights kept as stored. kernel: a kernel name to prefer (kernels/registry.py), or
     "float32" to dequantize every weight to float32 at load as SpecPipe did before (8.5x the
     memory of a Q4 file; kept for comparisons). stack: stack q/k/v and gate/up where the kernel
-    allows (stack_projections; False keeps one module per checkpoint tensor, for inspection).
+    allows (stack_projections) and run each layer that qualifies as one native call (model/fused.py);
+    False keeps one module per checkpoint tensor and the torch-written layers, for inspection.
     requantize: weights the file stores in wider quantized types become `quantization`'s type too.
     """
     if kernel is None:
@@ -170,6 +172,7 @@ def build_stage(ckpt: Checkpoint, spec: StageSpec, device: torch.device | str = 
         setattr(parent, attr, nn.Parameter(ckpt.load(name).to(act).to(device), requires_grad=False))
     if stack:
         stack_projections(model)
+        fuse_layers(model)
     _return_freed_memory()
     return model.eval().requires_grad_(False)
 

@@ -18,6 +18,7 @@ from specpipe.config import MODES, SPECULATIVE_MODES, StageSpec
 from specpipe.costs.profile import CostProfile
 from engine_helpers import decode
 from specpipe.engine.modes.specpipe import AUTO_MAX_LAYERS
+from specpipe.kernels import native
 from specpipe.loader import open_checkpoint
 from specpipe.loader.partition import partition_layers
 from specpipe.model.stage import build_stage
@@ -55,9 +56,10 @@ class CheckedPipeline(LocalPipeline):
         return out
 
 
-def make_pipeline(ckpt, num_stages: int, width: int, max_committed: int) -> CheckedPipeline:
+def make_pipeline(ckpt, num_stages: int, width: int, max_committed: int, quantization=None) -> CheckedPipeline:
     specs = partition_layers(ckpt.config.num_layers, num_stages)
-    return CheckedPipeline([StageWorker(build_stage(ckpt, s), BLOCKS, BLOCK_SIZE) for s in specs], width, max_committed)
+    return CheckedPipeline([StageWorker(build_stage(ckpt, s, quantization=quantization), BLOCKS, BLOCK_SIZE)
+                            for s in specs], width, max_committed)
 
 
 def run(pipe, mode: str, prompt: list[int], sampling: SamplingParams, source=None, width=4, depth=3,
@@ -131,6 +133,25 @@ def test_all_modes_and_sources_equal_pp_tiny(tiny8, num_stages, sampling):
             n = len(reference)
             assert steps <= num_stages * n
             assert steps >= (n + num_stages - 1 if num_stages > 1 else (n + 1) // 2)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("num_stages", [1, 2, 4, 8])
+def test_quantized_target_with_fused_layers_equals_pp(tiny8, num_stages, sampling):
+    """A Q4_0 target, whose layers run as one native call each where built (model/fused.py):
+    every mode, a quantized draft and n-grams, one layer and auto blocks: pp's tokens."""
+    target, draft_ckpt = tiny8
+    max_committed = len(TINY_PROMPT) + sampling.max_tokens
+    reference = run(make_pipeline(target, 1, 1, max_committed, "int4"), "pp", TINY_PROMPT, sampling).output_ids
+    pipe = make_pipeline(target, num_stages, 4 * AUTO_MAX_LAYERS, max_committed, "int4")
+    if native.available():
+        assert all(layer.native is not None for w in pipe.workers for layer in w.model.layers.values())
+    assert run(pipe, "pp", TINY_PROMPT, sampling).output_ids == reference
+    every = all_sources(target, draft_ckpt)
+    sources = {name: every[name] for name in ("ngram", "draft/int4")}
+    for (name, make), (mode, layers) in itertools.product(sources.items(), [("tree", 1), ("specpipe", 1), ("specpipe", "auto")]):
+        req = run(pipe, mode, TINY_PROMPT, sampling, make(), layers=layers)
+        assert req.output_ids == reference, f"{mode} (layers={layers}) with {name} differs from pp"
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])

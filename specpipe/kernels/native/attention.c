@@ -10,7 +10,7 @@
  * sum has one order, fixed by the row alone:
  *   - q . k over D: eight lane accumulators over consecutive chunks of eight values (a tail
  *     goes to lanes 0..), then the lanes folded as ((0+1)+(2+3))+((4+5)+(6+7));
- *   - the maximum (exact in any order), exp(s - max) by exp8 below: an element-wise
+ *   - the maximum (exact in any order), exp(s - max) by exp8 (vec.h): an element-wise
  *     polynomial, so a slot's weight depends on its score alone (8 slots a vector);
  *   - the denominator and each output value: one running sum in double over the visible slots
  *     in read order (a masked slot is skipped, not added as zero, so nothing depends on C),
@@ -20,7 +20,8 @@
  * The vector type is lane-wise only (no horizontal operations before the fixed fold) and the
  * build has -ffp-contract=off, so every ISA the compiler picks gives the same bits.
  *
- * Layouts (row-major, contiguous): q (t, hq, d), k and v (c, hkv, d), mask (t, c) bytes
+ * Layouts (row-major, contiguous): q (t, hq, d), k and v (c, hkv, d) (sp_attention_slots: a
+ * pool whose rows slots[0 .. c) are read, in that order), mask (t, c) bytes
  * (nonzero = may attend), out (t, hq, d).
  */
 #include <math.h>
@@ -42,44 +43,20 @@ SP_INLINE float dot(const float *a, const float *b, int d) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-/* exp(x) for x <= 0, element-wise (x = score - max): x = n ln2 + r with |r| <= ln2 / 2 (ln2 in
- * two parts, Cody-Waite), e^r by its degree-7 Taylor polynomial (Horner: error below 2 ulp),
- * times 2^n built in the exponent bits.  Below -87 the result is 0 (e^-87 is below float's
- * normal range; it would add nothing to a sum that holds e^0 = 1). */
-typedef int32_t v8i32 __attribute__((vector_size(32)));
-SP_INLINE v8f exp8(v8f x) {
-  const v8f zero = {0}, magic = zero + 12582912.f; /* 1.5 * 2^23: adding rounds to an integer */
-  const v8i32 small = x < -87.f;
-  x = (v8f)((v8i32)x & ~small); /* 0 there; masked to 0 at the end */
-  const v8f fn = (x * 1.44269504088896341f + magic) - magic; /* round(x / ln2) */
-  const v8f r = (x - fn * 0.693359375f) - fn * -2.12194440e-4f;
-  v8f p = zero + 1.f / 5040.f;
-  p = p * r + 1.f / 720.f;
-  p = p * r + 1.f / 120.f;
-  p = p * r + 1.f / 24.f;
-  p = p * r + 1.f / 6.f;
-  p = p * r + 0.5f;
-  p = p * r + 1.f;
-  p = p * r + 1.f;
-  const v8i32 n = __builtin_convertvector(fn, v8i32);
-  const v8f scale = (v8f)((n + 127) << 23);
-  return (v8f)((v8i32)(p * scale) & ~small);
-}
-
 typedef double v8d __attribute__((vector_size(64)));
 
 /* One row and KV head g: the `group` query heads q[0 .. group) that read it.  s: scratch for
  * group x c8 weights (c8 = c rounded up to 8), acc: group x d doubles. */
-SP_INLINE void attend_group(const float *q, const float *k, const float *v, const uint8_t *mask,
-                            int64_t c, int hkv, int g, int group, int d, float scale, float *s,
-                            double *acc, float *out) {
+SP_INLINE void attend_group(const float *q, const float *k, const float *v, const int64_t *slots,
+                            const uint8_t *mask, int64_t c, int hkv, int g, int group, int d,
+                            float scale, float *s, double *acc, float *out) {
   const int64_t stride = (int64_t)hkv * d, c8 = (c + 7) / 8 * 8;
   float m[64];
   double sum[64];
   for (int h = 0; h < group; h++) m[h] = -INFINITY;
   for (int64_t j = 0; j < c; j++) {
     if (mask && !mask[j]) continue;
-    const float *kj = k + j * stride + (int64_t)g * d;
+    const float *kj = k + (slots ? slots[j] : j) * stride + (int64_t)g * d;
     for (int h = 0; h < group; h++) {
       const float x = dot(q + h * d, kj, d) * scale;
       s[h * c8 + j] = x;
@@ -101,7 +78,7 @@ SP_INLINE void attend_group(const float *q, const float *k, const float *v, cons
     double sh_sum = 0.0;
     for (int64_t j = 0; j < c; j++) {
       if (mask && !mask[j]) continue;
-      const float *vj = v + j * stride + (int64_t)g * d;
+      const float *vj = v + (slots ? slots[j] : j) * stride + (int64_t)g * d;
       const double e = sh[j];
       sh_sum += e;
       int i = 0;
@@ -121,18 +98,19 @@ SP_INLINE void attend_group(const float *q, const float *k, const float *v, cons
 
 /* attend_group compiled per ISA (the parallel region below is outlined by the compiler into a
  * function of its own, which would not inherit a target attribute: it calls these instead). */
-typedef void (*group_fn)(const float *, const float *, const float *, const uint8_t *, int64_t, int,
-                         int, int, int, float, float *, double *, float *);
+typedef void (*group_fn)(const float *, const float *, const float *, const int64_t *,
+                         const uint8_t *, int64_t, int, int, int, int, float, float *, double *,
+                         float *);
 #define SP_GROUP_FN(name, attr)                                                                  \
-  attr static void name(const float *q, const float *k, const float *v, const uint8_t *mask,     \
-                        int64_t c, int hkv, int g, int group, int d, float scale, float *s,      \
-                        double *acc, float *out) {                                               \
+  attr static void name(const float *q, const float *k, const float *v, const int64_t *slots,   \
+                        const uint8_t *mask, int64_t c, int hkv, int g, int group, int d,        \
+                        float scale, float *s, double *acc, float *out) {                        \
     if (d == 64) /* the common head sizes as constants: loops unrolled, sums in registers */    \
-      attend_group(q, k, v, mask, c, hkv, g, group, 64, scale, s, acc, out);                     \
+      attend_group(q, k, v, slots, mask, c, hkv, g, group, 64, scale, s, acc, out);              \
     else if (d == 128)                                                                           \
-      attend_group(q, k, v, mask, c, hkv, g, group, 128, scale, s, acc, out);                    \
+      attend_group(q, k, v, slots, mask, c, hkv, g, group, 128, scale, s, acc, out);             \
     else                                                                                         \
-      attend_group(q, k, v, mask, c, hkv, g, group, d, scale, s, acc, out);                      \
+      attend_group(q, k, v, slots, mask, c, hkv, g, group, d, scale, s, acc, out);               \
   }
 SP_GROUP_FN(attend_group_portable, )
 #if defined(__x86_64__) || defined(__i386__)
@@ -142,8 +120,8 @@ SP_GROUP_FN(attend_group_avx512, __attribute__((target("avx512f"))))
 #undef SP_GROUP_FN
 
 static int attention_body(group_fn fn, const float *q, int64_t t, int hq, int hkv, int d,
-                          const float *k, const float *v, int64_t c, const uint8_t *mask,
-                          float scale, float *out, int threads) {
+                          const float *k, const float *v, const int64_t *slots, int64_t c,
+                          const uint8_t *mask, float scale, float *out, int threads) {
   const int64_t pairs = t * hkv, c8 = (c + 7) / 8 * 8;
   const int group = hq / hkv;
   int failed = 0;
@@ -158,8 +136,8 @@ static int attention_body(group_fn fn, const float *q, int64_t t, int hq, int hk
       if (!s || !acc) continue;
       const int64_t row = p / hkv;
       const int g = (int)(p % hkv);
-      fn(q + (row * hq + (int64_t)g * group) * d, k, v, mask ? mask + row * c : NULL, c, hkv, g,
-         group, d, scale, s, acc, out + (row * hq + (int64_t)g * group) * d);
+      fn(q + (row * hq + (int64_t)g * group) * d, k, v, slots, mask ? mask + row * c : NULL, c, hkv,
+         g, group, d, scale, s, acc, out + (row * hq + (int64_t)g * group) * d);
     }
     free(s);
     free(acc);
@@ -167,8 +145,9 @@ static int attention_body(group_fn fn, const float *q, int64_t t, int hq, int hk
   return failed ? SP_ERR_MEMORY : SP_OK;
 }
 
-int sp_attention(const float *q, int64_t t, int hq, int hkv, int d, const float *k, const float *v,
-                 int64_t c, const uint8_t *mask, float scale, float *out, int threads, int isa) {
+int sp_attention_slots(const float *q, int64_t t, int hq, int hkv, int d, const float *k,
+                       const float *v, const int64_t *slots, int64_t c, const uint8_t *mask,
+                       float scale, float *out, int threads, int isa) {
   if (t < 0 || c < 1 || hq < 1 || hkv < 1 || d < 1 || hq % hkv || hq / hkv > 64) return SP_ERR_SHAPE;
   if (threads < 1) threads = 1;
   group_fn fn = attend_group_portable;
@@ -177,5 +156,10 @@ int sp_attention(const float *q, int64_t t, int hq, int hkv, int d, const float 
   else if (isa == SP_ISA_AVX2) fn = attend_group_avx2;
 #endif
   (void)isa;
-  return attention_body(fn, q, t, hq, hkv, d, k, v, c, mask, scale, out, threads);
+  return attention_body(fn, q, t, hq, hkv, d, k, v, slots, c, mask, scale, out, threads);
+}
+
+int sp_attention(const float *q, int64_t t, int hq, int hkv, int d, const float *k, const float *v,
+                 int64_t c, const uint8_t *mask, float scale, float *out, int threads, int isa) {
+  return sp_attention_slots(q, t, hq, hkv, d, k, v, NULL, c, mask, scale, out, threads, isa);
 }

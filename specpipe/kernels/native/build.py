@@ -1,6 +1,6 @@
 """Build the native GGUF matmul: ``python -m specpipe.kernels.native.build``.
 
-Compiles ggml_matmul.c, attention.c and norm_rope.c with the system C compiler into
+Compiles ggml_matmul.c, attention.c, norm_rope.c and layer.c with the system C compiler into
 ``libspecpipe_native.so`` next to this file (one library for every CPU: the SIMD paths carry
 their own target attributes and are chosen at run time).  OpenMP is used when the compiler accepts ``-fopenmp``.  Never fails: without a working
 compiler it prints one warning line and exits 0, and SpecPipe runs without the native kernels.
@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SOURCES = [HERE / "ggml_matmul.c", HERE / "attention.c", HERE / "norm_rope.c"]
+SOURCES = [HERE / "ggml_matmul.c", HERE / "attention.c", HERE / "norm_rope.c", HERE / "layer.c"]
 LIB_NAME = "libspecpipe_native.so"
 LIBRARY = HERE / LIB_NAME
 # -ffp-contract=off: no path may fuse a multiply-add that another does not (the SIMD paths must

@@ -20,10 +20,44 @@ int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, 
  * q (t, hq, d), k and v (c, hkv, d), mask (t, c) bytes or NULL, out (t, hq, d), all float32. */
 int sp_attention(const float *q, int64_t t, int hq, int hkv, int d, const float *k, const float *v,
                  int64_t c, const uint8_t *mask, float scale, float *out, int threads, int isa);
+/* The same over rows slots[0 .. c) of a (num_slots, hkv, d) pool (slots NULL: rows 0 .. c-1). */
+int sp_attention_slots(const float *q, int64_t t, int hq, int hkv, int d, const float *k,
+                       const float *v, const int64_t *slots, int64_t c, const uint8_t *mask,
+                       float scale, float *out, int threads, int isa);
 /* RMSNorm and rotary embeddings per row (see norm_rope.c). */
 int sp_rmsnorm(const float *x, int64_t t, int64_t n, const float *w, float eps, float *y);
 int sp_rope(const float *x, int64_t t, int64_t heads, int64_t d, int64_t rot, const float *cos_,
             const float *sin_, float *y);
+void sp_rope_row(const float *x, int64_t heads, int64_t d, int64_t rot, const float *c,
+                 const float *s, float *y); /* one token's heads (heads, d) */
+
+/* A decoder layer in one call (see layer.c).  A projection: n packed rows of a GGUF type, an
+ * optional float bias; a group of them (q|k|v, gate|up) writes its outputs side by side. */
+typedef struct {
+  int32_t type;
+  const uint8_t *w;
+  int64_t n, row_bytes;
+  const float *bias;
+} sp_proj;
+typedef struct {
+  int64_t hidden, inter;
+  int32_t hq, hkv, d, n_qkv, n_gu;
+  float eps, scale;
+  const float *in_norm, *post_norm;
+  sp_proj qkv[3], gu[2], o, down;
+} sp_layer;
+typedef struct {
+  int64_t start, end, c;  /* rows [start, end) read c cache rows */
+  const int64_t *slots;   /* (c,) those rows, or NULL: first .. first + c - 1 */
+  int64_t first;
+  const uint8_t *mask;    /* (end - start, c) bytes, nonzero = may attend; NULL = all */
+} sp_segment;
+int sp_decoder_layer(const sp_layer *L, const float *x, int64_t t, const float *cos_,
+                     const float *sin_, int64_t rot, float *kc, float *vc, int64_t num_slots,
+                     const int64_t *write_slots, int32_t nseg, const sp_segment *segs, float *out,
+                     int threads, int isa);
+int sp_silu_mul(const float *g, const float *u, int64_t t, int64_t n, int64_t gstride,
+                int64_t ustride, float *y);
 int sp_isa_supported(int isa);
 int sp_best_isa(void);
 int sp_type_supported(int type);

@@ -27,19 +27,22 @@ int sp_rmsnorm(const float *x, int64_t t, int64_t n, const float *w, float eps, 
   return SP_OK;
 }
 
+void sp_rope_row(const float *x, int64_t heads, int64_t d, int64_t rot, const float *c,
+                 const float *s, float *y) {
+  const int64_t h = rot / 2;
+  for (int64_t hd = 0; hd < heads; hd++) {
+    const float *xi = x + hd * d;
+    float *yi = y + hd * d;
+    for (int64_t j = 0; j < h; j++) yi[j] = xi[j] * c[j] + (-xi[j + h]) * s[j];
+    for (int64_t j = h; j < rot; j++) yi[j] = xi[j] * c[j] + xi[j - h] * s[j];
+    for (int64_t j = rot; j < d; j++) yi[j] = xi[j];
+  }
+}
+
 int sp_rope(const float *x, int64_t t, int64_t heads, int64_t d, int64_t rot, const float *cos_,
             const float *sin_, float *y) {
   if (t < 0 || heads < 1 || d < 1 || rot < 2 || rot > d || rot % 2) return SP_ERR_SHAPE;
-  const int64_t h = rot / 2;
-  for (int64_t i = 0; i < t; i++) {
-    const float *c = cos_ + i * rot, *s = sin_ + i * rot;
-    for (int64_t hd = 0; hd < heads; hd++) {
-      const float *xi = x + (i * heads + hd) * d;
-      float *yi = y + (i * heads + hd) * d;
-      for (int64_t j = 0; j < h; j++) yi[j] = xi[j] * c[j] + (-xi[j + h]) * s[j];
-      for (int64_t j = h; j < rot; j++) yi[j] = xi[j] * c[j] + xi[j - h] * s[j];
-      for (int64_t j = rot; j < d; j++) yi[j] = xi[j];
-    }
-  }
+  for (int64_t i = 0; i < t; i++)
+    sp_rope_row(x + i * heads * d, heads, d, rot, cos_ + i * rot, sin_ + i * rot, y + i * heads * d);
   return SP_OK;
 }

@@ -21,4 +21,28 @@ SP_INLINE v8i ld8i(const int32_t *p) {
   memcpy(&v, p, sizeof v);
   return v;
 }
+/* exp(x) for x <= 0, element-wise (x = score - max): x = n ln2 + r with |r| <= ln2 / 2 (ln2 in
+ * two parts, Cody-Waite), e^r by its degree-7 Taylor polynomial (Horner: error below 2 ulp),
+ * times 2^n built in the exponent bits.  Below -87 the result is 0 (e^-87 is below float's
+ * normal range; it would add nothing to a sum that holds e^0 = 1). */
+typedef int32_t v8i32 __attribute__((vector_size(32)));
+SP_INLINE v8f exp8(v8f x) {
+  const v8f zero = {0}, magic = zero + 12582912.f; /* 1.5 * 2^23: adding rounds to an integer */
+  const v8i32 small = x < -87.f;
+  x = (v8f)((v8i32)x & ~small); /* 0 there; masked to 0 at the end */
+  const v8f fn = (x * 1.44269504088896341f + magic) - magic; /* round(x / ln2) */
+  const v8f r = (x - fn * 0.693359375f) - fn * -2.12194440e-4f;
+  v8f p = zero + 1.f / 5040.f;
+  p = p * r + 1.f / 720.f;
+  p = p * r + 1.f / 120.f;
+  p = p * r + 1.f / 24.f;
+  p = p * r + 1.f / 6.f;
+  p = p * r + 0.5f;
+  p = p * r + 1.f;
+  p = p * r + 1.f;
+  const v8i32 n = __builtin_convertvector(fn, v8i32);
+  const v8f scale = (v8f)((n + 127) << 23);
+  return (v8f)((v8i32)(p * scale) & ~small);
+}
+
 #endif
