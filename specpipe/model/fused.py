@@ -2,7 +2,7 @@
 
 A layer qualifies when it is the plain Llama layer (RMSNorm without the Gemma +1, no q/k norms,
 no sandwich norms, a SiLU-gated MLP, no experts) and every projection is packed GGUF rows on the
-native kernel; any stage whose activations are float32 on the CPU. The choice depends on the
+native kernel, in a stage whose activations are float32 on the CPU. The choice depends on the
 model alone, never on the rows of a call, so every mode computes a token the same way. A layer
 that does not qualify keeps its torch-written forward (model/llama.py), which gives the same
 bits on the same parts. SPECPIPE_FUSED_LAYERS=0 turns the fused path off (for comparisons).
@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from specpipe.kernels import native
+from specpipe.kernels.native import layer as native_layer
 from specpipe.kernels.qlinear import QuantLinear, StackedLinear
 from specpipe.model.moe import ACTIVATIONS, MLP
 
@@ -30,7 +30,7 @@ def fuse_layers(model: nn.Module) -> int:
     many layers got one."""
     from specpipe.model.llama import DecoderLayer
 
-    if not (enabled() and native.available()) or getattr(model, "act_dtype", None) != torch.float32:
+    if not (enabled() and native_layer.available()) or getattr(model, "act_dtype", None) != torch.float32:
         return 0
     count = 0
     for m in model.modules():
@@ -56,8 +56,6 @@ def _native_parts(module: nn.Module, *names: str, stacked_as: Optional[str] = No
 
 def layer_weights(layer: nn.Module):
     """The layer's native.layer.LayerWeights, or None when it does not qualify."""
-    from specpipe.kernels.native.layer import LayerWeights, Projection
-
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if layer.sandwich or attn.qk_norm or not isinstance(mlp, MLP) or mlp.act is not ACTIVATIONS["silu"]:
@@ -70,15 +68,15 @@ def layer_weights(layer: nn.Module):
     if qkv is None or gate_up is None or o is None or down is None:
         return None
 
-    def proj(q: QuantLinear) -> Projection:
-        return Projection(q.packed, int(q.qtype), None if q.bias is None else q.bias.detach().contiguous())
+    def proj(q: QuantLinear) -> native_layer.Projection:
+        return native_layer.Projection(q.packed, int(q.qtype), None if q.bias is None else q.bias.detach().contiguous())
 
     try:
-        return LayerWeights(hidden=norms[0].weight.shape[0], inter=sum(p.out_features for p in gate_up) // 2,
-                            hq=attn.hq, hkv=attn.hkv, d=attn.d, eps=norms[0].eps, scale=attn.scale,
-                            in_norm=norms[0].weight.detach(), post_norm=norms[1].weight.detach(),
-                            qkv=[proj(p) for p in qkv], o=proj(o[0]), gate_up=[proj(p) for p in gate_up],
-                            down=proj(down[0]))
+        return native_layer.LayerWeights(
+            hidden=norms[0].weight.shape[0], inter=sum(p.out_features for p in gate_up) // 2,
+            hq=attn.hq, hkv=attn.hkv, d=attn.d, eps=norms[0].eps, scale=attn.scale,
+            in_norm=norms[0].weight.detach(), post_norm=norms[1].weight.detach(),
+            qkv=[proj(p) for p in qkv], o=proj(o[0]), gate_up=[proj(p) for p in gate_up], down=proj(down[0]))
     except ValueError:  # a shape or dtype the C layer does not take: the torch-written forward
         return None
 
@@ -86,9 +84,7 @@ def layer_weights(layer: nn.Module):
 def forward(layer: nn.Module, x: torch.Tensor, rope, meta, kv, index: int) -> torch.Tensor:
     """layer(x) through its native descriptor; the metadata's C view is built by the first
     layer that needs it and shared by the rest of the stage's layers."""
-    from specpipe.kernels.native.layer import Segments, decoder_layer
-
     if meta.native is None:
-        meta.native = Segments(meta.segments)
-    return decoder_layer(layer.native, x.contiguous(), rope.cos, rope.sin, kv.k[index], kv.v[index],
-                         meta.write_slots, meta.native, torch.get_num_threads())
+        meta.native = native_layer.Segments(meta.segments)
+    return native_layer.decoder_layer(layer.native, x.contiguous(), rope.cos, rope.sin, kv.k[index],
+                                      kv.v[index], meta.write_slots, meta.native, torch.get_num_threads())

@@ -22,8 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specpipe.config import ModelConfig
-from specpipe.kernels import native
-from specpipe.kernels.native.layer import silu_mul
+from specpipe.kernels.native import layer as native_layer
 from specpipe.kernels.qlinear import FloatLinear, StackedLinear
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -37,8 +36,8 @@ LANES = 64
 
 def gated(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """act(gate) * up, (T, I) each, with every row's result independent of T (see LANES)."""
-    if act is F.silu and gate.dtype == torch.float32 == up.dtype and gate.is_cpu and native.available():
-        return silu_mul(gate, up)  # layer.c's arithmetic: the fused layer's bits (model/fused.py)
+    if act is F.silu and gate.dtype == torch.float32 == up.dtype and gate.is_cpu and native_layer.available():
+        return native_layer.silu_mul(gate, up)  # layer.c's arithmetic: the fused layer's bits (model/fused.py)
     cols = gate.shape[-1]
     pad = -cols % LANES
     if not pad:

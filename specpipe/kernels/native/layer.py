@@ -41,6 +41,12 @@ class _Segment(ctypes.Structure):
 _bound = False
 
 
+def available() -> bool:
+    """The library is built and has layer.c's entry points (a library built from older sources
+    lacks them: `python -m specpipe.kernels.native.build` rebuilds it)."""
+    return native.available() and hasattr(native._lib, "sp_decoder_layer") and hasattr(native._lib, "sp_silu_mul")
+
+
 def _lib() -> ctypes.CDLL:
     global _bound
     lib = native._lib if native._lib is not None else native._require()
