@@ -94,7 +94,7 @@ static int64_t widest(const sp_proj *p, int32_t count) {
   return n;
 }
 
-static int slots_ok(const sp_layer *L, int64_t t, int64_t num_slots, const int64_t *write_slots,
+static int slots_ok(int64_t t, int64_t num_slots, const int64_t *write_slots,
                     int32_t nseg, const sp_segment *segs) {
   for (int64_t i = 0; i < t; i++)
     if (write_slots[i] < 0 || write_slots[i] >= num_slots) return 0;
@@ -110,7 +110,6 @@ static int slots_ok(const sp_layer *L, int64_t t, int64_t num_slots, const int64
       return 0;
     }
   }
-  (void)L;
   return row == t;
 }
 
@@ -123,7 +122,7 @@ int sp_decoder_layer(const sp_layer *L, const float *x, int64_t t, const float *
   if (t < 1 || hd < 1 || inter < 1 || d < 1 || hq < 1 || hkv < 1 || hq % hkv || rot < 2 ||
       rot > d || rot % 2 || L->n_qkv < 1 || L->n_qkv > 3 || L->n_gu < 1 || L->n_gu > 2)
     return SP_ERR_SHAPE;
-  if (!slots_ok(L, t, num_slots, write_slots, nseg, segs)) return SP_ERR_SHAPE;
+  if (!slots_ok(t, num_slots, write_slots, nseg, segs)) return SP_ERR_SHAPE;
   if (threads < 1) threads = 1;
   int64_t wide = widest(L->qkv, L->n_qkv);
   const int64_t wgu = widest(L->gu, L->n_gu);

@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""A/B of the fused decoder layer (model/fused.py): the same GGUF built twice in one process,
+with each layer as one native call and with the torch-written layers (SPECPIPE_FUSED_LAYERS=0);
+a step of T rows after a prompt, the two versions alternating, median of --repeats each.
+
+    PYTHONPATH=. python benchmarks/bench_fused_layers.py --model A.gguf [B.gguf ...]
+        [--threads 2] [--prompt-tokens 128] [--rows 1 8] [--repeats 15] [--out results.json]
+
+Both versions give the same bits (checked here on the prompt's logits before timing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specpipe.config import StageSpec
+from specpipe.loader import open_checkpoint
+from specpipe.model.runner import run_rows
+from specpipe.model.stage import build_stage
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llamacpp_agreement import resolve_model  # noqa: E402
+
+
+def build(ckpt, fused: bool):
+    os.environ["SPECPIPE_FUSED_LAYERS"] = "1" if fused else "0"
+    try:
+        return build_stage(ckpt, StageSpec.whole(ckpt.config))
+    finally:
+        os.environ.pop("SPECPIPE_FUSED_LAYERS")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", nargs="+", default=[None], help="GGUF files (default: the embedded SmolLM2)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--repeats", type=int, default=15)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    p, records = args.prompt_tokens, []
+    for model in args.model:
+        path = resolve_model(model)
+        ckpt = open_checkpoint(path)
+        versions = {"torch-written": build(ckpt, False), "fused": build(ckpt, True)}
+        n_fused = sum(layer.native is not None for layer in versions["fused"].layers.values())
+        ids = torch.tensor(np.random.default_rng(0).integers(100, ckpt.config.vocab_size - 100, p + max(args.rows)))
+        caches = {name: m.make_kv_cache(p + max(args.rows) + 1) for name, m in versions.items()}
+        causal = np.tril(np.ones((p, p), dtype=bool))
+        prompt = {name: run_rows(m, caches[name], ids[:p], list(range(p)), list(range(p)), list(range(p)), causal, [p - 1])
+                  for name, m in versions.items()}
+        same = torch.equal(prompt["fused"], prompt["torch-written"])
+        for t in args.rows:
+            pos = list(range(p, p + t))
+            mask = None if t == 1 else np.concatenate([np.ones((t, p), dtype=bool), np.tril(np.ones((t, t), dtype=bool))], 1)
+            times = {name: [] for name in versions}
+            for _ in range(args.repeats + 1):  # the first of each is a warm-up
+                for name, m in versions.items():
+                    t0 = time.perf_counter()
+                    run_rows(m, caches[name], ids[p:p + t], pos, pos, list(range(p + t)), mask, [t - 1])
+                    times[name].append(time.perf_counter() - t0)
+            ms = {name: statistics.median(v[1:]) * 1e3 for name, v in times.items()}
+            records.append({"model": Path(path).name, "rows": t, "fused_layers": n_fused,
+                            "layers": len(versions["fused"].layers), "same_bits": same, **{f"{k}_ms": v for k, v in ms.items()}})
+            print(f"{Path(path).name}: {t} rows: torch-written {ms['torch-written']:.2f} ms, fused {ms['fused']:.2f} ms "
+                  f"({ms['fused'] / ms['torch-written']:.2f}x; {n_fused}/{len(versions['fused'].layers)} layers fused, "
+                  f"same bits: {same})", flush=True)
+    if args.out:
+        meta = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
+                "threads": args.threads, "prompt_tokens": p, "repeats": args.repeats, "torch": torch.__version__,
+                "machine": platform.machine(), "cpus": os.cpu_count(), "load_avg": os.getloadavg()}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
+        print(f"saved {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
