@@ -147,3 +147,8 @@ def test_silu_mul_matches_torch():
     gu = torch.cat([g, u], dim=1)
     assert torch.equal(silu_mul(gu[:, :77], gu[:, 77:]), got)
     assert torch.equal(silu_mul(g[3:4], u[3:4]), got[3:4])
+    # every ISA path this CPU runs gives the portable path's bits
+    from specpipe.kernels import native
+
+    for isa in native.supported_isas():
+        assert torch.equal(silu_mul(g, u, isa=isa), got), isa

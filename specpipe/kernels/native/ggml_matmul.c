@@ -818,15 +818,16 @@ SP_INLINE void tile_prefetch_step(const tile_prefetch *pf, const job *jb, int64_
 /* ------------------------------------------------------------------------------------------- */
 /* Several activation rows, "row lanes" (AVX-512 VNNI and AVX2): the vector lanes are 8          */
 /* activation rows, so no horizontal sums are needed.  The activations are laid out once per     */
-/* call as xl[g][chunk][kq][lane][4] (kq: the 64 groups of 4 values of a 256-group); a weight     */
-/* row's 4 unpacked values are broadcast to all lanes and vpdpbusd (AVX2: vpmaddubsw + vpmaddwd)  */
-/* adds their products with the 8 rows' 4 values to each lane.  Each lane's integers are the tile */
-/* path's (exact), and the folding is fold_k4's / fold_q6_k's / fold_group32's expression per     */
-/* element, in ascending block order (ggml_matmul_lanes.h).                                        */
+/* call as xl[g][chunk][256 / lb][lane][lb] (lb = 4 values of each row per 256-bit vector on     */
+/* AVX2, 8 per 512-bit vector on AVX-512); a weight row's lb unpacked values are broadcast to all */
+/* lanes and vpdpbusd (AVX2: vpmaddubsw + vpmaddwd) adds their products with the rows' values to  */
+/* each int32 lane.  Each lane's integers are the tile path's (exact), and the folding is         */
+/* fold_k4's / fold_q6_k's / fold_group32's expression per element, in ascending block order      */
+/* (ggml_matmul_lanes.h).                                                                         */
 
 typedef struct {
   int64_t chunks;  /* ceil(T / 8) */
-  int8_t *q;       /* [g][chunk][64 kq][8 lanes][4] */
+  int8_t *q;       /* [g][chunk][256 / lb][8 lanes][lb] */
   /* K-quants */
   int32_t *pairs;  /* [g][chunk][8 pairs][8 lanes]: int16 pairs of block sums (for the offsets) */
   float *d;        /* [g][chunk][8 lanes]: the activation scale of the group */
@@ -851,7 +852,7 @@ static int alloc_lanes(int64_t ng, xlanes *xl) {
   return 1;
 }
 
-static void build_lanes(const xquant *xq, int type, xlanes *xl) {
+static void build_lanes(const xquant *xq, int type, int lb, xlanes *xl) {
   const int64_t t = xq->t, ng = xq->kp / 256, ch = xl->chunks;
   const int kq = is_kquant(type), npairs = type == SP_Q6_K ? 8 : 4;
   for (int64_t g = 0; g < ng; g++)
@@ -861,9 +862,9 @@ static void build_lanes(const xquant *xq, int type, xlanes *xl) {
       for (int l = 0; l < 8; l++) {
         const int64_t row = 8 * c + l, at = g * t + row;
         const int real = row < t; /* padding lanes: zeros, never stored */
-        for (int i = 0; i < 64; i++) {
-          if (real) memcpy(q + 32 * i + 4 * l, xq->q + 256 * at + 4 * i, 4);
-          else memset(q + 32 * i + 4 * l, 0, 4);
+        for (int i = 0; i < 256 / lb; i++) {
+          if (real) memcpy(q + 8 * lb * i + lb * l, xq->q + 256 * at + lb * i, (size_t)lb);
+          else memset(q + 8 * lb * i + lb * l, 0, (size_t)lb);
         }
         if (kq) {
           const int32_t *bs = type == SP_Q6_K ? xq->s16 + 16 * at : xq->s32 + 8 * at;
@@ -883,11 +884,19 @@ static void build_lanes(const xquant *xq, int type, xlanes *xl) {
 
 #define SP_ISA avx2
 #define SP_ATTR SP_AVX2
+#define SP_LV __m256i
+#define SP_LB 4
+#define SP_LLD(p) LD(p)
+#define SP_LZERO _mm256_setzero_si256()
+#define SP_LADD(a, b) _mm256_add_epi32(a, b)
+#define SP_LSCALE(a, s) _mm256_mullo_epi32(a, _mm256_set1_epi32(s))
+#define SP_LSUM(v) (v)
 /* maddubs sums pairs to int16 (exact: unsigned weights <= 63; Q8_0 as |w| times x with w's sign,
  * |pair| <= 2 * 128 * 127), madd with 1 widens to int32 */
-#define SP_DP4(acc, w, x) \
-  _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi32((int)(w)), x), _mm256_set1_epi16(1)))
-#define SP_DP4S(acc, w, x) sp_dp4s_avx2(acc, _mm256_set1_epi32((int)(w)), x)
+#define SP_LDP(acc, w, x)                                                                          \
+  _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi32((int)load_u32(w)), x), \
+                                          _mm256_set1_epi16(1)))
+#define SP_LDPS(acc, w, x) sp_dp4s_avx2(acc, _mm256_set1_epi32((int)load_u32(w)), x)
 #define SP_Q8_SHIFT 0
 #define SP_DP2W(acc, p, w) _mm256_add_epi32(acc, _mm256_madd_epi16(p, _mm256_set1_epi32((int)(w))))
 SP_INLINE SP_AVX2 __m256i sp_dp4s_avx2(__m256i acc, __m256i w, __m256i x) {
@@ -895,11 +904,22 @@ SP_INLINE SP_AVX2 __m256i sp_dp4s_avx2(__m256i acc, __m256i w, __m256i x) {
                                                  _mm256_set1_epi16(1)));
 }
 #include "ggml_matmul_lanes.h" /* (it undefines these) */
+/* AVX-512: 512-bit lanes, each row's 8 values in two adjacent int32 lanes (half the vpdpbusd of
+ * 256-bit lanes); the 8 weight bytes broadcast as one int64 */
 #define SP_ISA vnni
 #define SP_ATTR SP_VNNI
-#define SP_DP4(acc, w, x) _mm256_dpbusd_epi32(acc, _mm256_set1_epi32((int)(w)), x)
+#define SP_LV __m512i
+#define SP_LB 8
+#define SP_LLD(p) LDZ(p)
+#define SP_LZERO _mm512_setzero_si512()
+#define SP_LADD(a, b) _mm512_add_epi32(a, b)
+#define SP_LSCALE(a, s) _mm512_mullo_epi32(a, _mm512_set1_epi32(s))
+/* lane 2l + lane 2l+1 into the low half of each int64, then those halves packed to 8 int32 */
+#define SP_LSUM(v) _mm512_cvtepi64_epi32(_mm512_add_epi32(v, _mm512_srli_epi64(v, 32)))
+#define SP_LDP(acc, w, x) _mm512_dpbusd_epi32(acc, _mm512_set1_epi64((long long)load_u64(w)), x)
 /* the signed weights as w + 128 (unsigned): 128 x the block sum comes off again */
-#define SP_DP4S(acc, w, x) _mm256_dpbusd_epi32(acc, _mm256_set1_epi32((int)((w) ^ 0x80808080u)), x)
+#define SP_LDPS(acc, w, x) \
+  _mm512_dpbusd_epi32(acc, _mm512_set1_epi64((long long)(load_u64(w) ^ 0x8080808080808080ull)), x)
 #define SP_Q8_SHIFT 7
 #define SP_DP2W(acc, p, w) _mm256_dpwssd_epi32(acc, p, _mm256_set1_epi32((int)(w)))
 #include "ggml_matmul_lanes.h" /* (it undefines these) */
@@ -1171,7 +1191,7 @@ int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, 
       free(mem);
       return SP_ERR_MEMORY;
     }
-    build_lanes(xq, type, &xl);
+    build_lanes(xq, type, isa == SP_ISA_AVX2 ? 4 : 8, &xl);
     run_parallel_lanes(isa == SP_ISA_AVX2 ? tiles_lanes_any_avx2 : tiles_lanes_any_vnni, &jb, &xl, ntiles, mthreads);
     free(xl.pairs);
     free(mem);

@@ -57,7 +57,7 @@ int sp_decoder_layer(const sp_layer *L, const float *x, int64_t t, const float *
                      const int64_t *write_slots, int32_t nseg, const sp_segment *segs, float *out,
                      int threads, int isa);
 int sp_silu_mul(const float *g, const float *u, int64_t t, int64_t n, int64_t gstride,
-                int64_t ustride, float *y);
+                int64_t ustride, float *y, int isa);
 int sp_isa_supported(int isa);
 int sp_best_isa(void);
 int sp_type_supported(int type);

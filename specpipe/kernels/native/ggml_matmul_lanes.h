@@ -1,9 +1,14 @@
 /* The row-lanes kernels of ggml_matmul.c, included once per x86 ISA (as ggml_matmul_tile.h) with
  * SP_ISA, SP_ATTR and these defined:
- *   SP_DP4(acc, w, x)   acc + in each int32 lane, the 4 unsigned bytes of w (broadcast) times
- *                       that lane's 4 int8 activations
- *   SP_DP4S(acc, w, x)  the same for 4 signed bytes (Q8_0)
- *   SP_Q8_SHIFT         what SP_DP4S leaves to subtract: (block sum << SP_Q8_SHIFT); 0: nothing
+ *   SP_LV               the lanes' vector: 8 activation rows, SP_LB values of each (build_lanes
+ *                       lays them out so: AVX2 256 bits of [8 rows][4 values], AVX-512 512 bits of
+ *                       [8 rows][8 values], a row's 8 values in its two adjacent int32 lanes)
+ *   SP_LLD(p), SP_LZERO, SP_LADD(a, b), SP_LSCALE(a, s)  load, zero, add, times the int32 s
+ *   SP_LDP(acc, w, x)   acc + in each int32 lane, that lane's 4 unsigned weight bytes (SP_LB bytes
+ *                       at w, broadcast) times its 4 int8 activations
+ *   SP_LDPS(acc, w, x)  the same for signed weight bytes (Q8_0)
+ *   SP_LSUM(v)          the 8 rows' sums (__m256i): v itself, or each row's two lanes added
+ *   SP_Q8_SHIFT         what SP_LDPS leaves to subtract: (block sum << SP_Q8_SHIFT); 0: nothing
  *   SP_DP2W(acc, p, w)  acc + in each lane, the two int16 of p times the two int16 of w
  * All exact integers, so every ISA's lanes give the tile path's integers and bits. The header
  * undefines all of these (and SP_K) at its end. */
@@ -11,30 +16,29 @@
 #define SP_CAT(a, b) SP_CAT2(a, b)
 #define SP_K(name) SP_CAT(name, SP_CAT(_, SP_ISA))
 
-/* sumi[r] += sum over the sub-blocks of sc[r][j] * (row r's values . the 8 lanes' values), for
+/* sumi[r] = sum over the sub-blocks of sc[r][j] * (row r's values . the 8 lanes' values), for
  * the SP_NR unpacked rows of wt and one chunk of lanes; sub = 32 (Q4_K, Q5_K) or 16 (Q6_K), a
  * constant where inlined. */
 SP_INLINE SP_ATTR void SP_K(lanes_dot)(const wtile *wt, const int8_t *xq, const int sub, __m256i *sumi) {
+  SP_LV acc[SP_NR];
+  for (int r = 0; r < SP_NR; r++) acc[r] = SP_LZERO;
   for (int j = 0; j < 256 / sub; j++) {
-    __m256i xv[8];
+    SP_LV xv[8];
 #pragma GCC unroll 8
-    for (int i = 0; i < sub / 4; i++) xv[i] = LD(xq + 32 * (sub / 4 * j + i));
-    /* a weight row's 4 values (unsigned) broadcast to the lanes times each lane's 4 activations;
-     * unrolled over the rows so that their dependency chains interleave, two partial sums per
-     * row (integers: exact in any order) */
+    for (int i = 0; i < sub / SP_LB; i++) xv[i] = SP_LLD(xq + 8 * SP_LB * (sub / SP_LB * j + i));
+    /* a weight row's values (unsigned) broadcast to the lanes times each lane's activations,
+     * unrolled over the rows so that their dependency chains interleave (integers: exact in any
+     * order) */
 #pragma GCC unroll 8
     for (int r = 0; r < SP_NR; r++) {
       const uint8_t *wq = wt->q[r] + sub * j;
-      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+      SP_LV s = SP_LZERO;
 #pragma GCC unroll 8
-      for (int i = 0; i < sub / 4; i += 2) {
-        s0 = SP_DP4(s0, load_u32(wq + 4 * i), xv[i]);
-        s1 = SP_DP4(s1, load_u32(wq + 4 * i + 4), xv[i + 1]);
-      }
-      sumi[r] = _mm256_add_epi32(sumi[r], _mm256_mullo_epi32(_mm256_add_epi32(s0, s1),
-                                                             _mm256_set1_epi32(wt->sc32[r][j])));
+      for (int i = 0; i < sub / SP_LB; i++) s = SP_LDP(s, wq + SP_LB * i, xv[i]);
+      acc[r] = SP_LADD(acc[r], SP_LSCALE(s, wt->sc32[r][j]));
     }
   }
+  for (int r = 0; r < SP_NR; r++) sumi[r] = SP_LSUM(acc[r]);
 }
 
 /* The offsets, as fold_k4 / fold_q6_k need them, for the 8 lanes: sum_j mn_j * xsum32_j (Q4_K,
@@ -64,7 +68,6 @@ SP_INLINE SP_ATTR void SP_K(lanes_group_k)(const wtile *wt, const xlanes *xl, in
                                            __m256 *acc) {
   const __m256 dx = _mm256_loadu_ps(xl->d + at * 8);
   __m256i sumi[SP_NR];
-  for (int r = 0; r < SP_NR; r++) sumi[r] = _mm256_setzero_si256();
   SP_K(lanes_dot)(wt, xl->q + at * 2048, q6 ? 16 : 32, sumi);
   for (int r = 0; r < nr; r++) {
     const __m256i off = SP_K(lanes_offsets)(wt, r, xl->pairs + at * 64, q6);
@@ -80,9 +83,9 @@ SP_INLINE SP_ATTR void SP_K(lanes_group_k)(const wtile *wt, const xlanes *xl, in
 }
 
 /* One group of a 32-value type for one chunk of lanes: per 32-block j of weight row r, the 8
- * lanes' dots (SP_DP4), folded per block as fold_group32 does (blocks in ascending order, the same
- * expression per element). Q8_0's signed weights go through SP_DP4S; Q4_0's offset 8 and Q5_0's
- * 16 (and on VNNI Q8_0's 128, see SP_DP4S) come off as that multiple of the lane's block sum (all
+ * lanes' dots (SP_LDP), folded per block as fold_group32 does (blocks in ascending order, the same
+ * expression per element). Q8_0's signed weights go through SP_LDPS; Q4_0's offset 8 and Q5_0's
+ * 16 (and on VNNI Q8_0's 128, see SP_LDPS) come off as that multiple of the lane's block sum (all
  * exact integers). */
 SP_INLINE SP_ATTR void SP_K(lanes_group32)(const wtile *wt, const xlanes *xl, int64_t at, const int type,
                                            __m256 *acc) {
@@ -90,9 +93,9 @@ SP_INLINE SP_ATTR void SP_K(lanes_group32)(const wtile *wt, const xlanes *xl, in
   const int has_m = type == SP_Q4_1 || type == SP_Q5_1;
   const int8_t *xq = xl->q + at * 2048;
   for (int j = 0; j < wt->nb; j++) {
-    __m256i xv[8];
+    SP_LV xv[8];
 #pragma GCC unroll 8
-    for (int i = 0; i < 8; i++) xv[i] = LD(xq + 32 * (8 * j + i));
+    for (int i = 0; i < 32 / SP_LB; i++) xv[i] = SP_LLD(xq + 8 * SP_LB * (32 / SP_LB * j + i));
     const __m256 dx = _mm256_loadu_ps(xl->bd + at * 64 + 8 * j);
     const __m256i off = shift ? _mm256_sll_epi32(LD(xl->bsum + at * 64 + 8 * j), _mm_cvtsi32_si128(shift))
                               : _mm256_setzero_si256(); /* Q4_1/Q5_1: no offset */
@@ -100,18 +103,11 @@ SP_INLINE SP_ATTR void SP_K(lanes_group32)(const wtile *wt, const xlanes *xl, in
 #pragma GCC unroll 8
     for (int r = 0; r < SP_NR; r++) {
       const uint8_t *wq = wt->q[r] + 32 * j;
-      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-#pragma GCC unroll 4
-      for (int i = 0; i < 8; i += 2) {
-        if (type == SP_Q8_0) {
-          s0 = SP_DP4S(s0, load_u32(wq + 4 * i), xv[i]);
-          s1 = SP_DP4S(s1, load_u32(wq + 4 * i + 4), xv[i + 1]);
-        } else {
-          s0 = SP_DP4(s0, load_u32(wq + 4 * i), xv[i]);
-          s1 = SP_DP4(s1, load_u32(wq + 4 * i + 4), xv[i + 1]);
-        }
-      }
-      const __m256i dot = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), off);
+      SP_LV s = SP_LZERO;
+#pragma GCC unroll 8
+      for (int i = 0; i < 32 / SP_LB; i++)
+        s = type == SP_Q8_0 ? SP_LDPS(s, wq + SP_LB * i, xv[i]) : SP_LDP(s, wq + SP_LB * i, xv[i]);
+      const __m256i dot = _mm256_sub_epi32(SP_LSUM(s), off);
       const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(wt->d[j][r]), dx);
       __m256 term = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(dot));
       if (has_m) term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_set1_ps(wt->m[j][r]), dsum));
@@ -180,7 +176,14 @@ static SP_ATTR void SP_K(tiles_lanes_any)(const job *jb, const xlanes *xl, int64
 #undef SP_K
 #undef SP_ISA
 #undef SP_ATTR
-#undef SP_DP4
-#undef SP_DP4S
+#undef SP_LV
+#undef SP_LB
+#undef SP_LLD
+#undef SP_LZERO
+#undef SP_LADD
+#undef SP_LSCALE
+#undef SP_LDP
+#undef SP_LDPS
+#undef SP_LSUM
 #undef SP_Q8_SHIFT
 #undef SP_DP2W

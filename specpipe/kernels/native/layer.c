@@ -42,25 +42,39 @@ SP_INLINE v8f silu_mul8(v8f g, v8f u) {
   return g * (num / (one + e)) * u;
 }
 
-int sp_silu_mul(const float *g, const float *u, int64_t t, int64_t n, int64_t gstride,
-                int64_t ustride, float *y) {
-  if (t < 0 || n < 0) return SP_ERR_SHAPE;
-  for (int64_t i = 0; i < t; i++) {
-    const float *gi = g + i * gstride, *ui = u + i * ustride;
-    float *yi = y + i * n;
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-      const v8f r = silu_mul8(ld8f(gi + j), ld8f(ui + j));
-      memcpy(yi + j, &r, sizeof r);
-    }
-    if (j < n) { /* the tail through a padded vector: the same lane arithmetic */
-      float a[8] = {0}, b[8] = {0};
-      memcpy(a, gi + j, (size_t)(n - j) * sizeof(float));
-      memcpy(b, ui + j, (size_t)(n - j) * sizeof(float));
-      const v8f r = silu_mul8(ld8f(a), ld8f(b));
-      memcpy(yi + j, &r, (size_t)(n - j) * sizeof(float));
-    }
+/* One row of silu_mul8 (a tail through a padded vector: the same lane arithmetic), compiled per
+ * ISA below: element-wise IEEE operations, so every ISA gives the same bits. */
+SP_INLINE void silu_mul_row(const float *g, const float *u, int64_t n, float *y) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const v8f r = silu_mul8(ld8f(g + j), ld8f(u + j));
+    memcpy(y + j, &r, sizeof r);
   }
+  if (j < n) {
+    float a[8] = {0}, b[8] = {0};
+    memcpy(a, g + j, (size_t)(n - j) * sizeof(float));
+    memcpy(b, u + j, (size_t)(n - j) * sizeof(float));
+    const v8f r = silu_mul8(ld8f(a), ld8f(b));
+    memcpy(y + j, &r, (size_t)(n - j) * sizeof(float));
+  }
+}
+typedef void (*silu_fn)(const float *, const float *, int64_t, float *);
+static void silu_mul_row_portable(const float *g, const float *u, int64_t n, float *y) { silu_mul_row(g, u, n, y); }
+#if defined(__x86_64__) || defined(__i386__)
+__attribute__((target("avx2"))) static void silu_mul_row_avx2(const float *g, const float *u, int64_t n, float *y) {
+  silu_mul_row(g, u, n, y);
+}
+#endif
+
+int sp_silu_mul(const float *g, const float *u, int64_t t, int64_t n, int64_t gstride,
+                int64_t ustride, float *y, int isa) {
+  if (t < 0 || n < 0) return SP_ERR_SHAPE;
+  silu_fn fn = silu_mul_row_portable;
+#if defined(__x86_64__) || defined(__i386__)
+  if (isa == SP_ISA_AVX2 || isa == SP_ISA_AVX512VNNI) fn = silu_mul_row_avx2; /* 8 lanes: one ymm */
+#endif
+  (void)isa;
+  for (int64_t i = 0; i < t; i++) fn(g + i * gstride, u + i * ustride, n, y + i * n);
   return SP_OK;
 }
 
@@ -161,7 +175,7 @@ int sp_decoder_layer(const sp_layer *L, const float *x, int64_t t, const float *
   /* MLP block */
   if ((rc = sp_rmsnorm(out, t, hd, L->post_norm, L->eps, h)) != SP_OK) goto done;
   if ((rc = project(L->gu, L->n_gu, h, t, hd, gu, 2 * inter, tmp, threads, isa)) != SP_OK) goto done;
-  if ((rc = sp_silu_mul(gu, gu + inter, t, inter, 2 * inter, 2 * inter, act)) != SP_OK) goto done;
+  if ((rc = sp_silu_mul(gu, gu + inter, t, inter, 2 * inter, 2 * inter, act, isa)) != SP_OK) goto done;
   if ((rc = project(&L->down, 1, act, t, inter, o, hd, tmp, threads, isa)) != SP_OK) goto done;
   for (int64_t i = 0; i < t * hd; i++) out[i] = out[i] + o[i];
 done:

@@ -54,7 +54,7 @@ def _lib() -> ctypes.CDLL:
         lib.sp_decoder_layer.argtypes = [ctypes.POINTER(_Layer), _ptr, _i64, _ptr, _ptr, _i64, _ptr, _ptr,
                                          _i64, _ptr, _i32, ctypes.POINTER(_Segment), _ptr, _i32, _i32]
         lib.sp_decoder_layer.restype = _i32
-        lib.sp_silu_mul.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr]
+        lib.sp_silu_mul.argtypes = [_ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _i32]
         lib.sp_silu_mul.restype = _i32
         _bound = True
     return lib
@@ -156,15 +156,17 @@ def decoder_layer(w: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torc
     return out
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate: torch.Tensor, up: torch.Tensor, isa: str | None = None) -> torch.Tensor:
     """silu(gate) * up for (T, n) float32 CPU tensors whose rows are contiguous (views of a
     stacked gate|up output are fine): layer.c's element-wise arithmetic, so the torch-written
-    MLP and the fused layer agree bitwise."""
+    MLP and the fused layer agree bitwise (every ISA path gives the same bits; ``isa`` forces
+    one, as in ``native.matmul``)."""
     t, n = gate.shape
     if up.shape != gate.shape or gate.stride(-1) != 1 or up.stride(-1) != 1:
         gate, up = gate.contiguous(), up.contiguous()
     y = torch.empty((t, n), dtype=torch.float32)
-    rc = _lib().sp_silu_mul(gate.data_ptr(), up.data_ptr(), t, n, gate.stride(0), up.stride(0), y.data_ptr())
+    rc = _lib().sp_silu_mul(gate.data_ptr(), up.data_ptr(), t, n, gate.stride(0), up.stride(0), y.data_ptr(),
+                            native._isa_code(isa))
     if rc != 0:
         raise RuntimeError(f"sp_silu_mul failed: {native._ERRORS.get(rc, rc)}")
     return y
