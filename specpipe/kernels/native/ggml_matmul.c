@@ -836,7 +836,9 @@ typedef struct {
   float *bd, *bdsum; /* scale, and scale * sum (Q4_1/Q5_1) */
 } xlanes;
 
-#define SP_LANES_BYTES (3 * 64 * 4 + 2048) /* per group and chunk: pairs/bsum, d/bd, bdsum, then q */
+/* per group and chunk: pairs/bsum, d/bd, bdsum (128 four-byte values each: the 32-value types'
+ * per-block values are stored twice on AVX-512, see build_lanes), then q */
+#define SP_LANES_BYTES (3 * 128 * 4 + 2048)
 
 static int is_kquant(int type) { return type == SP_Q4_K || type == SP_Q5_K || type == SP_Q6_K; }
 
@@ -846,9 +848,9 @@ static int alloc_lanes(int64_t ng, xlanes *xl) {
   int32_t *mem = malloc((size_t)(n * SP_LANES_BYTES));
   if (!mem) return 0;
   xl->pairs = xl->bsum = mem;
-  xl->d = xl->bd = (float *)(mem + n * 64);
-  xl->bdsum = xl->bd + n * 64;
-  xl->q = (int8_t *)(xl->bdsum + n * 64);
+  xl->d = xl->bd = (float *)(mem + n * 128);
+  xl->bdsum = xl->bd + n * 128;
+  xl->q = (int8_t *)(xl->bdsum + n * 128);
   return 1;
 }
 
@@ -873,11 +875,14 @@ static void build_lanes(const xquant *xq, int type, int lb, xlanes *xl) {
                                                               ((uint32_t)(uint16_t)bs[2 * j + 1] << 16)) : 0;
           xl->d[gc * 8 + l] = real ? xq->d[8 * at] : 0.f;
         } else
-          for (int j = 0; j < 8; j++) {
-            xl->bsum[gc * 64 + 8 * j + l] = real ? xq->s32[8 * at + j] : 0;
-            xl->bd[gc * 64 + 8 * j + l] = real ? xq->d[8 * at + j] : 0.f;
-            xl->bdsum[gc * 64 + 8 * j + l] = real ? xq->dsum[8 * at + j] : 0.f;
-          }
+          for (int j = 0; j < 8; j++) /* lb = 8: each lane's value twice, as the interleaved
+                                          weight-row pairs of lanes_group32 read it */
+            for (int h = 0; h < lb / 4; h++) {
+              const int64_t i = gc * 128 + 2 * lb * j + lb / 4 * l + h;
+              xl->bsum[i] = real ? xq->s32[8 * at + j] : 0;
+              xl->bd[i] = real ? xq->d[8 * at + j] : 0.f;
+              xl->bdsum[i] = real ? xq->dsum[8 * at + j] : 0.f;
+            }
       }
     }
 }

@@ -86,7 +86,9 @@ SP_INLINE SP_ATTR void SP_K(lanes_group_k)(const wtile *wt, const xlanes *xl, in
  * lanes' dots (SP_LDP), folded per block as fold_group32 does (blocks in ascending order, the same
  * expression per element). Q8_0's signed weights go through SP_LDPS; Q4_0's offset 8 and Q5_0's
  * 16 (and on VNNI Q8_0's 128, see SP_LDPS) come off as that multiple of the lane's block sum (all
- * exact integers). */
+ * exact integers).  With 512-bit lanes two weight rows are folded in one vector: acc holds the
+ * pairs (r, r + 1) interleaved, lane 2l row r's and 2l + 1 row r + 1's term for activation row l
+ * (tiles_lanes stores them back in order); the activations' per-block values are stored twice. */
 SP_INLINE SP_ATTR void SP_K(lanes_group32)(const wtile *wt, const xlanes *xl, int64_t at, const int type,
                                            __m256 *acc) {
   const int shift = type == SP_Q4_0 ? 3 : type == SP_Q5_0 ? 4 : type == SP_Q8_0 ? SP_Q8_SHIFT : 0;
@@ -96,23 +98,55 @@ SP_INLINE SP_ATTR void SP_K(lanes_group32)(const wtile *wt, const xlanes *xl, in
     SP_LV xv[8];
 #pragma GCC unroll 8
     for (int i = 0; i < 32 / SP_LB; i++) xv[i] = SP_LLD(xq + 8 * SP_LB * (32 / SP_LB * j + i));
-    const __m256 dx = _mm256_loadu_ps(xl->bd + at * 64 + 8 * j);
-    const __m256i off = shift ? _mm256_sll_epi32(LD(xl->bsum + at * 64 + 8 * j), _mm_cvtsi32_si128(shift))
+    const int64_t bj = at * 128 + 2 * SP_LB * j;
+#if SP_LB == 8
+    const __m512 dx = _mm512_loadu_ps(xl->bd + bj);
+    const __m512i off = shift ? _mm512_sll_epi32(LDZ(xl->bsum + bj), _mm_cvtsi32_si128(shift)) : _mm512_setzero_si512();
+    const __m512 dsum = has_m ? _mm512_loadu_ps(xl->bdsum + bj) : _mm512_setzero_ps();
+    __m512 *acc2 = (__m512 *)acc;
+#pragma GCC unroll 4
+    for (int r = 0; r < SP_NR; r += 2) {
+      SP_LV s[2];
+      for (int p = 0; p < 2; p++) {
+        const uint8_t *wq = wt->q[r + p] + 32 * j;
+        s[p] = SP_LZERO;
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++)
+          s[p] = type == SP_Q8_0 ? SP_LDPS(s[p], wq + 8 * i, xv[i]) : SP_LDP(s[p], wq + 8 * i, xv[i]);
+      }
+      /* row r's lane sums in the even int32 lanes, row r + 1's in the odd ones */
+      const __m512i dot = _mm512_sub_epi32(
+          _mm512_mask_blend_epi32(0xaaaa, _mm512_add_epi32(s[0], _mm512_srli_epi64(s[0], 32)),
+                                  _mm512_add_epi32(s[1], _mm512_slli_epi64(s[1], 32))), off);
+      double dpair, mpair; /* (d of row r, d of row r + 1), adjacent in wt->d[j] */
+      memcpy(&dpair, &wt->d[j][r], 8);
+      const __m512 dd = _mm512_mul_ps(_mm512_castpd_ps(_mm512_set1_pd(dpair)), dx);
+      __m512 term = _mm512_mul_ps(dd, _mm512_cvtepi32_ps(dot));
+      if (has_m) {
+        memcpy(&mpair, &wt->m[j][r], 8);
+        term = _mm512_add_ps(term, _mm512_mul_ps(_mm512_castpd_ps(_mm512_set1_pd(mpair)), dsum));
+      }
+      acc2[r / 2] = _mm512_add_ps(acc2[r / 2], term);
+    }
+#else
+    const __m256 dx = _mm256_loadu_ps(xl->bd + bj);
+    const __m256i off = shift ? _mm256_sll_epi32(LD(xl->bsum + bj), _mm_cvtsi32_si128(shift))
                               : _mm256_setzero_si256(); /* Q4_1/Q5_1: no offset */
-    const __m256 dsum = has_m ? _mm256_loadu_ps(xl->bdsum + at * 64 + 8 * j) : _mm256_setzero_ps();
+    const __m256 dsum = has_m ? _mm256_loadu_ps(xl->bdsum + bj) : _mm256_setzero_ps();
 #pragma GCC unroll 8
     for (int r = 0; r < SP_NR; r++) {
       const uint8_t *wq = wt->q[r] + 32 * j;
       SP_LV s = SP_LZERO;
 #pragma GCC unroll 8
-      for (int i = 0; i < 32 / SP_LB; i++)
-        s = type == SP_Q8_0 ? SP_LDPS(s, wq + SP_LB * i, xv[i]) : SP_LDP(s, wq + SP_LB * i, xv[i]);
-      const __m256i dot = _mm256_sub_epi32(SP_LSUM(s), off);
+      for (int i = 0; i < 8; i++)
+        s = type == SP_Q8_0 ? SP_LDPS(s, wq + 4 * i, xv[i]) : SP_LDP(s, wq + 4 * i, xv[i]);
+      const __m256i dot = _mm256_sub_epi32(s, off);
       const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(wt->d[j][r]), dx);
       __m256 term = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(dot));
       if (has_m) term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_set1_ps(wt->m[j][r]), dsum));
       acc[r] = _mm256_add_ps(acc[r], term);
     }
+#endif
   }
 }
 
@@ -150,12 +184,15 @@ SP_INLINE SP_ATTR void SP_K(tiles_lanes)(const job *jb, const xlanes *xl, int64_
           else SP_K(lanes_group32)(&wt, xl, g * ch + c0 + c, type, acc[c]);
         }
       }
+      /* lanes_group32 on 512-bit lanes leaves the weight rows' pairs interleaved */
+      const int pairs = SP_LB == 8 && !is_k;
       for (int c = 0; c < cb; c++)
         for (int r = 0; r < nr; r++) {
-          float v[8];
-          _mm256_storeu_ps(v, acc[c][r]);
+          float v[16];
+          if (pairs) memcpy(v, &acc[c][r & ~1], sizeof v);
+          else _mm256_storeu_ps(v, acc[c][r]);
           for (int l = 0; l < 8 && 8 * (c0 + c) + l < jb->t; l++)
-            jb->y[(8 * (c0 + c) + l) * jb->n + n + r] = v[l];
+            jb->y[(8 * (c0 + c) + l) * jb->n + n + r] = pairs ? v[2 * l + (r & 1)] : v[l];
         }
     }
   }
