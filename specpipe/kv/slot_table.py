@@ -274,11 +274,15 @@ class SlotTable:
             mask = np.ones((len(slots), len(read)), dtype=bool)
             mask[:, base:] = np.tri(len(slots), dtype=bool)
             return RowPlan(slots, read, mask)
-        # The speculative columns: every live ancestor-or-self of the new rows.
+        # The speculative columns: every live ancestor-or-self of the new rows, each chain taken
+        # root first, so that every row reads its visible slots in position order, as plain
+        # decoding reads the same tokens: attention sums over slots in read order, and a row's
+        # bits must not depend on the tree around it. (A chain's nodes already placed by an
+        # earlier chain are its ancestors' end of it, so its own come after them.)
         chains = [self._chain(r, n) for n in node_ids]
         cols: dict[int, int] = {}
         for chain in chains:
-            for n in chain:
+            for n in reversed(chain):
                 cols.setdefault(n, len(cols))
         base = len(r.committed)
         read = r.committed + [r.spec[n][0] for n in cols]

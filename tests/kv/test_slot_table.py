@@ -45,6 +45,29 @@ def test_tree_mask_is_ancestry_and_commit_moves_slots_without_copy():
     assert m.total_in_use() == 0 and m.blocks_in_use() == 0
 
 
+def test_every_tree_row_reads_its_slots_in_position_order():
+    """Attention sums over the read slots in read order: a tree row must read its committed
+    prefix and then its ancestors root first, as plain decoding reads the same tokens, or its
+    bits depend on the tree around it (float sums in another order round differently)."""
+    m = SlotTable(16, 4)
+    m.admit(1)
+    m.plan(1, [-2, 0], [NO_PARENT, -2])
+    m.commit(1, [-2, 0])
+    m.computed(1)
+    m.plan(1, [1, 2], [0, 0])  # layer 1 of the tree (its parent 0 committed)
+    # a later message: layer 2 and, in the same rows, layer 3 (children listed before parents'
+    # siblings, so a column order taken from the rows' own order would not be position order)
+    nodes, parents = [5, 3, 6, 4, 7], [3, 1, 4, 2, 5]
+    plan = m.plan(1, nodes, parents)
+    depth = {0: 0, 1: 1, 2: 1, 3: 2, 4: 2, 5: 3, 6: 3, 7: 4}
+    node_of = {m.requests[1].spec[n][0]: n for n in m.requests[1].spec}
+    base = len(m.requests[1].committed)
+    for i, n in enumerate(nodes):
+        seen = [node_of[s] for j, s in enumerate(plan.read_slots[base:]) if plan.mask[i, base + j]]
+        assert [depth[x] for x in seen] == sorted(depth[x] for x in seen), (n, seen)
+        assert seen[-1] == n and len(seen) == depth[n]
+
+
 def test_commit_of_a_node_not_yet_computed_waits():
     m = SlotTable(2, 4)
     m.admit(0)
