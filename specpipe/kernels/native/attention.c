@@ -8,13 +8,14 @@
  * (measured in tests/kernels/test_batch_invariance.py).  A tree node's row and the same token's
  * row computed by plain decoding must agree bitwise for speculation to be lossless.  Here every
  * sum has one order, fixed by the row alone:
- *   - q . k over D: eight lane accumulators over consecutive chunks of eight values (a tail
- *     goes to lanes 0..), then the lanes folded as ((0+1)+(2+3))+((4+5)+(6+7));
+ *   - q . k over D: sixteen lane accumulators over consecutive chunks of sixteen values (a
+ *     tail goes to lanes 0..), lane i + 8 added to lane i, then the eight folded as
+ *     ((0+1)+(2+3))+((4+5)+(6+7));
  *   - the maximum (exact in any order), exp(s - max) by exp8 (vec.h): an element-wise
  *     polynomial, so a slot's weight depends on its score alone (8 slots a vector);
- *   - the denominator and each output value: one running sum in double over the visible slots
- *     in read order (a masked slot is skipped, not added as zero, so nothing depends on C),
- *     rounded to float once at the end.
+ *   - each output value: one running float sum over the visible slots in read order (a masked
+ *     slot is skipped, not added as zero, so nothing depends on C), the denominator the same in
+ *     double; their quotient rounded to float once at the end.
  * The query heads that share a KV head are computed together, so each key and value is read
  * once per row and KV head (the arithmetic of a head is the same alone).
  * The vector type is lane-wise only (no horizontal operations before the fixed fold) and the
@@ -35,21 +36,29 @@
 #include "ggml_matmul.h"
 #include "vec.h"
 
-SP_INLINE float dot(const float *a, const float *b, int d) {
-  v8f acc = {0};
-  int i = 0;
-  for (; i + 8 <= d; i += 8) acc += ld8f(a + i) * ld8f(b + i);
-  for (int r = 0; i < d; i++, r++) acc[r] += a[i] * b[i];
-  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+typedef float v16f __attribute__((vector_size(64)));
+
+SP_INLINE v16f ld16f(const float *p) {
+  v16f v;
+  memcpy(&v, p, sizeof v);
+  return v;
 }
 
-typedef double v8d __attribute__((vector_size(64)));
+SP_INLINE float dot(const float *a, const float *b, int d) {
+  v16f acc = {0};
+  int i = 0;
+  for (; i + 16 <= d; i += 16) acc += ld16f(a + i) * ld16f(b + i);
+  for (int r = 0; i < d; i++, r++) acc[r] += a[i] * b[i];
+  const v8f lo = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7);
+  const v8f h = lo + __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+  return ((h[0] + h[1]) + (h[2] + h[3])) + ((h[4] + h[5]) + (h[6] + h[7]));
+}
 
 /* One row and KV head g: the `group` query heads q[0 .. group) that read it.  s: scratch for
- * group x c8 weights (c8 = c rounded up to 8), acc: group x d doubles. */
+ * group x c8 weights (c8 = c rounded up to 8), acc: group x d floats. */
 SP_INLINE void attend_group(const float *q, const float *k, const float *v, const int64_t *slots,
                             const uint8_t *mask, int64_t c, int hkv, int g, int group, int d,
-                            float scale, float *s, double *acc, float *out) {
+                            float scale, float *s, float *acc, float *out) {
   const int64_t stride = (int64_t)hkv * d, c8 = (c + 7) / 8 * 8;
   float m[64];
   double sum[64];
@@ -70,22 +79,22 @@ SP_INLINE void attend_group(const float *q, const float *k, const float *v, cons
       const v8f e = exp8(ld8f(sh + j) - m[h]);
       memcpy(sh + j, &e, sizeof e);
     }
-    for (int i = 0; i < d; i++) acc[h * d + i] = 0.0;
+    for (int i = 0; i < d; i++) acc[h * d + i] = 0.f;
   }
   for (int h = 0; h < group; h++) { /* one head at a time: its sums stay in registers */
     const float *sh = s + h * c8;
-    double *a = acc + h * d;
+    float *a = acc + h * d;
     double sh_sum = 0.0;
     for (int64_t j = 0; j < c; j++) {
       if (mask && !mask[j]) continue;
       const float *vj = v + (slots ? slots[j] : j) * stride + (int64_t)g * d;
-      const double e = sh[j];
+      const float e = sh[j];
       sh_sum += e;
       int i = 0;
-      for (; i + 8 <= d; i += 8) { /* lane i: its own running sum over j */
-        v8d ai;
+      for (; i + 16 <= d; i += 16) { /* lane i: its own running sum over j */
+        v16f ai;
         memcpy(&ai, a + i, sizeof ai);
-        ai += e * __builtin_convertvector(ld8f(vj + i), v8d);
+        ai += e * ld16f(vj + i);
         memcpy(a + i, &ai, sizeof ai);
       }
       for (; i < d; i++) a[i] += e * vj[i];
@@ -99,12 +108,12 @@ SP_INLINE void attend_group(const float *q, const float *k, const float *v, cons
 /* attend_group compiled per ISA (the parallel region below is outlined by the compiler into a
  * function of its own, which would not inherit a target attribute: it calls these instead). */
 typedef void (*group_fn)(const float *, const float *, const float *, const int64_t *,
-                         const uint8_t *, int64_t, int, int, int, int, float, float *, double *,
+                         const uint8_t *, int64_t, int, int, int, int, float, float *, float *,
                          float *);
 #define SP_GROUP_FN(name, attr)                                                                  \
   attr static void name(const float *q, const float *k, const float *v, const int64_t *slots,   \
                         const uint8_t *mask, int64_t c, int hkv, int g, int group, int d,        \
-                        float scale, float *s, double *acc, float *out) {                        \
+                        float scale, float *s, float *acc, float *out) {                         \
     if (d == 64) /* the common head sizes as constants: loops unrolled, sums in registers */    \
       attend_group(q, k, v, slots, mask, c, hkv, g, group, 64, scale, s, acc, out);              \
     else if (d == 128)                                                                           \
@@ -128,7 +137,7 @@ static int attention_body(group_fn fn, const float *q, int64_t t, int hq, int hk
 #pragma omp parallel num_threads(threads) reduction(| : failed) if (threads > 1)
   {
     float *s = malloc((size_t)(group * c8) * sizeof(float));
-    double *acc = malloc((size_t)(group * d) * sizeof(double));
+    float *acc = malloc((size_t)(group * d) * sizeof(float));
     if (!s || !acc) failed = 1;
     /* every thread reaches the loop (and its barrier), with or without its scratch */
 #pragma omp for schedule(static)
