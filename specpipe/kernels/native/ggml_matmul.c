@@ -639,73 +639,86 @@ SP_INLINE SP_VNNI __m512i bcast_lanes_epi16(__m512i v, int a, int b, int c, int 
   return _mm512_permutexvar_epi16(idx, v);
 }
 
-static SP_VNNI float row_q4_k_vnni(const uint8_t *row, int64_t ngroups, const int8_t *xk,
-                                   const float *xd, const int32_t *xs32) {
+/* The few-rows paths: nt <= SP_FEW activation rows (group-major, as xquant: row r of group g at
+ * [g * nt + r]) against one weight row, each block unpacked once in registers and multiplied with
+ * every activation row; out[r] gets row r's element, each the tile path's integers and fold. */
+#define SP_FEW 4
+
+SP_INLINE SP_VNNI void rows_q4_k(const uint8_t *row, int64_t ngroups, const int8_t *xk, const float *xd,
+                                 const int32_t *xs32, const int nt, float *out) {
   const __m512i m4 = _mm512_set1_epi8(15);
-  float acc = 0.f;
+  float acc[SP_FEW] = {0};
   for (int64_t g = 0; g < ngroups; g++) {
     const uint8_t *b = row + 144 * g;
     for (int off = 0; off < 192; off += 64) __builtin_prefetch(b + SP_PF_BYTES + off);
     uint64_t sc, mn;
     k4_scale_words(b + 4, &sc, &mn);
     const __m512i z0 = LDZ(b + 16), z1 = LDZ(b + 80);
+    const __m512i w[4] = {_mm512_and_si512(z0, m4), _mm512_and_si512(_mm512_srli_epi16(z0, 4), m4),
+                          _mm512_and_si512(z1, m4), _mm512_and_si512(_mm512_srli_epi16(z1, 4), m4)};
     const __m512i s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
-    const int8_t *x = xk + 256 * g;
-    __m512i a = _mm512_setzero_si512();
-    a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(_mm512_and_si512(z0, m4), LDZ(x)),
-                            bcast_lanes_epi16(s16, 0, 0, 2, 2));
-    a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(z0, 4), m4), LDZ(x + 64)),
-                            bcast_lanes_epi16(s16, 1, 1, 3, 3));
-    a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(_mm512_and_si512(z1, m4), LDZ(x + 128)),
-                            bcast_lanes_epi16(s16, 4, 4, 6, 6));
-    a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(z1, 4), m4), LDZ(x + 192)),
-                            bcast_lanes_epi16(s16, 5, 5, 7, 7));
-    const int32_t sumi = _mm512_reduce_add_epi32(a);
-    const __m256i mins = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn)),
-                                            LD(xs32 + 8 * g));
-    const __m128i m2 = _mm_add_epi32(_mm256_castsi256_si128(mins), _mm256_extracti128_si256(mins, 1));
-    const __m128i m1 = _mm_add_epi32(m2, _mm_unpackhi_epi64(m2, m2));
-    const int32_t summ = _mm_cvtsi128_si32(_mm_add_epi32(m1, _mm_shuffle_epi32(m1, 1)));
-    const float dx = xd[8 * g];
-    acc = acc + ((f16_to_f32(b) * dx) * (float)sumi - (f16_to_f32(b + 2) * dx) * (float)summ);
+    const __m512i sw[4] = {bcast_lanes_epi16(s16, 0, 0, 2, 2), bcast_lanes_epi16(s16, 1, 1, 3, 3),
+                           bcast_lanes_epi16(s16, 4, 4, 6, 6), bcast_lanes_epi16(s16, 5, 5, 7, 7)};
+    const __m256i mn32 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn));
+    const float d = f16_to_f32(b), dmin = f16_to_f32(b + 2);
+    for (int r = 0; r < nt; r++) {
+      const int64_t at = g * nt + r;
+      const int8_t *x = xk + 256 * at;
+      __m512i a = _mm512_setzero_si512();
+      for (int i = 0; i < 4; i++) a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(w[i], LDZ(x + 64 * i)), sw[i]);
+      const int32_t sumi = _mm512_reduce_add_epi32(a);
+      const __m256i mins = _mm256_mullo_epi32(mn32, LD(xs32 + 8 * at));
+      const __m128i m2 = _mm_add_epi32(_mm256_castsi256_si128(mins), _mm256_extracti128_si256(mins, 1));
+      const __m128i m1 = _mm_add_epi32(m2, _mm_unpackhi_epi64(m2, m2));
+      const int32_t summ = _mm_cvtsi128_si32(_mm_add_epi32(m1, _mm_shuffle_epi32(m1, 1)));
+      const float dx = xd[8 * at];
+      acc[r] = acc[r] + ((d * dx) * (float)sumi - (dmin * dx) * (float)summ);
+    }
   }
-  return acc;
+  for (int r = 0; r < nt; r++) out[r] = acc[r];
 }
 
-static SP_VNNI float row_q6_k_vnni(const uint8_t *row, int64_t ngroups, const int8_t *xq,
-                                   const float *xd, const int32_t *xs16) {
+SP_INLINE SP_VNNI void rows_q6_k(const uint8_t *row, int64_t ngroups, const int8_t *xq, const float *xd,
+                                 const int32_t *xs16, const int nt, float *out) {
   const __m512i m4 = _mm512_set1_epi8(15), m2 = _mm512_set1_epi8(3);
   /* high-bit shifts: (0 | 2) for the low nibbles' 64 values, (4 | 6) for the high nibbles' */
   const __m512i sh_lo = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
   const __m512i sh_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
-  float acc = 0.f;
+  float acc[SP_FEW] = {0};
   for (int64_t g = 0; g < ngroups; g++) {
     const uint8_t *b = row + 210 * g;
     for (int off = 0; off < 256; off += 64) __builtin_prefetch(b + SP_PF_BYTES + off);
     const __m128i sc8 = _mm_loadu_si128((const __m128i *)(b + 192));
     const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
-    const int8_t *x = xq + 256 * g;
-    __m512i a = _mm512_setzero_si512();
+    const __m512i sc32 = _mm512_cvtepi8_epi32(sc8);
+    __m512i v[4], sw[4];
     for (int h = 0; h < 2; h++) {
       const __m512i l = LDZ(b + 64 * h);
       const __m256i qh = LD(b + 128 + 32 * h);
       const __m512i hz = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
-      const __m512i v0 = _mm512_or_si512(_mm512_and_si512(l, m4),
+      v[2 * h] = _mm512_or_si512(_mm512_and_si512(l, m4),
           _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hz, sh_lo), m2), 4));
-      const __m512i v1 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
+      v[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(l, 4), m4),
           _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hz, sh_hi), m2), 4));
       const int j = 8 * h; /* 16-value sub-blocks of this half: j .. j + 7 */
-      a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(v0, LDZ(x + 128 * h)),
-                              bcast_lanes_epi16(s16, j, j + 1, j + 2, j + 3));
-      a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(v1, LDZ(x + 128 * h + 64)),
-                              bcast_lanes_epi16(s16, j + 4, j + 5, j + 6, j + 7));
+      sw[2 * h] = bcast_lanes_epi16(s16, j, j + 1, j + 2, j + 3);
+      sw[2 * h + 1] = bcast_lanes_epi16(s16, j + 4, j + 5, j + 6, j + 7);
     }
-    const int32_t sumi = _mm512_reduce_add_epi32(a);
-    const int32_t off = _mm512_reduce_add_epi32(
-        _mm512_mullo_epi32(_mm512_cvtepi8_epi32(sc8), LDZ(xs16 + 16 * g)));
-    acc = acc + (f16_to_f32(b + 208) * xd[8 * g]) * (float)(sumi - 32 * off);
+    const float d = f16_to_f32(b + 208);
+    for (int r = 0; r < nt; r++) {
+      const int64_t at = g * nt + r;
+      const int8_t *x = xq + 256 * at;
+      __m512i a = _mm512_setzero_si512();
+      for (int h = 0; h < 2; h++) {
+        a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(v[2 * h], LDZ(x + 128 * h)), sw[2 * h]);
+        a = _mm512_dpwssd_epi32(a, _mm512_maddubs_epi16(v[2 * h + 1], LDZ(x + 128 * h + 64)), sw[2 * h + 1]);
+      }
+      const int32_t sumi = _mm512_reduce_add_epi32(a);
+      const int32_t off = _mm512_reduce_add_epi32(_mm512_mullo_epi32(sc32, LDZ(xs16 + 16 * at)));
+      acc[r] = acc[r] + (d * xd[8 * at]) * (float)(sumi - 32 * off);
+    }
   }
-  return acc;
+  for (int r = 0; r < nt; r++) out[r] = acc[r];
 }
 
 #endif /* SP_X86 */
@@ -1073,26 +1086,35 @@ static void run_parallel_tiles(tile_fn fn, const job *jb, int64_t ntiles, int th
 /* Rows [n0, n1) of y (one activation row): rows are contiguous in memory and read in order,
  * each block fetching the lines SP_PF_BYTES ahead of it (past the end of the weights is
  * harmless: a prefetch never faults).  xk: the activations in Q4_K's nibble order (permute_k4). */
-static SP_VNNI void rows_vnni(const job *jb, const int8_t *xk, int64_t n0, int64_t n1) {
+/* Weight rows [n0, n1) against nt = T <= SP_FEW activation rows, nt a constant where inlined. */
+SP_INLINE SP_VNNI void rows_vnni_t(const job *jb, const int8_t *xk, int64_t n0, int64_t n1, const int nt) {
   const xquant *xq = &jb->xq;
-  const int64_t ng = xq->kp / 256, rb = jb->row_bytes;
-  const uint8_t *w = jb->w;
-  float *y = jb->y;
-  switch (jb->type) {
-  case SP_Q4_K:
-    for (int64_t n = n0; n < n1; n++) y[n] = row_q4_k_vnni(w + n * rb, ng, xk, xq->d, xq->s32);
-    break;
-  case SP_Q6_K:
-    for (int64_t n = n0; n < n1; n++) y[n] = row_q6_k_vnni(w + n * rb, ng, xq->q, xq->d, xq->s16);
-    break;
+  const int64_t ng = xq->kp / 256, rb = jb->row_bytes, n = jb->n;
+  float v[SP_FEW];
+  for (int64_t i = n0; i < n1; i++) {
+    if (jb->type == SP_Q4_K) rows_q4_k(jb->w + i * rb, ng, xk, xq->d, xq->s32, nt, v);
+    else rows_q6_k(jb->w + i * rb, ng, xq->q, xq->d, xq->s16, nt, v);
+    for (int r = 0; r < nt; r++) jb->y[r * n + i] = v[r];
   }
 }
 
-/* The types rows_vnni reads (for the 32-value types the tile path, folding 8 rows at once, is
- * faster than a row at a time with its sequential per-block folding: tried, 1.3-2x slower). */
-static int rows_vnni_type(int type) { return type == SP_Q4_K || type == SP_Q6_K; }
+static SP_VNNI void rows_vnni(const job *jb, const int8_t *xk, int64_t n0, int64_t n1) {
+  switch (jb->t) {
+  case 1: rows_vnni_t(jb, xk, n0, n1, 1); break;
+  case 2: rows_vnni_t(jb, xk, n0, n1, 2); break;
+  case 3: rows_vnni_t(jb, xk, n0, n1, 3); break;
+  default: rows_vnni_t(jb, xk, n0, n1, 4); break;
+  }
+}
 
-/* One activation row: threads take contiguous ranges of weight rows. */
+/* Up to how many activation rows rows_vnni takes a type: 0 = never (for the 32-value types the
+ * tile path, folding 8 rows at once, is faster than a row at a time with its sequential
+ * per-block folding: tried, 1.3-2x slower). Beyond, the row lanes are faster (1 thread, 8960 x
+ * 1536, rows vs tile vs lanes, ms: Q4_K 2 rows 0.38 / 0.48 / -, 4 rows 0.70 / 0.66 / 0.68; Q6_K 2
+ * rows 0.40 / 0.65, 4 rows 0.67 / 0.83, 5 rows lanes 0.85). */
+static int rows_vnni_max(int type) { return type == SP_Q4_K ? 3 : type == SP_Q6_K ? SP_FEW : 0; }
+
+/* The few-rows paths: threads take contiguous ranges of weight rows. */
 static void run_parallel_rows(const job *jb, const int8_t *xk, int threads) {
 #ifdef _OPENMP
   if (threads > 1) {
@@ -1169,27 +1191,27 @@ int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, 
   else
     run_parallel_quantize(xq, x, k, bs, t, qthreads);
 #ifdef SP_X86
-  if (t == 1 && isa == SP_ISA_AVX512VNNI && rows_vnni_type(type)) {
+  if (isa == SP_ISA_AVX512VNNI && t <= rows_vnni_max(type)) {
     int8_t *xk = NULL;
     if (type == SP_Q4_K) { /* the activations in the nibbles' order, once per call */
-      xk = malloc((size_t)kp);
+      xk = malloc((size_t)(t * kp));
       if (!xk) {
         free(mem);
         return SP_ERR_MEMORY;
       }
-      permute_k4(xq->q, kp, xk);
+      permute_k4(xq->q, t * kp, xk); /* each 256-value group on its own */
     }
     run_parallel_rows(&jb, xk, mthreads);
     free(xk);
     free(mem);
     return SP_OK;
   }
-  /* The row-lanes kernel, AVX-512 VNNI from 5 rows (K-quants) or 3 (32-value types), AVX2 from
-   * 8; below that most of its 8 lanes would idle and the tile is as fast or faster (1 thread,
-   * 8960 x 1536, tile vs lanes: VNNI Q4_K 4 rows 1.10 vs 1.13 ms, 8 rows 1.80 vs 1.14 ms; Q5_0 2
+  /* The row-lanes kernel, AVX-512 VNNI from 4 rows (K-quants past the few-rows path) or 3
+   * (32-value types), AVX2 from 8; below that most of its 8 lanes would idle and the tile is as
+   * fast or faster (1 thread, 8960 x 1536, tile vs 256-bit lanes, Intel: Q5_0 2
    * rows 1.08 vs 1.32 ms, 3 rows 1.43 vs 1.34 ms; AVX2 Q4_K 5 rows 1.54 vs 1.81, 8 rows 2.19 vs
    * 1.77; Q5_0 5 rows 1.79 vs 2.00, 8 rows 2.53 vs 2.03) */
-  const int64_t lanes_from = isa == SP_ISA_AVX2 ? 8 : is_kquant(type) ? 5 : 3;
+  const int64_t lanes_from = isa == SP_ISA_AVX2 ? 8 : is_kquant(type) ? 4 : 3;
   if ((isa == SP_ISA_AVX512VNNI || isa == SP_ISA_AVX2) && t >= lanes_from) {
     xlanes xl = {(t + 7) / 8};
     if (!alloc_lanes(kp / 256, &xl)) {
