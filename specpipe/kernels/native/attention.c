@@ -49,8 +49,10 @@ SP_INLINE float dot(const float *a, const float *b, int d) {
   int i = 0;
   for (; i + 16 <= d; i += 16) acc += ld16f(a + i) * ld16f(b + i);
   for (int r = 0; i < d; i++, r++) acc[r] += a[i] * b[i];
-  const v8f lo = __builtin_shufflevector(acc, acc, 0, 1, 2, 3, 4, 5, 6, 7);
-  const v8f h = lo + __builtin_shufflevector(acc, acc, 8, 9, 10, 11, 12, 13, 14, 15);
+  v8f lo, hi; /* the two halves (memcpy: any GCC or Clang with vector extensions) */
+  memcpy(&lo, &acc, sizeof lo);
+  memcpy(&hi, (const char *)&acc + sizeof lo, sizeof hi);
+  const v8f h = lo + hi;
   return ((h[0] + h[1]) + (h[2] + h[3])) + ((h[4] + h[5]) + (h[6] + h[7]));
 }
 
