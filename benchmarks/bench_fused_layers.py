@@ -5,8 +5,12 @@ a step of T rows after a prompt, the two versions alternating, median of --repea
 
     PYTHONPATH=. python benchmarks/bench_fused_layers.py --model A.gguf [B.gguf ...]
         [--threads 2] [--prompt-tokens 128] [--rows 1 8] [--repeats 15] [--out results.json]
+        [--quantization int8|int4] [--fused-only]
 
 Both versions give the same bits (checked here on the prompt's logits before timing).
+--quantization requantizes the weights at load as `--draft-quantization` does (a Q4_0 draft);
+--fused-only builds and times the fused version alone: a plain step timing of the model as
+SpecPipe runs it, e.g. under `perf record`.
 """
 
 from __future__ import annotations
@@ -32,10 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llamacpp_agreement import resolve_model  # noqa: E402
 
 
-def build(ckpt, fused: bool):
+def build(ckpt, fused: bool, quantization: str | None):
     os.environ["SPECPIPE_FUSED_LAYERS"] = "1" if fused else "0"
     try:
-        return build_stage(ckpt, StageSpec.whole(ckpt.config))
+        return build_stage(ckpt, StageSpec.whole(ckpt.config), quantization=quantization,
+                           requantize=quantization is not None)
     finally:
         os.environ.pop("SPECPIPE_FUSED_LAYERS")
 
@@ -48,20 +53,24 @@ def main() -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--quantization", choices=["int8", "int4"], default=None)
+    ap.add_argument("--fused-only", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     p, records = args.prompt_tokens, []
     for model in args.model:
         path = resolve_model(model)
         ckpt = open_checkpoint(path)
-        versions = {"torch-written": build(ckpt, False), "fused": build(ckpt, True)}
+        versions = {"fused": build(ckpt, True, args.quantization)}
+        if not args.fused_only:
+            versions["torch-written"] = build(ckpt, False, args.quantization)
         n_fused = sum(layer.native is not None for layer in versions["fused"].layers.values())
         ids = torch.tensor(np.random.default_rng(0).integers(100, ckpt.config.vocab_size - 100, p + max(args.rows)))
         caches = {name: m.make_kv_cache(p + max(args.rows) + 1) for name, m in versions.items()}
         causal = np.tril(np.ones((p, p), dtype=bool))
         prompt = {name: run_rows(m, caches[name], ids[:p], list(range(p)), list(range(p)), list(range(p)), causal, [p - 1])
                   for name, m in versions.items()}
-        same = torch.equal(prompt["fused"], prompt["torch-written"])
+        same = args.fused_only or torch.equal(prompt["fused"], prompt["torch-written"])
         for t in args.rows:
             pos = list(range(p, p + t))
             mask = None if t == 1 else np.concatenate([np.ones((t, p), dtype=bool), np.tril(np.ones((t, t), dtype=bool))], 1)
@@ -74,12 +83,13 @@ def main() -> int:
             ms = {name: statistics.median(v[1:]) * 1e3 for name, v in times.items()}
             records.append({"model": Path(path).name, "rows": t, "fused_layers": n_fused,
                             "layers": len(versions["fused"].layers), "same_bits": same, **{f"{k}_ms": v for k, v in ms.items()}})
-            print(f"{Path(path).name}: {t} rows: torch-written {ms['torch-written']:.2f} ms, fused {ms['fused']:.2f} ms "
-                  f"({ms['fused'] / ms['torch-written']:.2f}x; {n_fused}/{len(versions['fused'].layers)} layers fused, "
-                  f"same bits: {same})", flush=True)
+            ab = (f"torch-written {ms['torch-written']:.2f} ms, fused {ms['fused']:.2f} ms "
+                  f"({ms['fused'] / ms['torch-written']:.2f}x; same bits: {same})" if "torch-written" in ms
+                  else f"fused {ms['fused']:.2f} ms")
+            print(f"{Path(path).name}: {t} rows: {ab}; {n_fused}/{len(versions['fused'].layers)} layers fused", flush=True)
     if args.out:
         meta = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-                "threads": args.threads, "prompt_tokens": p, "repeats": args.repeats, "torch": torch.__version__,
+                "quantization": args.quantization, "threads": args.threads, "prompt_tokens": p, "repeats": args.repeats, "torch": torch.__version__,
                 "machine": platform.machine(), "cpus": os.cpu_count(), "load_avg": os.getloadavg()}
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"meta": meta, "records": records}, indent=1))
