@@ -89,6 +89,15 @@ SP_INLINE SP_ATTR void SP_K(lanes_group_k)(const wtile *wt, const xlanes *xl, in
  * exact integers).  With 512-bit lanes two weight rows are folded in one vector: acc holds the
  * pairs (r, r + 1) interleaved, lane 2l row r's and 2l + 1 row r + 1's term for activation row l
  * (tiles_lanes stores them back in order); the activations' per-block values are stored twice. */
+/* The lanes' dots of one 32-block of a weight row (its 32 values at wq) with xv. */
+SP_INLINE SP_ATTR SP_LV SP_K(lanes_dot32)(const uint8_t *wq, const SP_LV *xv, const int type) {
+  SP_LV s = SP_LZERO;
+#pragma GCC unroll 8
+  for (int i = 0; i < 32 / SP_LB; i++)
+    s = type == SP_Q8_0 ? SP_LDPS(s, wq + SP_LB * i, xv[i]) : SP_LDP(s, wq + SP_LB * i, xv[i]);
+  return s;
+}
+
 SP_INLINE SP_ATTR void SP_K(lanes_group32)(const wtile *wt, const xlanes *xl, int64_t at, const int type,
                                            __m256 *acc) {
   const int shift = type == SP_Q4_0 ? 3 : type == SP_Q5_0 ? 4 : type == SP_Q8_0 ? SP_Q8_SHIFT : 0;
@@ -106,14 +115,8 @@ SP_INLINE SP_ATTR void SP_K(lanes_group32)(const wtile *wt, const xlanes *xl, in
     __m512 *acc2 = (__m512 *)acc;
 #pragma GCC unroll 4
     for (int r = 0; r < SP_NR; r += 2) {
-      SP_LV s[2];
-      for (int p = 0; p < 2; p++) {
-        const uint8_t *wq = wt->q[r + p] + 32 * j;
-        s[p] = SP_LZERO;
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; i++)
-          s[p] = type == SP_Q8_0 ? SP_LDPS(s[p], wq + 8 * i, xv[i]) : SP_LDP(s[p], wq + 8 * i, xv[i]);
-      }
+      const SP_LV s[2] = {SP_K(lanes_dot32)(wt->q[r] + 32 * j, xv, type),
+                          SP_K(lanes_dot32)(wt->q[r + 1] + 32 * j, xv, type)};
       /* row r's lane sums in the even int32 lanes, row r + 1's in the odd ones */
       const __m512i dot = _mm512_sub_epi32(
           _mm512_mask_blend_epi32(0xaaaa, _mm512_add_epi32(s[0], _mm512_srli_epi64(s[0], 32)),
@@ -135,12 +138,7 @@ SP_INLINE SP_ATTR void SP_K(lanes_group32)(const wtile *wt, const xlanes *xl, in
     const __m256 dsum = has_m ? _mm256_loadu_ps(xl->bdsum + bj) : _mm256_setzero_ps();
 #pragma GCC unroll 8
     for (int r = 0; r < SP_NR; r++) {
-      const uint8_t *wq = wt->q[r] + 32 * j;
-      SP_LV s = SP_LZERO;
-#pragma GCC unroll 8
-      for (int i = 0; i < 8; i++)
-        s = type == SP_Q8_0 ? SP_LDPS(s, wq + 4 * i, xv[i]) : SP_LDP(s, wq + 4 * i, xv[i]);
-      const __m256i dot = _mm256_sub_epi32(s, off);
+      const __m256i dot = _mm256_sub_epi32(SP_K(lanes_dot32)(wt->q[r] + 32 * j, xv, type), off);
       const __m256 dd = _mm256_mul_ps(_mm256_set1_ps(wt->d[j][r]), dx);
       __m256 term = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(dot));
       if (has_m) term = _mm256_add_ps(term, _mm256_mul_ps(_mm256_set1_ps(wt->m[j][r]), dsum));
