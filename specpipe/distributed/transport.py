@@ -1,9 +1,9 @@
-"""Moving messages between ranks with torch.distributed.
+"""Moving messages between ranks.
 
 Rank 0 is the driver, ranks 1..S the stages. Control data (headers, node ids, tokens) travel as
-int64 vectors over a gloo group; activations travel over the default group, which is NCCL when the
-stages run on CUDA, gloo otherwise. Each kind of message has its own tag, so the driver -> stage 1
-link can carry both control and rows in order.
+int64 vectors, and activations of stages on CPUs as tensors' bytes, over one TCP connection per
+pair of ranks (sockets.py); activations between GPUs over NCCL (torch.distributed). Each kind of
+message has its own tag, so the driver -> stage 1 link can carry both control and rows in order.
 
 Link emulation: `delay_ms` and `bandwidth_mbps` make each message arrive as over a slower network,
 so a cluster's network can be rehearsed on one machine (these kernels have no netem). As on a real
@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import collections
 import datetime
-import os
-import socket
+import struct
 import threading
 import time
 from typing import Callable, Optional
@@ -34,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from specpipe.config import LinkOptions
+from specpipe.distributed.sockets import Mesh, SocketError, local_address
 
 TAG_CONTROL, TAG_ROWS, TAG_RESULTS, TAG_REPORT = 1, 2, 3, 4
 HEARTBEAT_S = 0.5
@@ -44,7 +44,7 @@ class LinkError(RuntimeError):
 
 
 def short_error(e: BaseException, limit: int = 200) -> str:
-    """The first sentence of an error (gloo appends several lines of advice) for one-line reports."""
+    """The first sentence of an error (torch.distributed appends several lines of advice) for one-line reports."""
     text = str(e).strip()
     if not text:
         return type(e).__name__
@@ -87,37 +87,36 @@ class Transport:
         # NCCL needs one GPU per rank; stages sharing a GPU send activations through host memory.
         self.use_nccl = self.device.type == "cuda" if use_nccl is None else use_nccl
         # The rendezvous store is ours, so it also carries readiness, errors and heartbeats. The
-        # process groups join only once every stage has loaded its layers (init_groups), so a
-        # stage that fails while loading is reported instead of leaving the others waiting.
+        # links join only once every stage has loaded its layers (init_groups), so a stage that
+        # fails while loading is reported instead of leaving the others waiting.
         self.store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
                                    timeout=datetime.timedelta(seconds=connect_timeout_s),
                                    wait_for_workers=False)
         self._addr, self._port = master_addr, master_port
-        self.control_group = None
+        self._connect_timeout_s = connect_timeout_s
+        self.mesh: Optional[Mesh] = None
         self.bytes_sent = 0
         self.links = LinkClock(options)
-        # Sends are asynchronous: a gloo send completes only when the peer posts the matching
-        # receive, and a blocking one would let a busy or departed peer stall this rank.
-        # Sends of the last few steps, oldest first: (work, buffer) per send, one list per step.
-        # gloo's Work.is_completed() stays False until wait() is called, so finished sends are
-        # only recognised by the pipeline's lock-step (see end_step).
+        # The driver bounds its sends as it bounds its receives; a stage's send waits as long as
+        # the next stage computes (a long prefill) before it reads.
+        self._send_timeout_s = options.timeout_s if rank == 0 else None
+        # NCCL sends (activations between GPUs) are asynchronous: those of the last few steps,
+        # oldest first, one list per step, kept until they are known to be received (end_step).
         self._inflight: collections.deque[list[tuple[object, torch.Tensor]]] = collections.deque([[]])
         self.num_stages = world_size - 1
 
     def init_groups(self, abort: Optional[Callable[[], Optional[str]]] = None) -> None:
-        """Join the process groups. `abort` (driver): polled while waiting for the other ranks;
-        when it returns a reason (a stage failed to join), give up with a LinkError instead of
-        waiting for the rendezvous to time out."""
-        backend = "nccl" if self.use_nccl else "gloo"
-        choose_gloo_interface(self._addr)
+        """Connect to the other ranks (and join NCCL's group where activations go over it).
+        `abort` (driver): polled while waiting for the other ranks; when it returns a reason (a
+        stage failed to join), give up with a LinkError instead of waiting for the timeout."""
         if abort is None:
-            self._init_groups(backend)
+            self._init_groups()
             return
         failure: list[BaseException] = []
 
         def join() -> None:
             try:
-                self._init_groups(backend)
+                self._init_groups()
             except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
                 failure.append(e)
 
@@ -129,72 +128,93 @@ class Transport:
                 # The joining thread stays blocked in the rendezvous; the caller is about to exit.
                 raise LinkError(why)
         if failure:
-            raise LinkError(f"joining the process group failed: {short_error(failure[0])}")
+            raise LinkError(f"connecting to the other ranks failed: {short_error(failure[0])}")
 
-    def _init_groups(self, backend: str) -> None:
-        # Stages wait for the driver indefinitely between requests, so the groups' own timeout
-        # is long; the driver bounds each wait itself (LinkOptions.timeout_s).
-        dist.init_process_group(backend, store=dist.PrefixStore("pg", self.store), rank=self.rank,
-                                world_size=self.world_size, timeout=datetime.timedelta(days=1))
-        self.control_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+    def _init_groups(self) -> None:
+        mesh = Mesh(self.rank, self.world_size, self.store, local_address(self._addr))
+        mesh.connect(self._connect_timeout_s)
+        self.mesh = mesh
+        if self.use_nccl:
+            # Stages wait for the driver indefinitely between requests, so the group's own
+            # timeout is long; the driver bounds each wait itself (LinkOptions.timeout_s).
+            dist.init_process_group("nccl", store=dist.PrefixStore("pg", self.store), rank=self.rank,
+                                    world_size=self.world_size, timeout=datetime.timedelta(days=1))
 
     # -- int64 vectors (control) -----------------------------------------------------------------
-    # On the wire: a header [length, due time] (the receiver must know the length before it can
-    # post the receive), then the values when there are any.
     def send_ints(self, dst: int, tag: int, values: list[int]) -> None:
-        nbytes = 8 * (len(values) + 2)
-        due = self.links.due_ns(dst, nbytes)
-        self._isend(torch.tensor([len(values), due], dtype=torch.long), dst, self.control_group, tag)
-        if values:
-            self._isend(torch.tensor(values, dtype=torch.long), dst, self.control_group, tag)
-        self.bytes_sent += nbytes
+        payload = struct.pack(f"<{len(values)}q", *values)
+        self._send(dst, tag, payload)
 
     def recv_ints(self, src: int, tag: int, timeout_s: Optional[float] = None) -> list[int]:
-        header = torch.empty(2, dtype=torch.long)
-        self._recv(header, src, tag, self.control_group, timeout_s)
-        n, due = header.tolist()
-        values = []
-        if n:
-            buf = torch.empty(n, dtype=torch.long)
-            self._recv(buf, src, tag, self.control_group, timeout_s)
-            values = buf.tolist()
+        due, data = self._recv(src, tag, None, timeout_s)
         _hold_until(due)
-        return values
+        return list(struct.unpack(f"<{data.nbytes // 8}q", data))
 
     # -- tensors (activations, tokens) -------------------------------------------------------------
-    # On the wire: the due time as one int64 on the control group (the tensor may go over NCCL,
-    # which carries no int64 side channel of ours), then the tensor itself.
+    # A CPU tensor travels as one message (its bytes); over NCCL, a message with the due time and
+    # no payload precedes the tensor itself.
     def send_tensor(self, dst: int, tag: int, t: torch.Tensor) -> None:
         if t.device.type != "cpu" and not self.use_nccl:
             t = t.cpu()
-        group = self.control_group if t.device.type == "cpu" else None
-        nbytes = 8 + t.numel() * t.element_size()
-        due = self.links.due_ns(dst, nbytes)
-        self._isend(torch.tensor([due], dtype=torch.long), dst, self.control_group, tag)
-        self._isend(t.contiguous(), dst, group, tag if group is not None else 0)
-        self.bytes_sent += nbytes
-
-    def _isend(self, t: torch.Tensor, dst: int, group, tag: int) -> None:
+        if t.device.type == "cpu":
+            self._send(dst, tag, _bytes_of(t.contiguous()))
+            return
+        nbytes = t.numel() * t.element_size()
+        self._send(dst, tag, b"", nbytes)
         try:
-            work = dist.isend(t, dst, group=group, tag=tag)
+            work = dist.isend(t.contiguous(), dst, tag=0)
         except RuntimeError as e:
             raise LinkError(f"send to rank {dst} failed: {e}") from None
         self._inflight[-1].append((work, t))  # keep the buffer alive until the peer has it
+
+    def recv_tensor(self, src: int, tag: int, shape: tuple[int, ...], dtype: torch.dtype,
+                    timeout_s: Optional[float] = None) -> torch.Tensor:
+        # Token ids stay on the CPU; activations arrive on this rank's device.
+        on_cpu = dtype == torch.long or not self.use_nccl
+        if on_cpu:
+            buf = torch.empty(shape, dtype=dtype)
+            due, _ = self._recv(src, tag, _bytes_of(buf), timeout_s)
+            _hold_until(due)
+            return buf if dtype == torch.long else buf.to(self.device)
+        due, _ = self._recv(src, tag, None, timeout_s)
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        try:
+            work = dist.irecv(buf, src, tag=0)
+            work.wait() if timeout_s is None else work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            raise LinkError(f"receive from rank {src} failed: {e}") from None
+        _hold_until(due)
+        return buf
+
+    def _send(self, dst: int, tag: int, payload, nbytes: Optional[int] = None) -> None:
+        nbytes = len(payload) if nbytes is None else nbytes
+        due = self.links.due_ns(dst, 8 + nbytes)
+        try:
+            self.mesh.send(dst, tag, due, payload, self._send_timeout_s)
+        except SocketError as e:
+            raise LinkError(str(e)) from None
+        self.bytes_sent += 8 + nbytes
+
+    def _recv(self, src: int, tag: int, into, timeout_s: Optional[float]):
+        try:
+            return self.mesh.recv(src, tag, into, timeout_s)
+        except SocketError as e:
+            raise LinkError(f"receive from rank {src} failed: {e}") from None
 
     def end_step(self) -> None:
         """Every rank calls this once per pipeline step. A send made S + 1 steps ago has been
         received: at step t the driver has collected step t - 1 from the last stage, which
         computed what stage S - 1 sent at step t - 2, and so on up the pipeline, so every rank
-        has taken in everything sent up to step t - S - 1. Waiting for those sends returns at
-        once and frees them; without it they would pile up for the life of the pipeline."""
+        has taken in everything sent up to step t - S - 1. Waiting for those NCCL sends returns
+        at once and frees them; without it they would pile up for the life of the pipeline."""
         self._inflight.append([])
         while len(self._inflight) > self.num_stages + 2:
             for work, _ in self._inflight.popleft():
                 work.wait()
 
     def flush(self, timeout_s: float = 5.0) -> bool:
-        """Wait (bounded) until the peers have taken every message sent so far; True if they have.
-        Closing the groups with sends still in flight can cut them off (the shutdown message)."""
+        """Wait (bounded) until the peers have taken every NCCL send made so far; True if they
+        have. (A socket message is the kernel's once `send` returns; closing does not cut it off.)"""
         deadline = time.monotonic() + timeout_s
         pending = [w for step in self._inflight for w in step]
         self._inflight = collections.deque([[]])
@@ -207,27 +227,6 @@ class Transport:
             except RuntimeError:
                 return False
         return True
-
-    def recv_tensor(self, src: int, tag: int, shape: tuple[int, ...], dtype: torch.dtype,
-                    timeout_s: Optional[float] = None) -> torch.Tensor:
-        # Token ids stay on the CPU; activations arrive on this rank's device.
-        on_cpu = dtype == torch.long or not self.use_nccl
-        due = torch.empty(1, dtype=torch.long)
-        self._recv(due, src, tag, self.control_group, timeout_s)
-        buf = torch.empty(shape, dtype=dtype, device="cpu" if on_cpu else self.device)
-        self._recv(buf, src, tag if on_cpu else 0, self.control_group if on_cpu else None, timeout_s)
-        _hold_until(int(due))
-        return buf if dtype == torch.long else buf.to(self.device)
-
-    def _recv(self, buf, src, tag, group, timeout_s) -> None:
-        try:
-            work = dist.irecv(buf, src, group=group, tag=tag)
-            if timeout_s is None:
-                work.wait()
-            else:
-                work.wait(timeout=datetime.timedelta(seconds=timeout_s))
-        except RuntimeError as e:
-            raise LinkError(f"receive from rank {src} failed: {e}") from None
 
     # -- liveness ---------------------------------------------------------------------------------
     def start_heartbeat(self) -> None:
@@ -259,6 +258,8 @@ class Transport:
         return out
 
     def close(self) -> None:
+        if self.mesh is not None:
+            self.mesh.close()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
@@ -266,41 +267,6 @@ class Transport:
                 pass
 
 
-def choose_gloo_interface(master_addr: str) -> Optional[str]:
-    """Set GLOO_SOCKET_IFNAME, unless the user did, to the interface that reaches `master_addr`.
-
-    Without it gloo binds to the address the host name resolves to, which on many machines (and in
-    every network namespace) is a loopback address: the other hosts then cannot connect and the
-    rendezvous hangs. A loopback master means a single-host job, where gloo's default is right.
-    """
-    if os.environ.get("GLOO_SOCKET_IFNAME"):
-        return os.environ["GLOO_SOCKET_IFNAME"]
-    name = interface_for(master_addr)
-    if name is not None:
-        os.environ["GLOO_SOCKET_IFNAME"] = name
-    return name
-
-
-def interface_for(addr: str) -> Optional[str]:
-    """Linux: the name of the (IPv4) interface whose address this host uses to reach `addr`;
-    None for loopback or when it cannot be told."""
-    try:
-        import fcntl
-        import struct
-
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((addr, 9))  # UDP: no packet is sent, the kernel only picks a route
-            local = s.getsockname()[0]
-        if local.startswith("127."):
-            return None
-        for _, name in socket.if_nameindex():
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                try:
-                    packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
-                except OSError:
-                    continue
-            if socket.inet_ntoa(packed[20:24]) == local:
-                return name
-    except (OSError, ImportError, ValueError):
-        pass
-    return None
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's memory as bytes (any dtype, bfloat16 included), not copied."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())

@@ -55,8 +55,8 @@ def run_stage(t: Transport, model_path: str, spec: StageSpec, num_blocks: int, b
                                  f"{block_size} {window_blocks}")
     try:
         t.init_groups()
-    except RuntimeError as e:  # typically: gloo bound to an address the other ranks cannot reach
-        why = (f"could not connect to the other ranks ({short_error(e)}); set GLOO_SOCKET_IFNAME to the "
+    except (RuntimeError, OSError) as e:  # typically: an address the other ranks cannot reach
+        why = (f"could not connect to the other ranks ({short_error(e)}); set SPECPIPE_SOCKET_IFNAME to the "
                f"network interface that reaches MASTER_ADDR")
         t.store.set(f"failed/{rank}", why)
         raise LinkError(why) from None

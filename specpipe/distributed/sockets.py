@@ -1,0 +1,177 @@
+"""Framed messages between ranks over plain TCP, one connection per pair of ranks.
+
+Why not gloo: its transport hands every message to an event-loop thread, which busy-polls while a
+message waits for a lock the sending thread holds; where stages share cores (several stages on
+one machine, a laptop) that thread took as much CPU as the stages' compute and doubled pp's time
+per token (benchmarks.md §14). Here the thread that sends or receives does the system call
+itself, and a waiting receiver sleeps in the kernel.
+
+On the wire each message is a header (tag, payload bytes, due time) and its payload. Messages
+between two ranks arrive in the order they were sent; a receive for one tag stores the messages
+of other tags it reads on the way (the driver's link to stage 1 carries control and rows).
+
+Set-up (`connect`): each rank listens on a free port of the address that reaches the master
+(`local_address`), publishes it in the rendezvous store, connects to every lower rank and
+accepts every higher one.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import struct
+import time
+from typing import Optional
+
+HEADER = struct.Struct("<iqq")  # tag, payload bytes, due time (time.time_ns; 0: no emulation)
+HELLO = struct.Struct("<i")  # the connecting rank
+
+
+class SocketError(RuntimeError):
+    """A peer closed its connection, a receive timed out, or a message was not what was expected."""
+
+
+class Mesh:
+    def __init__(self, rank: int, world_size: int, store, address: str) -> None:
+        self.rank, self.world_size, self.store, self.address = rank, world_size, store, address
+        self.peers: dict[int, socket.socket] = {}
+        self._stash: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
+        self._broken: dict[int, str] = {}  # peer -> why its stream can no longer be read in step
+
+    def connect(self, timeout_s: float) -> None:
+        listener = socket.create_server((self.address, 0), backlog=self.world_size)
+        try:
+            self.store.set(f"sock/{self.rank}", f"{self.address}:{listener.getsockname()[1]}")
+            for peer in range(self.rank):  # the store waits until each lower rank has published
+                host, port = self.store.get(f"sock/{peer}").decode().rsplit(":", 1)
+                s = socket.create_connection((host, int(port)), timeout=timeout_s)
+                s.sendall(HELLO.pack(self.rank))
+                self._add(peer, s)
+            listener.settimeout(timeout_s)
+            while len(self.peers) < self.world_size - 1:
+                s, _ = listener.accept()
+                s.settimeout(timeout_s)
+                (peer,) = HELLO.unpack(_read_exact(s, HELLO.size))
+                self._add(peer, s)
+        finally:
+            listener.close()
+
+    def _add(self, peer: int, s: socket.socket) -> None:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.settimeout(None)
+        self.peers[peer] = s
+
+    def send(self, dst: int, tag: int, due_ns: int, payload, timeout_s: Optional[float] = None) -> None:
+        """Send `payload` (bytes or a buffer); blocks only while the peer's socket buffer is full."""
+        s = self.peers[dst]
+        data = memoryview(payload).cast("B")
+        s.settimeout(timeout_s)
+        try:
+            if data.nbytes <= 1 << 16:  # small: one write, one packet
+                s.sendall(HEADER.pack(tag, data.nbytes, due_ns) + data)
+            else:
+                s.sendall(HEADER.pack(tag, data.nbytes, due_ns))
+                s.sendall(data)
+        except OSError as e:  # socket.timeout included
+            self._broken[dst] = f"a send to rank {dst} failed ({e or type(e).__name__})"
+            raise SocketError(self._broken[dst]) from None
+
+    def recv(self, src: int, tag: int, into: Optional[memoryview] = None,
+             timeout_s: Optional[float] = None) -> tuple[int, memoryview]:
+        """The next message with `tag` from `src`: (due time, payload). With `into`, the payload is
+        read into that buffer, which must be its exact size."""
+        stashed = self._stash.get((src, tag))
+        if stashed:
+            due, data = stashed.popleft()
+            return due, _deliver(data, into, src, tag)
+        if src in self._broken:
+            raise SocketError(self._broken[src])
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        s = self.peers[src]
+        try:
+            while True:
+                got, n, due = HEADER.unpack(_read_exact(s, HEADER.size, deadline))
+                if got == tag and into is not None:
+                    if n != into.nbytes:
+                        raise SocketError(f"rank {src} sent {n} bytes with tag {tag}, {into.nbytes} were expected")
+                    _read_into(s, into, deadline)
+                    return due, into
+                data = memoryview(bytearray(n))
+                _read_into(s, data, deadline)
+                if got == tag:
+                    return due, data
+                self._stash[(src, got)].append((due, data))
+        except socket.timeout:
+            why = f"no message from rank {src} within {timeout_s:.0f} s"
+        except OSError as e:
+            why = f"the connection to rank {src} failed ({e})"
+        except SocketError as e:
+            why = str(e)
+        self._broken[src] = why  # a message may have been read in part: the stream is out of step
+        raise SocketError(why)
+
+    def close(self) -> None:
+        for s in self.peers.values():
+            try:
+                s.close()
+            except OSError:
+                pass
+        self.peers.clear()
+
+
+def _deliver(data: memoryview, into: Optional[memoryview], src: int, tag: int) -> memoryview:
+    if into is None:
+        return data
+    if data.nbytes != into.nbytes:
+        raise SocketError(f"rank {src} sent {data.nbytes} bytes with tag {tag}, {into.nbytes} were expected")
+    into[:] = data
+    return into
+
+
+def _read_into(s: socket.socket, buf: memoryview, deadline: Optional[float] = None) -> None:
+    got = 0
+    while got < buf.nbytes:
+        s.settimeout(None if deadline is None else max(deadline - time.monotonic(), 1e-3))
+        n = s.recv_into(buf[got:])
+        if n == 0:
+            raise SocketError(f"connection closed by peer {s.getpeername() if s.fileno() >= 0 else ''}".strip())
+        got += n
+
+
+def _read_exact(s: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
+    buf = memoryview(bytearray(n))
+    _read_into(s, buf, deadline)
+    return buf.tobytes()
+
+
+def local_address(master_addr: str) -> str:
+    """The address this rank listens on: the one the other ranks can reach it at. A loopback
+    master means a single-host job (127.0.0.1); otherwise SPECPIPE_SOCKET_IFNAME's (or, as
+    before, GLOO_SOCKET_IFNAME's) interface, else the address this host uses to reach the master."""
+    name = os.environ.get("SPECPIPE_SOCKET_IFNAME") or os.environ.get("GLOO_SOCKET_IFNAME")
+    if name:
+        ip = interface_address(name)
+        if ip is None:
+            raise SocketError(f"network interface {name!r} has no IPv4 address")
+        return ip
+    try:
+        if socket.gethostbyname(master_addr).startswith("127."):
+            return "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master_addr, 9))  # UDP: no packet is sent, the kernel only picks a route
+            return s.getsockname()[0]
+    except OSError as e:
+        raise SocketError(f"cannot find the address that reaches {master_addr} ({e})") from None
+
+
+def interface_address(name: str) -> Optional[str]:
+    """Linux: the IPv4 address of the interface `name`, or None."""
+    try:
+        import fcntl
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+        return socket.inet_ntoa(packed[20:24])
+    except (OSError, ImportError):
+        return None
