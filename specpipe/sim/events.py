@@ -146,15 +146,20 @@ def simulate(trace: Trace, profile: CostProfile, stage_layers: Optional[Sequence
     return SimResult(len(trace.steps), collect, tokens, token_times, arrival, busy, spans, collects)
 
 
-def _contexts(step, s: int) -> tuple[int, list[int]]:
-    """The longest context among the requests stage s computes rows of, and the others'. (A
-    request's rows reach stage s a few steps after they were sent; their context then was at
-    most S tokens shorter than now.)"""
-    rids = sorted({g[0] for g in step.work[s]}) if step.work else []
+def _contexts(step, s: int) -> tuple[float, list[int]]:
+    """The context stage s's rows attend to, and those of the requests beyond the first. A
+    layer's attention costs each row its own context, so a batch of requests is costed at its
+    rows' mean context (not its longest: that charged every row of a batch of short and long
+    requests the longest one's attention). (A request's rows reach stage s a few steps after
+    they were sent; their context then was at most S tokens shorter than now.)"""
+    groups = step.work[s] if step.work else []
+    rids = sorted({g[0] for g in groups})
     if len(rids) <= 1:
         return step.context, []
-    ctx = sorted((step.contexts.get(r, step.context) for r in rids), reverse=True)
-    return ctx[0], ctx[1:]
+    ctx = {r: step.contexts.get(r, step.context) for r in rids}
+    rows = sum(g[2] for g in groups)
+    mean = sum(g[2] * ctx[g[0]] for g in groups) / rows if rows else max(ctx.values())
+    return mean, sorted(ctx.values(), reverse=True)[1:]
 
 
 def has_stage_spans(trace: Trace) -> bool:

@@ -60,6 +60,19 @@ def test_the_head_costs_only_the_rows_whose_token_is_wanted():
     assert (every.total_ms, one.total_ms) == (65.0, 2.0)
 
 
+def test_a_batch_is_costed_at_its_rows_mean_context():
+    # A layer costs 1 ms at context 0 and 9 ms at context 800 (attention linear in context).
+    # One row each of requests at contexts 0, 0, 0 and 800 costs the mean, 200: 3 ms — not the
+    # longest one's 9 ms for every row.
+    profile = CostProfile("test", [1, 64], [[1.0, 1.0], [9.0, 9.0]], [0.0, 0.0], contexts=[0, 800],
+                          model={"num_layers": 1})
+    step = {"rows": [4], "sent": {r: 1 for r in range(4)}, "tokens": {r: 1 for r in range(4)},
+            "context": 800, "contexts": {0: 0, 1: 0, 2: 0, 3: 800},
+            "work": [[[r, 0, 1, 0] for r in range(4)]]}
+    t = Trace({"stages": 1}, {r: {"arrival": 0.0, "prompt_tokens": 1} for r in range(4)}, [StepRecord(**step)])
+    assert simulate(t, profile).total_ms == pytest.approx(3.0)
+
+
 def test_a_stage_waits_for_its_input_not_for_the_slowest_stage():
     # Stage 1 computes 64 rows at step 0 (64 ms); stage 2 computes 1 row at steps 0 and 1.
     # Lock-step would start step 1 everywhere after 64 ms; here step 1 starts when the driver has
