@@ -17,7 +17,7 @@ CLI = [sys.executable, "-m", "specpipe.entrypoints.cli"]
 # Variables that would make a run take its role from a torchrun job: never inherited by the runs
 # below (the multi-host test passes its own to its own processes only).
 RANK_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-             "GLOO_SOCKET_IFNAME", "SPECPIPE_DEBUG")
+             "GLOO_SOCKET_IFNAME", "SPECPIPE_SOCKET_IFNAME", "SPECPIPE_DEBUG")
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -135,7 +135,7 @@ def _read_into(s: socket.socket, buf: memoryview, deadline: Optional[float] = No
         s.settimeout(None if deadline is None else max(deadline - time.monotonic(), 1e-3))
         n = s.recv_into(buf[got:])
         if n == 0:
-            raise SocketError(f"connection closed by peer {s.getpeername() if s.fileno() >= 0 else ''}".strip())
+            raise SocketError("connection closed by the peer")
         got += n
 
 
