@@ -127,7 +127,7 @@ def simulate(trace: Trace, profile: CostProfile, stage_layers: Optional[Sequence
             if s > 0:  # input: what stage s - 1 computed last step, sent when it finished
                 prev_out = before[s - 1] + link.transfer_ms(CONTROL_BYTES + profile.row_bytes * step.rows[s])
             start = max(control_at, prev_out, before[s])
-            cost = profile.stage(layers[s], s == S - 1, step.rows[s], *_contexts(step, s), head=step.head_rows)
+            cost = profile.stage(layers[s], s == S - 1, step.rows[s], *_contexts(trace, k, s), head=step.head_rows)
             row_span.append((start, start + cost))
             busy[f"stage {s + 1}"] += cost
             finish[s] = start + cost
@@ -138,27 +138,30 @@ def simulate(trace: Trace, profile: CostProfile, stage_layers: Optional[Sequence
         if keep_spans:
             spans.append(row_span)
         for rid, n in step.tokens.items():
-            k = n - last_tokens.get(rid, 0)
-            if k > 0:
-                token_times.setdefault(rid, []).extend([collect] * k)
+            new = n - last_tokens.get(rid, 0)
+            if new > 0:
+                token_times.setdefault(rid, []).extend([collect] * new)
                 last_tokens[rid] = n
     tokens = sum(len(t) for t in token_times.values())
     return SimResult(len(trace.steps), collect, tokens, token_times, arrival, busy, spans, collects)
 
 
-def _contexts(step, s: int) -> tuple[float, list[int]]:
-    """The context stage s's rows attend to, and those of the requests beyond the first. A
-    layer's attention costs each row its own context, so a batch of requests is costed at its
-    rows' mean context (not its longest: that charged every row of a batch of short and long
-    requests the longest one's attention). (A request's rows reach stage s a few steps after
-    they were sent; their context then was at most S tokens shorter than now.)"""
+def _contexts(trace: Trace, k: int, s: int) -> tuple[float, list[int]]:
+    """The context stage s's rows at step k attend to, as the profile counts it (a row that
+    attends to c tokens and itself is at context c), and the contexts of the requests beyond the
+    first. A layer's attention costs each row its own context, so the rows are costed at their
+    mean: a chain of n rows (a prompt chunk) after c tokens at c + (n - 1) / 2, a tree row at
+    depth d at c + d - 1 — not every row at the batch's longest context. The rows stage s
+    computes at step k entered stage 1 at step k - s: their contexts are that step's."""
+    step = trace.steps[k]
+    sent = trace.steps[max(k - s, 0)]
     groups = step.work[s] if step.work else []
-    rids = sorted({g[0] for g in groups})
-    if len(rids) <= 1:
-        return step.context, []
-    ctx = {r: step.contexts.get(r, step.context) for r in rids}
+    if not groups:
+        return sent.context, []
+    ctx = {g[0]: sent.contexts.get(g[0], sent.context) for g in groups}
     rows = sum(g[2] for g in groups)
-    mean = sum(g[2] * ctx[g[0]] for g in groups) / rows if rows else max(ctx.values())
+    spread = sum(n * (ctx[r] + ((n - 1) / 2 if depth == 0 else depth - 1)) for r, depth, n, *_ in groups)
+    mean = spread / rows if rows else max(ctx.values())
     return mean, sorted(ctx.values(), reverse=True)[1:]
 
 

@@ -73,6 +73,19 @@ def test_a_batch_is_costed_at_its_rows_mean_context():
     assert simulate(t, profile).total_ms == pytest.approx(3.0)
 
 
+def test_a_prompt_chunk_is_costed_at_its_rows_mean_context_on_every_stage():
+    # A layer: 1 ms at context 0, 9 ms at 800. A 65-row prompt chunk after no tokens attends on
+    # average to 32 tokens besides itself (context 32: 1.32 ms), on stage 1 at step 0 and on
+    # stage 2 at step 1, although by then the request's context is 65.
+    profile = CostProfile("test", [1, 65], [[1.0, 1.0], [9.0, 9.0]], [0.0, 0.0], contexts=[0, 800],
+                          model={"num_layers": 2})
+    chunk = [[0, 0, 65, 0]]
+    t = trace_of(2, [{"rows": [65, 0], "sent": {0: 65}, "contexts": {0: 0}, "context": 0, "work": [chunk, []]},
+                     {"rows": [0, 65], "contexts": {0: 65}, "context": 65, "work": [[], chunk], "head_rows": 1}])
+    r = simulate(t, profile, [1, 1], keep_spans=True)
+    assert [round(b - a, 6) for a, b in (r.spans[0][0], r.spans[1][1])] == [1.32, 1.32]
+
+
 def test_a_stage_waits_for_its_input_not_for_the_slowest_stage():
     # Stage 1 computes 64 rows at step 0 (64 ms); stage 2 computes 1 row at steps 0 and 1.
     # Lock-step would start step 1 everywhere after 64 ms; here step 1 starts when the driver has
