@@ -66,7 +66,8 @@ def select_outputs(linear: nn.Module, ids: torch.Tensor) -> nn.Module:
 
 
 class QuantLinear(nn.Module):
-    """y = x W^T + b with W (out, in) held as packed GGML rows; x (T, in) float32 -> (T, out)."""
+    """y = x W^T + b with W (out, in) held as packed GGML rows; x (T, in) -> (T, out), computed in
+    float32 and returned in x's dtype."""
 
     def __init__(self, packed: torch.Tensor, qtype: Q, in_features: int, out_features: int,
                  bias: Optional[torch.Tensor] = None, kernel: Optional[Kernel] = None) -> None:
@@ -104,8 +105,10 @@ class QuantLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in self.weight_tensors())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._kernel.matmul(x.float(), self.prepared)  # (T, out)
-        return y if self.bias is None else y + self.bias
+        y = self._kernel.matmul(x.float(), self.prepared)  # (T, out), float32
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype)  # the activations' dtype (bfloat16 activations: the KV cache's)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {self.qtype.name}, kernel={self.kernel}"

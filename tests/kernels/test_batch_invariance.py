@@ -89,6 +89,20 @@ def test_selected_outputs_keep_their_bits(kernel, qtype):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", sorted({k for k, _ in CASES}))
+def test_activations_keep_their_dtype(kernel):
+    """bfloat16 activations (`--dtype bfloat16` on a GGUF file) come back as bfloat16: the float32
+    result rounded once, as the KV cache and the next layer expect (float32 crashed the KV write)."""
+    k = next(k for k in kernels() if k.name == kernel)
+    layer = QuantLinear(random_packed(Q.Q4_K, N, K, 3), Q.Q4_K, K, N, kernel=k,
+                        bias=torch.randn(N, generator=torch.Generator().manual_seed(2)))
+    x = torch.randn(5, K, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = layer(x)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, layer(x.float()).to(torch.bfloat16))
+
+
 def test_every_cpu_type_has_a_kernel():
     assert {q for _, q in CASES} == set(CPU_TYPES)
 
