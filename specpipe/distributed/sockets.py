@@ -103,7 +103,7 @@ class Mesh:
                     return due, data
                 self._stash[(src, got)].append((due, data))
         except socket.timeout:
-            why = f"no message from rank {src} within {timeout_s:.0f} s"
+            why = f"no message from rank {src} within {timeout_s:g} s"
         except OSError as e:
             why = f"the connection to rank {src} failed ({e})"
         except SocketError as e:
