@@ -10,8 +10,8 @@ On the wire each message is a header (tag, payload bytes, due time) and its payl
 between two ranks arrive in the order they were sent; a receive for one tag stores the messages
 of other tags it reads on the way (the driver's link to stage 1 carries control and rows).
 
-Set-up (`connect`): each rank listens on a free port of the address that reaches the master
-(`local_address`), publishes it in the rendezvous store, connects to every lower rank and
+Set-up (`connect`): each rank listens on a free port (`addresses`: the address it publishes and
+the one it listens on), publishes it in the rendezvous store, connects to every lower rank and
 accepts every higher one.
 """
 
@@ -33,14 +33,17 @@ class SocketError(RuntimeError):
 
 
 class Mesh:
-    def __init__(self, rank: int, world_size: int, store, address: str) -> None:
+    def __init__(self, rank: int, world_size: int, store, address: str, bind: Optional[str] = None) -> None:
+        """`address`: where the other ranks reach this one; `bind`: the address it listens on
+        (default: `address`; "" for every interface)."""
         self.rank, self.world_size, self.store, self.address = rank, world_size, store, address
+        self.bind = address if bind is None else bind
         self.peers: dict[int, socket.socket] = {}
         self._stash: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
         self._broken: dict[int, str] = {}  # peer -> why its stream can no longer be read in step
 
     def connect(self, timeout_s: float) -> None:
-        listener = socket.create_server((self.address, 0), backlog=self.world_size)
+        listener = socket.create_server((self.bind, 0), backlog=self.world_size)
         try:
             self.store.set(f"sock/{self.rank}", f"{self.address}:{listener.getsockname()[1]}")
             for peer in range(self.rank):  # the store waits until each lower rank has published
@@ -145,22 +148,28 @@ def _read_exact(s: socket.socket, n: int, deadline: Optional[float] = None) -> b
     return buf.tobytes()
 
 
-def local_address(master_addr: str) -> str:
-    """The address this rank listens on: the one the other ranks can reach it at. A loopback
-    master means a single-host job (127.0.0.1); otherwise SPECPIPE_SOCKET_IFNAME's (or, as
-    before, GLOO_SOCKET_IFNAME's) interface, else the address this host uses to reach the master."""
+def addresses(master_addr: str, rank: int) -> tuple[str, str]:
+    """(the address this rank publishes, the one it listens on). SPECPIPE_SOCKET_IFNAME (or, as
+    before, GLOO_SOCKET_IFNAME) names the interface for both. Otherwise: a loopback master means a
+    single-host job (127.0.0.1); rank 0 runs the store at the master address, so every other rank
+    reaches it there (it listens on every interface: on its own host a master host name may
+    resolve to a loopback address); any other rank publishes the address its host uses to reach
+    the master."""
     name = os.environ.get("SPECPIPE_SOCKET_IFNAME") or os.environ.get("GLOO_SOCKET_IFNAME")
     if name:
         ip = interface_address(name)
         if ip is None:
             raise SocketError(f"network interface {name!r} has no IPv4 address")
-        return ip
+        return ip, ip
     try:
         if socket.gethostbyname(master_addr).startswith("127."):
-            return "127.0.0.1"
+            return "127.0.0.1", "127.0.0.1"
+        if rank == 0:
+            return master_addr, ""
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect((master_addr, 9))  # UDP: no packet is sent, the kernel only picks a route
-            return s.getsockname()[0]
+            ip = s.getsockname()[0]
+        return ip, ip
     except OSError as e:
         raise SocketError(f"cannot find the address that reaches {master_addr} ({e})") from None
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from specpipe.config import LinkOptions
-from specpipe.distributed.sockets import Mesh, SocketError, local_address
+from specpipe.distributed.sockets import Mesh, SocketError, addresses
 
 TAG_CONTROL, TAG_ROWS, TAG_RESULTS, TAG_REPORT = 1, 2, 3, 4
 HEARTBEAT_S = 0.5
@@ -131,7 +131,7 @@ class Transport:
             raise LinkError(f"connecting to the other ranks failed: {short_error(failure[0])}")
 
     def _init_groups(self) -> None:
-        mesh = Mesh(self.rank, self.world_size, self.store, local_address(self._addr))
+        mesh = Mesh(self.rank, self.world_size, self.store, *addresses(self._addr, self.rank))
         mesh.connect(self._connect_timeout_s)
         self.mesh = mesh
         if self.use_nccl:

@@ -309,7 +309,7 @@ def _three_hosts(namespaces, tiny_llama_dir, port: int) -> list[Run]:
         for rank in (1, 2, 0):
             ns, ifname, _ = namespaces[rank]
             env = clean_env(RANK=str(rank), WORLD_SIZE="3", MASTER_ADDR=namespaces[0][2],
-                            MASTER_PORT=str(port), SPECPIPE_SOCKET_IFNAME=ifname)
+                            MASTER_PORT=str(port))
             procs.append(Run(["generate", "--model", str(tiny_llama_dir), "--stages", "2", "--no-chat", "--json",
                               "--max-tokens", "12", "--link-delay-ms", "3", PROMPT],
                              env=env, cmd_prefix=["ip", "netns", "exec", ns]))

@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from specpipe.distributed.ranks import free_port
-from specpipe.distributed.sockets import Mesh, SocketError
+from specpipe.distributed.sockets import Mesh, SocketError, addresses
 
 
 @pytest.fixture
@@ -72,3 +72,18 @@ def test_a_departed_peer_is_an_error(meshes):
         b.recv(2, 1, timeout_s=5)
     a.send(1, 1, 0, b"still here")  # the others' links are unaffected
     assert bytes(b.recv(0, 1, timeout_s=5)[1]) == b"still here"
+
+
+def test_where_a_rank_listens(monkeypatch):
+    """(published, listened on). The multi-host test over network namespaces runs the default
+    path of the other ranks (the address that routes to the master)."""
+    monkeypatch.delenv("SPECPIPE_SOCKET_IFNAME", raising=False)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert addresses("127.0.0.1", 2) == addresses("localhost", 0) == ("127.0.0.1", "127.0.0.1")
+    # The others reach rank 0 where they reach its store; on its own host the name may be loopback.
+    assert addresses("10.1.2.3", 0) == ("10.1.2.3", "")
+    monkeypatch.setenv("SPECPIPE_SOCKET_IFNAME", "lo")
+    assert addresses("10.1.2.3", 0) == addresses("10.1.2.3", 1) == ("127.0.0.1", "127.0.0.1")
+    monkeypatch.setenv("SPECPIPE_SOCKET_IFNAME", "no-such-if0")
+    with pytest.raises(SocketError, match="no-such-if0"):
+        addresses("10.1.2.3", 1)
