@@ -68,6 +68,8 @@ class Mesh:
 
     def send(self, dst: int, tag: int, due_ns: int, payload, timeout_s: Optional[float] = None) -> None:
         """Send `payload` (bytes or a buffer); blocks only while the peer's socket buffer is full."""
+        if dst in self._broken:  # a message may have gone out in part: the stream is out of step
+            raise SocketError(self._broken[dst])
         s = self.peers[dst]
         data = memoryview(payload).cast("B")
         s.settimeout(timeout_s)
@@ -143,10 +145,10 @@ def _read_into(s: socket.socket, buf: memoryview, deadline: Optional[float] = No
         got += n
 
 
-def _read_exact(s: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
-    buf = memoryview(bytearray(n))
-    _read_into(s, buf, deadline)
-    return buf.tobytes()
+def _read_exact(s: socket.socket, n: int, deadline: Optional[float] = None) -> bytearray:
+    buf = bytearray(n)
+    _read_into(s, memoryview(buf), deadline)
+    return buf
 
 
 def addresses(master_addr: str, rank: int) -> tuple[str, str]:
