@@ -642,7 +642,7 @@ SP_INLINE SP_VNNI __m512i bcast_lanes_epi16(__m512i v, int a, int b, int c, int 
 /* The few-rows paths: nt <= SP_FEW activation rows (group-major, as xquant: row r of group g at
  * [g * nt + r]) against one weight row, each block unpacked once in registers and multiplied with
  * every activation row; out[r] gets row r's element, each the tile path's integers and fold. */
-#define SP_FEW 4
+#define SP_FEW 2
 
 SP_INLINE SP_VNNI void rows_q4_k(const uint8_t *row, int64_t ngroups, const int8_t *xk, const float *xd,
                                  const int32_t *xs32, const int nt, float *out) {
@@ -941,6 +941,7 @@ SP_INLINE SP_AVX2 __m256i sp_dp4s_avx2(__m256i acc, __m256i w, __m256i x) {
 #define SP_Q8_SHIFT 7
 #define SP_DP2W(acc, p, w) _mm256_dpwssd_epi32(acc, p, _mm256_set1_epi32((int)(w)))
 #include "ggml_matmul_lanes.h" /* (it undefines these) */
+#include "ggml_matmul_wlanes.h"
 #endif
 
 /* ------------------------------------------------------------------------------------------- */
@@ -1101,18 +1102,19 @@ SP_INLINE SP_VNNI void rows_vnni_t(const job *jb, const int8_t *xk, int64_t n0, 
 static SP_VNNI void rows_vnni(const job *jb, const int8_t *xk, int64_t n0, int64_t n1) {
   switch (jb->t) {
   case 1: rows_vnni_t(jb, xk, n0, n1, 1); break;
-  case 2: rows_vnni_t(jb, xk, n0, n1, 2); break;
-  case 3: rows_vnni_t(jb, xk, n0, n1, 3); break;
-  default: rows_vnni_t(jb, xk, n0, n1, 4); break;
+  default: rows_vnni_t(jb, xk, n0, n1, 2); break;
   }
 }
 
 /* Up to how many activation rows rows_vnni takes a type: 0 = never (for the 32-value types the
  * tile path, folding 8 rows at once, is faster than a row at a time with its sequential
- * per-block folding: tried, 1.3-2x slower). Beyond, the row lanes are faster (1 thread, 8960 x
- * 1536, rows vs tile vs lanes, ms: Q4_K 2 rows 0.38 / 0.48 / -, 4 rows 0.70 / 0.66 / 0.68; Q6_K 2
- * rows 0.40 / 0.65, 4 rows 0.67 / 0.83, 5 rows lanes 0.85). */
-static int rows_vnni_max(int type) { return type == SP_Q4_K ? 3 : type == SP_Q6_K ? SP_FEW : 0; }
+ * per-block folding: tried, 1.3-2x slower).  Beyond, the weight lanes are faster (AMD EPYC Zen 5,
+ * 8960 x 1536, 1 thread, rows vs weight lanes, ms: Q4_K 1 row 0.278 / 0.285, 2 rows 0.410 /
+ * 0.329; Q6_K 1 row 0.296 / 0.450, 2 rows 0.441 / 0.483, 3 rows 0.606 / 0.537). */
+static int rows_vnni_max(int type) { return type == SP_Q4_K ? 1 : type == SP_Q6_K ? SP_FEW : 0; }
+
+/* The types the weight lanes take on AVX-512 VNNI past rows_vnni_max (Q5_K: the row lanes). */
+static int wlanes_type(int type) { return type == SP_Q4_K || type == SP_Q6_K; }
 
 /* The few-rows paths: threads take contiguous ranges of weight rows. */
 static void run_parallel_rows(const job *jb, const int8_t *xk, int threads) {
@@ -1133,9 +1135,11 @@ static void run_parallel_rows(const job *jb, const int8_t *xk, int threads) {
 #endif
 
 #ifdef SP_X86
-typedef void (*lanes_fn)(const job *, const xlanes *, int64_t, int64_t);
+/* The lanes kernels: weight rows [n0, n1) against every activation row, given what the call
+ * prepared for them (ctx: the row lanes' xlanes, the weight lanes' activation pairs). */
+typedef void (*lanes_fn)(const job *, const void *, int64_t, int64_t);
 
-static void run_parallel_lanes(lanes_fn fn, const job *jb, const xlanes *xl, int64_t ntiles, int threads) {
+static void run_parallel_lanes(lanes_fn fn, const job *jb, const void *xl, int64_t ntiles, int threads) {
 #ifdef _OPENMP
   if (threads > 1) {
 #pragma omp parallel num_threads(threads)
@@ -1203,6 +1207,17 @@ int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, 
     }
     run_parallel_rows(&jb, xk, mthreads);
     free(xk);
+    free(mem);
+    return SP_OK;
+  }
+  if (isa == SP_ISA_AVX512VNNI && wlanes_type(type)) {
+    int32_t *pairs = wl_pairs(xq, type == SP_Q6_K);
+    if (!pairs) {
+      free(mem);
+      return SP_ERR_MEMORY;
+    }
+    run_parallel_lanes(wlanes_vnni, &jb, pairs, ntiles, mthreads);
+    free(pairs);
     free(mem);
     return SP_OK;
   }

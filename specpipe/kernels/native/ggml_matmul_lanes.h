@@ -196,7 +196,8 @@ SP_INLINE SP_ATTR void SP_K(tiles_lanes)(const job *jb, const xlanes *xl, int64_
   }
 }
 
-static SP_ATTR void SP_K(tiles_lanes_any)(const job *jb, const xlanes *xl, int64_t n0, int64_t n1) {
+static SP_ATTR void SP_K(tiles_lanes_any)(const job *jb, const void *ctx, int64_t n0, int64_t n1) {
+  const xlanes *xl = ctx;
   switch (jb->type) {
   case SP_Q4_K: SP_K(tiles_lanes)(jb, xl, n0, n1, SP_Q4_K); break;
   case SP_Q5_K: SP_K(tiles_lanes)(jb, xl, n0, n1, SP_Q5_K); break;
