@@ -78,8 +78,10 @@ SP_INLINE SP_VNNI __m512i wl_pair_s(__m512i v, int e) {
                          _mm512_slli_epi32(_mm512_srai_epi16(h, 8), 16));
 }
 
-/* Q4_K: group g of the 16 rows at p + idx[r] (p: the group's first byte in row 0's place). */
-SP_INLINE SP_VNNI void wl_unpack_q4_k(const uint8_t *p, const int64_t *idx, wgroup *w) {
+/* Q4_K: group g of the 16 rows at p + idx[r] (p: the group's first byte in row 0's place).  Not
+ * inlined (nor Q6_K's): inlined into the tile loop, the transposes spilled, and a 2- or 8-row call
+ * took 1.2-1.3x as long. */
+static SP_VNNI __attribute__((noinline)) void wl_unpack_q4_k(const uint8_t *p, const int64_t *idx, wgroup *w) {
   const __m512i lo6 = _mm512_set1_epi32(0x3f3f3f3f), lo4 = _mm512_set1_epi32(0x0f0f0f0f),
                 lo2 = _mm512_set1_epi32(0x03030303);
   __m512i h[4]; /* d | dmin, then the 12 bytes of scales */
@@ -112,7 +114,7 @@ SP_INLINE SP_VNNI void wl_unpack_q4_k(const uint8_t *p, const int64_t *idx, wgro
 }
 
 /* Q6_K: as wl_unpack_q4_k. */
-SP_INLINE SP_VNNI void wl_unpack_q6_k(const uint8_t *p, const int64_t *idx, wgroup *w) {
+static SP_VNNI __attribute__((noinline)) void wl_unpack_q6_k(const uint8_t *p, const int64_t *idx, wgroup *w) {
   const __m512i lo4 = _mm512_set1_epi32(0x0f0f0f0f), hi2 = _mm512_set1_epi32(0x30303030);
   __m512i s[4], e[4]; /* the 16 scales; the block's last 16 bytes, d in the top half of e[3] */
   wl_transpose4(p + 192, idx, s);
@@ -138,52 +140,42 @@ SP_INLINE SP_VNNI void wl_unpack_q6_k(const uint8_t *p, const int64_t *idx, wgro
     }
 }
 
-/* acc[l][h] += the group's term for activation row x[l] (l < nx) and the 16 weight rows of
- * w[h] (h < nw; nx, nw constants where inlined): sumi = sum_j sc_j * (the dots over sub-block
- * j), the offsets from xp[l] (the row's block sums as int16 pairs), then fold_k4's / fold_q6_k's
- * expression per element.  Each activation value broadcast serves the nw weight vectors. */
-SP_INLINE SP_VNNI void wl_rows(const wgroup *w, const int nw, const int8_t *const *x, const int32_t *const *xp,
-                               const float *xd, const int nx, const int q6, __m512 (*acc)[2]) {
+/* acc[l] += the group's term for activation row x[l] (l < nx, a constant where inlined) and the
+ * 16 weight rows: sumi = sum_j sc_j * (the dots over sub-block j), the offsets from xp[l] (the
+ * row's block sums as int16 pairs), then fold_k4's / fold_q6_k's expression per element. */
+SP_INLINE SP_VNNI void wl_rows(const wgroup *w, const int8_t *const *x, const int32_t *const *xp,
+                               const float *xd, const int nx, const int q6, __m512 *acc) {
   const int sub = q6 ? 16 : 32, nsub = 256 / sub;
-  __m512i sumi[8][2];
-  for (int l = 0; l < nx; l++)
-    for (int h = 0; h < nw; h++) sumi[l][h] = _mm512_setzero_si512();
+  __m512i sumi[8];
+  for (int l = 0; l < nx; l++) sumi[l] = _mm512_setzero_si512();
   for (int j = 0; j < nsub; j++) {
-    __m512i s[8][2];
-    for (int l = 0; l < nx; l++)
-      for (int h = 0; h < nw; h++) s[l][h] = _mm512_setzero_si512();
+    __m512i s[8];
+    for (int l = 0; l < nx; l++) s[l] = _mm512_setzero_si512();
     for (int i = 0; i < sub / 4; i++) {
-      __m512i q[2];
-      for (int h = 0; h < nw; h++) q[h] = w[h].q[sub / 4 * j + i];
-      for (int l = 0; l < nx; l++) {
-        const __m512i xv = _mm512_set1_epi32((int)load_u32((const uint8_t *)x[l] + sub * j + 4 * i));
-        for (int h = 0; h < nw; h++) s[l][h] = _mm512_dpbusd_epi32(s[l][h], q[h], xv);
-      }
+      const __m512i q = w->q[sub / 4 * j + i];
+      for (int l = 0; l < nx; l++) /* (a separate broadcast: as an embedded {1to16} operand
+                                      vpdpbusd ran at half the rate on Zen 5) */
+        s[l] = _mm512_dpbusd_epi32(s[l], q, _mm512_set1_epi32((int)load_u32((const uint8_t *)x[l] + sub * j + 4 * i)));
     }
-    for (int l = 0; l < nx; l++)
-      for (int h = 0; h < nw; h++) sumi[l][h] = _mm512_add_epi32(sumi[l][h], _mm512_mullo_epi32(s[l][h], w[h].sc[j]));
+    for (int l = 0; l < nx; l++) sumi[l] = _mm512_add_epi32(sumi[l], _mm512_mullo_epi32(s[l], w->sc[j]));
   }
   for (int l = 0; l < nx; l++) {
-    const __m512 dx = _mm512_set1_ps(xd[l]);
-    for (int h = 0; h < nw; h++) {
-      __m512i off = _mm512_setzero_si512();
-      for (int p = 0; p < (q6 ? 8 : 4); p++)
-        off = _mm512_dpwssd_epi32(off, w[h].pairs[p], _mm512_set1_epi32(xp[l][p]));
-      const __m512 d0 = _mm512_mul_ps(w[h].d, dx);
-      __m512 term;
-      if (q6) /* fold_q6_k */
-        term = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(_mm512_sub_epi32(sumi[l][h], _mm512_slli_epi32(off, 5))));
-      else /* fold_k4 */
-        term = _mm512_sub_ps(_mm512_mul_ps(d0, _mm512_cvtepi32_ps(sumi[l][h])),
-                             _mm512_mul_ps(_mm512_mul_ps(w[h].dmin, dx), _mm512_cvtepi32_ps(off)));
-      acc[l][h] = _mm512_add_ps(acc[l][h], term);
-    }
+    __m512i off = _mm512_setzero_si512();
+    for (int p = 0; p < (q6 ? 8 : 4); p++) off = _mm512_dpwssd_epi32(off, w->pairs[p], _mm512_set1_epi32(xp[l][p]));
+    const __m512 dx = _mm512_set1_ps(xd[l]), d0 = _mm512_mul_ps(w->d, dx);
+    __m512 term;
+    if (q6) /* fold_q6_k */
+      term = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(_mm512_sub_epi32(sumi[l], _mm512_slli_epi32(off, 5))));
+    else /* fold_k4 */
+      term = _mm512_sub_ps(_mm512_mul_ps(d0, _mm512_cvtepi32_ps(sumi[l])),
+                           _mm512_mul_ps(_mm512_mul_ps(w->dmin, dx), _mm512_cvtepi32_ps(off)));
+    acc[l] = _mm512_add_ps(acc[l], term);
   }
 }
 
 /* Activation rows [r0, r0 + nx) of group g (xq's layout; xpairs: [g][t][npairs]). */
-SP_INLINE SP_VNNI void wl_chunk(const job *jb, const int32_t *xpairs, const wgroup *w, const int nw, int64_t g,
-                                int64_t r0, const int nx, const int q6, __m512 (*acc)[2]) {
+SP_INLINE SP_VNNI void wl_chunk(const job *jb, const int32_t *xpairs, const wgroup *w, int64_t g, int64_t r0,
+                                const int nx, const int q6, __m512 *acc) {
   const int np = q6 ? 8 : 4;
   const int8_t *x[8];
   const int32_t *xp[8];
@@ -194,65 +186,53 @@ SP_INLINE SP_VNNI void wl_chunk(const job *jb, const int32_t *xpairs, const wgro
     xp[l] = xpairs + np * at;
     xd[l] = jb->xq.d[8 * at];
   }
-  wl_rows(w, nw, x, xp, xd, nx, q6, acc);
-}
-
-/* All tb activation rows from t0 against the nw unpacked halves w: chunks of 8 / nw rows, each
- * chunk's row count a compile-time constant. */
-SP_INLINE SP_VNNI void wl_group_rows(const job *jb, const int32_t *xpairs, const wgroup *w, const int nw, int64_t g,
-                                     int64_t t0, int64_t tb, const int q6, __m512 (*acc)[2]) {
-  const int per = 8 / nw;
-  int64_t l = 0;
-  for (; l + per <= tb; l += per) wl_chunk(jb, xpairs, w, nw, g, t0 + l, per, q6, acc + l);
-  switch (tb - l) {
-  case 1: wl_chunk(jb, xpairs, w, nw, g, t0 + l, 1, q6, acc + l); break;
-  case 2: wl_chunk(jb, xpairs, w, nw, g, t0 + l, 2, q6, acc + l); break;
-  case 3: wl_chunk(jb, xpairs, w, nw, g, t0 + l, 3, q6, acc + l); break;
-  case 4: if (nw == 1) wl_chunk(jb, xpairs, w, nw, g, t0 + l, 4, q6, acc + l); break;
-  case 5: if (nw == 1) wl_chunk(jb, xpairs, w, nw, g, t0 + l, 5, q6, acc + l); break;
-  case 6: if (nw == 1) wl_chunk(jb, xpairs, w, nw, g, t0 + l, 6, q6, acc + l); break;
-  case 7: if (nw == 1) wl_chunk(jb, xpairs, w, nw, g, t0 + l, 7, q6, acc + l); break;
-  default: break;
-  }
+  wl_rows(w, x, xp, xd, nx, q6, acc);
 }
 
 #define SP_WL_TB 64 /* activation rows per pass over a tile (accumulators on the stack) */
 
-/* Weight rows [n0, n1) against every activation row, one K-quant type: tiles of 32 rows (two
- * halves of 16; a tile of 16 or fewer rows unpacks one half). */
+/* Weight rows [n0, n1) against every activation row, one K-quant type, 16 rows a tile (32 with
+ * each activation broadcast serving two weight vectors was as fast with the weights in cache
+ * and 1.1-2.2x slower streaming them from memory: the tile and the next one, which is
+ * prefetched, no longer fit in L1). */
 SP_INLINE SP_VNNI void wl_tiles(const job *jb, const int32_t *xpairs, int64_t n0, int64_t n1, const int q6) {
   const int64_t ng = jb->xq.kp / 256, rb = jb->row_bytes, gbytes = q6 ? 210 : 144;
-  const int64_t tile_bytes = 2 * SP_WR * rb, share = (tile_bytes + ng - 1) / ng;
+  const int64_t tile_bytes = SP_WR * rb, share = (tile_bytes + ng - 1) / ng;
   const uint8_t *end = jb->w + jb->n * rb;
-  wgroup w[2];
-  __m512 acc[SP_WL_TB][2];
+  wgroup w;
+  __m512 acc[SP_WL_TB];
   prefetch_lines(jb->w + n0 * rb, jb->w + n0 * rb + tile_bytes, jb->w + n1 * rb);
-  for (int64_t n = n0; n < n1; n += 2 * SP_WR) {
-    const int nr = (int)(n1 - n < 2 * SP_WR ? n1 - n : 2 * SP_WR), nw = nr > SP_WR ? 2 : 1;
-    int64_t idx[2 * SP_WR];
-    for (int r = 0; r < 2 * SP_WR; r++) idx[r] = (r < nr ? r : nr - 1) * rb; /* a short tile repeats
-                                                                             its last row (never stored) */
+  for (int64_t n = n0; n < n1; n += SP_WR) {
+    const int nr = (int)(n1 - n < SP_WR ? n1 - n : SP_WR);
+    int64_t idx[SP_WR];
+    for (int r = 0; r < SP_WR; r++) idx[r] = (r < nr ? r : nr - 1) * rb; /* a short tile repeats
+                                                                         its last row (never stored) */
     const uint8_t *tile = jb->w + n * rb;
     for (int64_t t0 = 0; t0 < jb->t; t0 += SP_WL_TB) {
       const int64_t tb = jb->t - t0 < SP_WL_TB ? jb->t - t0 : SP_WL_TB;
-      for (int64_t l = 0; l < tb; l++) acc[l][0] = acc[l][1] = _mm512_setzero_ps();
+      for (int64_t l = 0; l < tb; l++) acc[l] = _mm512_setzero_ps();
       for (int64_t g = 0; g < ng; g++) {
         if (t0 == 0) { /* this group's share of the next tile */
           const uint8_t *pf = tile + tile_bytes + g * share;
           prefetch_lines(pf, pf + share, end);
         }
-        for (int h = 0; h < nw; h++) {
-          if (q6) wl_unpack_q6_k(tile + g * gbytes, idx + SP_WR * h, &w[h]);
-          else wl_unpack_q4_k(tile + g * gbytes, idx + SP_WR * h, &w[h]);
+        if (q6) wl_unpack_q6_k(tile + g * gbytes, idx, &w);
+        else wl_unpack_q4_k(tile + g * gbytes, idx, &w);
+        int64_t l = 0;
+        for (; l + 8 <= tb; l += 8) wl_chunk(jb, xpairs, &w, g, t0 + l, 8, q6, acc + l);
+        switch (tb - l) { /* the row count a constant in each */
+        case 1: wl_chunk(jb, xpairs, &w, g, t0 + l, 1, q6, acc + l); break;
+        case 2: wl_chunk(jb, xpairs, &w, g, t0 + l, 2, q6, acc + l); break;
+        case 3: wl_chunk(jb, xpairs, &w, g, t0 + l, 3, q6, acc + l); break;
+        case 4: wl_chunk(jb, xpairs, &w, g, t0 + l, 4, q6, acc + l); break;
+        case 5: wl_chunk(jb, xpairs, &w, g, t0 + l, 5, q6, acc + l); break;
+        case 6: wl_chunk(jb, xpairs, &w, g, t0 + l, 6, q6, acc + l); break;
+        case 7: wl_chunk(jb, xpairs, &w, g, t0 + l, 7, q6, acc + l); break;
+        default: break;
         }
-        if (nw == 2) wl_group_rows(jb, xpairs, w, 2, g, t0, tb, q6, acc);
-        else wl_group_rows(jb, xpairs, w, 1, g, t0, tb, q6, acc);
       }
-      for (int h = 0; h < nw; h++) {
-        const int kept = nr - SP_WR * h < SP_WR ? nr - SP_WR * h : SP_WR;
-        const __mmask16 keep = (__mmask16)((1u << kept) - 1);
-        for (int64_t l = 0; l < tb; l++) _mm512_mask_storeu_ps(jb->y + (t0 + l) * jb->n + n + SP_WR * h, keep, acc[l][h]);
-      }
+      const __mmask16 keep = (__mmask16)((1u << nr) - 1);
+      for (int64_t l = 0; l < tb; l++) _mm512_mask_storeu_ps(jb->y + (t0 + l) * jb->n + n, keep, acc[l]);
     }
   }
 }
