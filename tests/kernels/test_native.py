@@ -133,7 +133,8 @@ def test_isa_paths_bitwise_equal(qtype, k):
     base = run(x, packed, qtype, isa="portable")
     for isa in native.supported_isas():
         assert torch.equal(run(x, packed, qtype, isa=isa), base), isa
-        # 2-4 rows take the tile, more the row lanes on AVX-512 VNNI
+        # on AVX-512 VNNI 2-5 rows cross the paths' row-count thresholds: few rows, weight lanes
+        # (Q4_K, Q6_K), tile, row lanes
         for t in (2, 3, 4, 5):
             assert torch.equal(run(x[:t], packed, qtype, isa=isa), base[:t]), (isa, t)
         # one row (decode) takes a path of its own on some ISAs (Q4_K / Q6_K on AVX-512 VNNI)
