@@ -278,6 +278,7 @@ def attention_case(c: int, t: int = 7, hq: int = 6, hkv: int = 2, d: int = 72, s
     q, k, v = (torch.randn(n, h, d, generator=g) for n, h in ((t, hq), (c, hkv), (c, hkv)))
     mask = torch.rand(t, c, generator=g) < 0.6
     mask[:, 0] = True
+    mask[1, 8:16] = False  # a block of eight slots the row does not see at all
     return q, k, v, mask
 
 
@@ -289,12 +290,15 @@ def reference_attention(q, k, v, mask, scale):
     return torch.einsum("htc,chd->thd", torch.softmax(s, -1), vv).float()
 
 
-@pytest.mark.parametrize("d", [72, 64])  # 64 (and 128) run specialised code
+# d 64 and 128 run specialised code; 72 has a tail of eight values; groups of 3, 6 (Qwen 1.5B),
+# 7 (Qwen 0.5B) and 9 (more than one block of value sums on every ISA path)
+@pytest.mark.parametrize("d,hq,hkv", [(72, 6, 2), (64, 6, 2), (64, 14, 2), (128, 12, 2),
+                                      (128, 9, 1)])
 @pytest.mark.parametrize("c", [1, 3, 8, 15, 30, 257])
-def test_attention_rows_see_only_their_slots(c, d):
+def test_attention_rows_see_only_their_slots(c, d, hq, hkv):
     """A row equals, bitwise, the row computed over its visible slots alone (no mask, fewer
     slots), whatever the thread count or ISA path; and it is softmax attention."""
-    q, k, v, mask = attention_case(c, d=d)
+    q, k, v, mask = attention_case(c, hq=hq, hkv=hkv, d=d)
     full = native.attention(q, k, v, mask, 0.125)
     assert torch.allclose(full, reference_attention(q, k, v, mask, 0.125), atol=1e-5)
     assert torch.equal(native.attention(q, k, v, mask, 0.125, threads=2), full)

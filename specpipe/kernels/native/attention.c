@@ -17,7 +17,11 @@
  *     slot is skipped, not added as zero, so nothing depends on C), the denominator the same in
  *     double; their quotient rounded to float once at the end.
  * The query heads that share a KV head are computed together, so each key and value is read
- * once per row and KV head (the arithmetic of a head is the same alone).
+ * once per row and KV head; the scores eight slots at a time (their last folds done on
+ * transposed lanes), the value sums for a block of heads at once over 32 slots held in L1.
+ * Only the interleaving changes with the shapes, never a sum's order: a head's arithmetic is
+ * the same alone (and is the same as in the one-slot, one-head loops this replaced: 0.53-0.84x
+ * their time, docs/native_kernels.md).
  * The vector type is lane-wise only (no horizontal operations before the fixed fold) and the
  * build has -ffp-contract=off, so every ISA the compiler picks gives the same bits.
  *
@@ -44,64 +48,147 @@ SP_INLINE v16f ld16f(const float *p) {
   return v;
 }
 
-SP_INLINE float dot(const float *a, const float *b, int d) {
-  v16f acc = {0};
-  int i = 0;
-  for (; i + 16 <= d; i += 16) acc += ld16f(a + i) * ld16f(b + i);
-  for (int r = 0; i < d; i++, r++) acc[r] += a[i] * b[i];
-  v8f lo, hi; /* the two halves (memcpy: any GCC or Clang with vector extensions) */
-  memcpy(&lo, &acc, sizeof lo);
-  memcpy(&hi, (const char *)&acc + sizeof lo, sizeof hi);
-  const v8f h = lo + hi;
-  return ((h[0] + h[1]) + (h[2] + h[3])) + ((h[4] + h[5]) + (h[6] + h[7]));
+/* The eight lanes of a, then of b, summed in pairs: {a0+a1, a2+a3, a4+a5, a6+a7, b0+b1, ...}. */
+SP_INLINE v8f pair_sums(v8f a, v8f b) {
+#ifdef __clang__
+  const v8f even = __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14);
+  const v8f odd = __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15);
+#else
+  const v8f even = __builtin_shuffle(a, b, (v8i){0, 2, 4, 6, 8, 10, 12, 14});
+  const v8f odd = __builtin_shuffle(a, b, (v8i){1, 3, 5, 7, 9, 11, 13, 15});
+#endif
+  return even + odd;
 }
 
-/* One row and KV head g: the `group` query heads q[0 .. group) that read it.  s: scratch for
- * group x c8 weights (c8 = c rounded up to 8), acc: group x d floats. */
+/* q . k[r] for the eight keys k[0 .. 8), each summed as described at the top: sixteen lane sums,
+ * the halves added, the eight folded ((0+1)+(2+3))+((4+5)+(6+7)) -- the fold done for the eight
+ * keys at once, on their sums transposed by pair_sums (the same additions in the same order). */
+SP_INLINE v8f dot8(const float *q, const float *const k[8], int d) {
+  v16f acc[8];
+  for (int r = 0; r < 8; r++) acc[r] = (v16f){0};
+  int i = 0;
+  for (; i + 16 <= d; i += 16) {
+    const v16f qi = ld16f(q + i);
+    for (int r = 0; r < 8; r++) acc[r] += qi * ld16f(k[r] + i);
+  }
+  for (int l = 0; i < d; i++, l++)
+    for (int r = 0; r < 8; r++) acc[r][l] += q[i] * k[r][i];
+  v8f h[8];
+  for (int r = 0; r < 8; r++) {
+    v8f lo, hi; /* the two halves (memcpy: any GCC or Clang with vector extensions) */
+    memcpy(&lo, &acc[r], sizeof lo);
+    memcpy(&hi, (const char *)&acc[r] + sizeof lo, sizeof hi);
+    h[r] = lo + hi;
+  }
+  const v8f p01 = pair_sums(h[0], h[1]), p23 = pair_sums(h[2], h[3]);
+  const v8f p45 = pair_sums(h[4], h[5]), p67 = pair_sums(h[6], h[7]);
+  return pair_sums(pair_sums(p01, p23), pair_sums(p45, p67));
+}
+
+/* The most query heads whose value sums are kept in registers at once. */
+#define SP_ATT_HEADS 8
+
+/* Heads [0, hb) of a block, over the visible slots n in [n0, n1), in order: sum[h] += e[h][n]
+ * (double) and acc[h * d + i] += e[h][n] v[n][i], each a running sum of its own.  The slots go
+ * in the inner loop, the sixteen-value chunks in the outer, so the block's sums of one chunk
+ * stay in registers while the slots' values are read from L1. */
+SP_INLINE void values_block(const float *const *vp, const float *e, int64_t c8, int64_t n0,
+                            int64_t n1, int hb, int d, double *sum, float *acc) {
+  double w[SP_ATT_HEADS];
+  for (int h = 0; h < hb; h++) w[h] = sum[h];
+  for (int64_t n = n0; n < n1; n++)
+    for (int h = 0; h < hb; h++) w[h] += e[h * c8 + n];
+  for (int h = 0; h < hb; h++) sum[h] = w[h];
+  int i = 0;
+  for (; i + 16 <= d; i += 16) {
+    v16f a[SP_ATT_HEADS];
+    for (int h = 0; h < hb; h++) a[h] = ld16f(acc + h * d + i);
+    for (int64_t n = n0; n < n1; n++) {
+      const v16f vn = ld16f(vp[n] + i);
+      for (int h = 0; h < hb; h++) a[h] += e[h * c8 + n] * vn;
+    }
+    for (int h = 0; h < hb; h++) memcpy(acc + h * d + i, &a[h], sizeof a[h]);
+  }
+  for (; i < d; i++)
+    for (int h = 0; h < hb; h++) {
+      float a = acc[h * d + i];
+      for (int64_t n = n0; n < n1; n++) a += e[h * c8 + n] * vp[n][i];
+      acc[h * d + i] = a;
+    }
+}
+
+/* The slots of a head block's value sums that stay in L1 while its chunks are summed. */
+#define SP_ATT_SLOTS 32
+
+/* One row and KV head g: the `group` query heads q[0 .. group) that read it, `heads` at a time
+ * in the value sums.  s: scratch for group x c8 weights (c8 = c rounded up to 8), vp: c
+ * pointers, acc: group x d floats. */
 SP_INLINE void attend_group(const float *q, const float *k, const float *v, const int64_t *slots,
                             const uint8_t *mask, int64_t c, int hkv, int g, int group, int d,
-                            float scale, float *s, float *acc, float *out) {
+                            float scale, int heads, float *s, const float **vp, float *acc,
+                            float *out) {
   const int64_t stride = (int64_t)hkv * d, c8 = (c + 7) / 8 * 8;
+  const v8f none = (v8f){0} - INFINITY;
+  v8f mv[64]; /* lane r: the largest visible score among slots r mod 8 */
   float m[64];
   double sum[64];
-  for (int h = 0; h < group; h++) m[h] = -INFINITY;
-  for (int64_t j = 0; j < c; j++) {
-    if (mask && !mask[j]) continue;
-    const float *kj = k + (slots ? slots[j] : j) * stride + (int64_t)g * d;
+  for (int h = 0; h < group; h++) mv[h] = none, sum[h] = 0.0;
+  for (int64_t j0 = 0; j0 < c; j0 += 8) { /* the scores, eight slots at a time */
+    const float *kr[8];
+    v8i seen; /* lane r: -1 where slot j0 + r exists and is visible */
+    for (int r = 0; r < 8; r++) {
+      const int64_t j = j0 + r < c ? j0 + r : c - 1; /* past the end: a copy, never used */
+      seen[r] = j0 + r < c && (!mask || mask[j]) ? -1 : 0;
+      kr[r] = k + (slots ? slots[j] : j) * stride + (int64_t)g * d;
+    }
+    int any = 0;
+    for (int r = 0; r < 8; r++) any |= seen[r];
+    if (!any) continue; /* (masked scores are computed, never read) */
     for (int h = 0; h < group; h++) {
-      const float x = dot(q + h * d, kj, d) * scale;
-      s[h * c8 + j] = x;
-      if (x > m[h]) m[h] = x;
+      const v8f x = dot8(q + h * d, kr, d) * scale;
+      memcpy(s + h * c8 + j0, &x, sizeof x);
+      const v8i up = seen & (x > mv[h]);
+      mv[h] = (v8f)(((v8i)x & up) | ((v8i)mv[h] & ~up));
     }
   }
-  for (int h = 0; h < group; h++) { /* weights of every slot (masked ones are never read) */
+  for (int h = 0; h < group; h++) { /* the maximum: exact in any order */
+    m[h] = -INFINITY;
+    for (int r = 0; r < 8; r++)
+      if (mv[h][r] > m[h]) m[h] = mv[h][r];
+  }
+  int64_t nv = 0; /* the visible slots' values, in read order */
+  for (int64_t j = 0; j < c; j++)
+    if (!mask || mask[j]) vp[nv++] = v + (slots ? slots[j] : j) * stride + (int64_t)g * d;
+  for (int h = 0; h < group; h++) { /* the weights, then the visible ones moved to the front */
     float *sh = s + h * c8;
     for (int64_t j = c; j < c8; j++) sh[j] = m[h];
     for (int64_t j = 0; j < c8; j += 8) {
       const v8f e = exp8(ld8f(sh + j) - m[h]);
       memcpy(sh + j, &e, sizeof e);
     }
-    for (int i = 0; i < d; i++) acc[h * d + i] = 0.f;
+    if (mask)
+      for (int64_t j = 0, n = 0; j < c; j++)
+        if (mask[j]) sh[n++] = sh[j];
   }
-  for (int h = 0; h < group; h++) { /* one head at a time: its sums stay in registers */
-    const float *sh = s + h * c8;
-    float *a = acc + h * d;
-    double sh_sum = 0.0;
-    for (int64_t j = 0; j < c; j++) {
-      if (mask && !mask[j]) continue;
-      const float *vj = v + (slots ? slots[j] : j) * stride + (int64_t)g * d;
-      const float e = sh[j];
-      sh_sum += e;
-      int i = 0;
-      for (; i + 16 <= d; i += 16) { /* lane i: its own running sum over j */
-        v16f ai;
-        memcpy(&ai, a + i, sizeof ai);
-        ai += e * ld16f(vj + i);
-        memcpy(a + i, &ai, sizeof ai);
+  memset(acc, 0, (size_t)group * d * sizeof *acc);
+  for (int h0 = 0; h0 < group; h0 += heads) {
+    const int hb = group - h0 < heads ? group - h0 : heads;
+    for (int64_t n0 = 0; n0 < nv; n0 += SP_ATT_SLOTS) {
+      const int64_t n1 = nv - n0 < SP_ATT_SLOTS ? nv : n0 + SP_ATT_SLOTS;
+      const float *e = s + h0 * c8;
+      double *w = sum + h0;
+      float *a = acc + h0 * d;
+      switch (hb) { /* the block's size as a constant: its sums in registers */
+      case 1: values_block(vp, e, c8, n0, n1, 1, d, w, a); break;
+      case 2: values_block(vp, e, c8, n0, n1, 2, d, w, a); break;
+      case 3: values_block(vp, e, c8, n0, n1, 3, d, w, a); break;
+      case 4: values_block(vp, e, c8, n0, n1, 4, d, w, a); break;
+      case 5: values_block(vp, e, c8, n0, n1, 5, d, w, a); break;
+      case 6: values_block(vp, e, c8, n0, n1, 6, d, w, a); break;
+      case 7: values_block(vp, e, c8, n0, n1, 7, d, w, a); break;
+      default: values_block(vp, e, c8, n0, n1, SP_ATT_HEADS, d, w, a);
       }
-      for (; i < d; i++) a[i] += e * vj[i];
     }
-    sum[h] = sh_sum;
   }
   for (int h = 0; h < group; h++)
     for (int i = 0; i < d; i++) out[h * d + i] = (float)(acc[h * d + i] / sum[h]);
@@ -110,23 +197,25 @@ SP_INLINE void attend_group(const float *q, const float *k, const float *v, cons
 /* attend_group compiled per ISA (the parallel region below is outlined by the compiler into a
  * function of its own, which would not inherit a target attribute: it calls these instead). */
 typedef void (*group_fn)(const float *, const float *, const float *, const int64_t *,
-                         const uint8_t *, int64_t, int, int, int, int, float, float *, float *,
-                         float *);
-#define SP_GROUP_FN(name, attr)                                                                  \
+                         const uint8_t *, int64_t, int, int, int, int, float, float *,
+                         const float **, float *, float *);
+/* heads: the value sums' head block, as many as the ISA's registers hold (a v16f is one
+ * AVX-512 register, two AVX2 ones, four SSE ones) */
+#define SP_GROUP_FN(name, attr, heads)                                                           \
   attr static void name(const float *q, const float *k, const float *v, const int64_t *slots,   \
                         const uint8_t *mask, int64_t c, int hkv, int g, int group, int d,        \
-                        float scale, float *s, float *acc, float *out) {                         \
-    if (d == 64) /* the common head sizes as constants: loops unrolled, sums in registers */    \
-      attend_group(q, k, v, slots, mask, c, hkv, g, group, 64, scale, s, acc, out);              \
+                        float scale, float *s, const float **vp, float *acc, float *out) {       \
+    if (d == 64) /* the common head sizes as constants: loops unrolled */                       \
+      attend_group(q, k, v, slots, mask, c, hkv, g, group, 64, scale, heads, s, vp, acc, out);   \
     else if (d == 128)                                                                           \
-      attend_group(q, k, v, slots, mask, c, hkv, g, group, 128, scale, s, acc, out);             \
+      attend_group(q, k, v, slots, mask, c, hkv, g, group, 128, scale, heads, s, vp, acc, out);  \
     else                                                                                         \
-      attend_group(q, k, v, slots, mask, c, hkv, g, group, d, scale, s, acc, out);               \
+      attend_group(q, k, v, slots, mask, c, hkv, g, group, d, scale, heads, s, vp, acc, out);    \
   }
-SP_GROUP_FN(attend_group_portable, )
+SP_GROUP_FN(attend_group_portable, , 2)
 #if defined(__x86_64__) || defined(__i386__)
-SP_GROUP_FN(attend_group_avx2, __attribute__((target("avx2"))))
-SP_GROUP_FN(attend_group_avx512, __attribute__((target("avx512f"))))
+SP_GROUP_FN(attend_group_avx2, __attribute__((target("avx2"))), 4)
+SP_GROUP_FN(attend_group_avx512, __attribute__((target("avx512f"))), SP_ATT_HEADS)
 #endif
 #undef SP_GROUP_FN
 
@@ -139,18 +228,20 @@ static int attention_body(group_fn fn, const float *q, int64_t t, int hq, int hk
 #pragma omp parallel num_threads(threads) reduction(| : failed) if (threads > 1)
   {
     float *s = malloc((size_t)(group * c8) * sizeof(float));
+    const float **vp = malloc((size_t)c * sizeof *vp);
     float *acc = malloc((size_t)(group * d) * sizeof(float));
-    if (!s || !acc) failed = 1;
+    if (!s || !vp || !acc) failed = 1;
     /* every thread reaches the loop (and its barrier), with or without its scratch */
 #pragma omp for schedule(static)
     for (int64_t p = 0; p < pairs; p++) { /* p = (row, KV head) */
-      if (!s || !acc) continue;
+      if (!s || !vp || !acc) continue;
       const int64_t row = p / hkv;
       const int g = (int)(p % hkv);
       fn(q + (row * hq + (int64_t)g * group) * d, k, v, slots, mask ? mask + row * c : NULL, c, hkv,
-         g, group, d, scale, s, acc, out + (row * hq + (int64_t)g * group) * d);
+         g, group, d, scale, s, vp, acc, out + (row * hq + (int64_t)g * group) * d);
     }
     free(s);
+    free((void *)vp);
     free(acc);
   }
   return failed ? SP_ERR_MEMORY : SP_OK;
