@@ -31,7 +31,7 @@ int main(void) {
     { uint64_t h = 1469598103934665603ull; const uint8_t *b = (const uint8_t *)y0;
       for (long i = 0; i < T * N * 4; i++) h = (h ^ b[i]) * 1099511628211ull;
       printf("type %d portable fnv %016llx\n", types[ti], (unsigned long long)h); }
-    for (int isa = 1; isa < 4; isa++) {
+    for (int isa = 1; isa < 5; isa++) {
       if (!sp_isa_supported(isa)) continue;
       for (int th = 1; th <= 3; th += 2) {
         sp_matmul(types[ti], x, T, K, w, N, rb, y1, th, isa);

@@ -129,13 +129,13 @@ def test_thread_count_invariance(qtype):
                          [(q, 288) for q in ALL_TYPES if q not in TYPES_K], ids=lambda v: getattr(v, "name", str(v)))
 def test_isa_paths_bitwise_equal(qtype, k):
     packed = random_packed(qtype, 37, k, seed=int(qtype) + 100)
-    x = torch.randn(11, k, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(19, k, generator=torch.Generator().manual_seed(3))
     base = run(x, packed, qtype, isa="portable")
     for isa in native.supported_isas():
         assert torch.equal(run(x, packed, qtype, isa=isa), base), isa
         # on AVX-512 VNNI 2-5 rows cross the paths' row-count thresholds: few rows, weight lanes
-        # (Q4_K, Q6_K), tile, row lanes
-        for t in (2, 3, 4, 5):
+        # (Q4_K, Q6_K), tile, row lanes; AMX takes Q4_K from 8 rows, 16 per tile multiply
+        for t in (2, 3, 4, 5, 8, 11, 16):
             assert torch.equal(run(x[:t], packed, qtype, isa=isa), base[:t]), (isa, t)
         # one row (decode) takes a path of its own on some ISAs (Q4_K / Q6_K on AVX-512 VNNI)
         for threads in (1, 2):

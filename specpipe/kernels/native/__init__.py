@@ -9,7 +9,8 @@ count, and every SIMD path (``isa()``) gives the portable C path's bits.
 
 The library is built by ``python -m specpipe.kernels.native.build`` (install.sh does it); without
 it, ``available()`` is False and ``matmul`` raises.  ``SPECPIPE_NATIVE_ISA=portable|avx2|
-avx512vnni|neon`` forces a path (it must be supported by this CPU); it is read once per process,
+avx512vnni|amx|neon`` forces a path (amx: AVX-512 VNNI with Intel AMX tile multiplies for
+Q4_K's larger calls; it needs Linux to grant the tile state) (it must be supported by this CPU); it is read once per process,
 so that every call of a process takes the same path (``reload_isa_code()`` re-reads it).
 Results and design: docs/native_kernels.md.
 """
@@ -27,7 +28,7 @@ import torch
 _HERE = Path(__file__).resolve().parent
 LIBRARY = _HERE / "libspecpipe_native.so"
 
-_ISA_CODES = {"portable": 0, "avx2": 1, "avx512vnni": 2, "neon": 3}
+_ISA_CODES = {"portable": 0, "avx2": 1, "avx512vnni": 2, "neon": 3, "amx": 4}
 _ISA_NAMES = {v: k for k, v in _ISA_CODES.items()}
 
 _Q = gguf.GGMLQuantizationType

@@ -254,7 +254,7 @@ int sp_attention_slots(const float *q, int64_t t, int hq, int hkv, int d, const 
   if (threads < 1) threads = 1;
   group_fn fn = attend_group_portable;
 #if defined(__x86_64__) || defined(__i386__)
-  if (isa == SP_ISA_AVX512VNNI) fn = attend_group_avx512;
+  if (sp_vector_isa(isa) == SP_ISA_AVX512VNNI) fn = attend_group_avx512;
   else if (isa == SP_ISA_AVX2) fn = attend_group_avx2;
 #endif
   (void)isa;

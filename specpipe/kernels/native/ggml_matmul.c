@@ -50,6 +50,15 @@
 #include <immintrin.h>
 #define SP_X86 1
 #endif
+#if defined(__x86_64__) && defined(__linux__) && (defined(__clang__) ? __clang_major__ >= 12 : __GNUC__ >= 11)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define SP_HAVE_AMX 1 /* the compiler knows AMX's intrinsics; amx_usable() tells whether the CPU can */
+#endif
+#define SP_AMX_ROWS 16 /* activation rows per tile multiply (ggml_matmul_amx.h) */
+#define SP_AMX_PAD (SP_AMX_ROWS * 256)
+#define SP_AMX_FROM 8 /* the fewest activation rows Q4_K's weight lanes take AMX for (as fast at 8) */
 #if defined(__aarch64__)
 #include <arm_neon.h>
 #endif
@@ -942,6 +951,9 @@ SP_INLINE SP_AVX2 __m256i sp_dp4s_avx2(__m256i acc, __m256i w, __m256i x) {
 #define SP_DP2W(acc, p, w) _mm256_dpwssd_epi32(acc, p, _mm256_set1_epi32((int)(w)))
 #include "ggml_matmul_lanes.h" /* (it undefines these) */
 #include "ggml_matmul_wlanes.h"
+#ifdef SP_HAVE_AMX
+#include "ggml_matmul_amx.h"
+#endif
 #endif
 
 /* ------------------------------------------------------------------------------------------- */
@@ -960,6 +972,9 @@ int sp_isa_supported(int isa) {
            __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 #endif
+#ifdef SP_HAVE_AMX
+  case SP_ISA_AMX: return sp_isa_supported(SP_ISA_AVX512VNNI) && amx_usable();
+#endif
 #if defined(__aarch64__)
   case SP_ISA_NEON: return 1;
 #endif
@@ -968,8 +983,8 @@ int sp_isa_supported(int isa) {
 }
 
 int sp_best_isa(void) {
-  const int order[] = {SP_ISA_AVX512VNNI, SP_ISA_AVX2, SP_ISA_NEON};
-  for (int i = 0; i < 3; i++)
+  const int order[] = {SP_ISA_AMX, SP_ISA_AVX512VNNI, SP_ISA_AVX2, SP_ISA_NEON};
+  for (int i = 0; i < 4; i++)
     if (sp_isa_supported(order[i])) return order[i];
   return SP_ISA_PORTABLE;
 }
@@ -1166,6 +1181,9 @@ int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, 
   if (t < 0 || n < 0 || k < 0 || k % bs != 0) return SP_ERR_SHAPE;
   if (row_bytes != k / bs * bbytes) return SP_ERR_SHAPE;
   if (!sp_isa_supported(isa)) return SP_ERR_ISA;
+  const int amx = isa == SP_ISA_AMX; /* otherwise the AVX-512 VNNI path */
+  isa = sp_vector_isa(isa);
+  (void)amx;
   if (t == 0 || n == 0) return SP_OK;
   if (k == 0) { /* an empty sum */
     memset(y, 0, (size_t)(t * n) * sizeof(float));
@@ -1175,7 +1193,8 @@ int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, 
 
   const int64_t kp = (k + 255) / 256 * 256;
   job jb = {type, t, k, n, row_bytes, k / 32, w, {kp, t, 0, 0, 0, 0, 0}, y};
-  void *mem = malloc((size_t)(t * kp + t * (kp / 32) * 12 + t * (kp / 16) * 4 + 64));
+  /* (+ SP_AMX_PAD: the AMX path's activation tiles read 16 rows, past the last one) */
+  void *mem = malloc((size_t)(t * kp + t * (kp / 32) * 12 + t * (kp / 16) * 4 + 64 + SP_AMX_PAD));
   if (!mem) return SP_ERR_MEMORY;
   /* float and int32 arrays first (4-byte aligned), the int8 values last */
   jb.xq.d = (float *)mem;
@@ -1219,7 +1238,11 @@ int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, 
       free(mem);
       return SP_ERR_MEMORY;
     }
-    run_parallel_lanes(wlanes_vnni, &jb, pairs, ntiles, mthreads);
+    lanes_fn lanes = wlanes_vnni;
+#ifdef SP_HAVE_AMX
+    if (amx && type == SP_Q4_K && t >= SP_AMX_FROM) lanes = wlanes_amx;
+#endif
+    run_parallel_lanes(lanes, &jb, pairs, ntiles, mthreads);
     free(pairs);
     free(mem);
     return SP_OK;

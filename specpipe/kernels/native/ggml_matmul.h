@@ -8,7 +8,9 @@ enum { SP_Q4_0 = 2, SP_Q4_1 = 3, SP_Q5_0 = 6, SP_Q5_1 = 7, SP_Q8_0 = 8,
        SP_Q4_K = 12, SP_Q5_K = 13, SP_Q6_K = 14 };
 
 /* instruction-set paths */
-enum { SP_ISA_PORTABLE = 0, SP_ISA_AVX2 = 1, SP_ISA_AVX512VNNI = 2, SP_ISA_NEON = 3 };
+enum { SP_ISA_PORTABLE = 0, SP_ISA_AVX2 = 1, SP_ISA_AVX512VNNI = 2, SP_ISA_NEON = 3, SP_ISA_AMX = 4 };
+/* The vector code a path runs: AMX's is AVX-512 VNNI's (it adds tile multiplies to the matmul). */
+static inline int sp_vector_isa(int isa) { return isa == SP_ISA_AMX ? SP_ISA_AVX512VNNI : isa; }
 
 enum { SP_OK = 0, SP_ERR_TYPE = 1, SP_ERR_SHAPE = 2, SP_ERR_ISA = 3, SP_ERR_MEMORY = 4 };
 

@@ -140,9 +140,28 @@ static SP_VNNI __attribute__((noinline)) void wl_unpack_q6_k(const uint8_t *p, c
     }
 }
 
+/* acc[l] += the group's term for activation row l < nx and the 16 weight rows, given sumi[l] =
+ * sum_j sc_j * (the dots over sub-block j): the offsets from xp[l] (the row's block sums as
+ * int16 pairs), then fold_k4's / fold_q6_k's expression per element. */
+SP_INLINE SP_VNNI void wl_fold(const wgroup *w, const __m512i *sumi, const int32_t *const *xp,
+                               const float *xd, const int nx, const int q6, __m512 *acc) {
+  for (int l = 0; l < nx; l++) {
+    __m512i off = _mm512_setzero_si512();
+    for (int p = 0; p < (q6 ? 8 : 4); p++) off = _mm512_dpwssd_epi32(off, w->pairs[p], _mm512_set1_epi32(xp[l][p]));
+    const __m512 dx = _mm512_set1_ps(xd[l]), d0 = _mm512_mul_ps(w->d, dx);
+    __m512 term;
+    if (q6) /* fold_q6_k */
+      term = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(_mm512_sub_epi32(sumi[l], _mm512_slli_epi32(off, 5))));
+    else /* fold_k4 */
+      term = _mm512_sub_ps(_mm512_mul_ps(d0, _mm512_cvtepi32_ps(sumi[l])),
+                           _mm512_mul_ps(_mm512_mul_ps(w->dmin, dx), _mm512_cvtepi32_ps(off)));
+    acc[l] = _mm512_add_ps(acc[l], term);
+  }
+}
+
 /* acc[l] += the group's term for activation row x[l] (l < nx, a constant where inlined) and the
- * 16 weight rows: sumi = sum_j sc_j * (the dots over sub-block j), the offsets from xp[l] (the
- * row's block sums as int16 pairs), then fold_k4's / fold_q6_k's expression per element. */
+ * 16 weight rows: the dots over each sub-block j by vpdpbusd, sumi = sum_j sc_j * dot_j, then
+ * wl_fold. */
 SP_INLINE SP_VNNI void wl_rows(const wgroup *w, const int8_t *const *x, const int32_t *const *xp,
                                const float *xd, const int nx, const int q6, __m512 *acc) {
   const int sub = q6 ? 16 : 32, nsub = 256 / sub;
@@ -159,18 +178,7 @@ SP_INLINE SP_VNNI void wl_rows(const wgroup *w, const int8_t *const *x, const in
     }
     for (int l = 0; l < nx; l++) sumi[l] = _mm512_add_epi32(sumi[l], _mm512_mullo_epi32(s[l], w->sc[j]));
   }
-  for (int l = 0; l < nx; l++) {
-    __m512i off = _mm512_setzero_si512();
-    for (int p = 0; p < (q6 ? 8 : 4); p++) off = _mm512_dpwssd_epi32(off, w->pairs[p], _mm512_set1_epi32(xp[l][p]));
-    const __m512 dx = _mm512_set1_ps(xd[l]), d0 = _mm512_mul_ps(w->d, dx);
-    __m512 term;
-    if (q6) /* fold_q6_k */
-      term = _mm512_mul_ps(d0, _mm512_cvtepi32_ps(_mm512_sub_epi32(sumi[l], _mm512_slli_epi32(off, 5))));
-    else /* fold_k4 */
-      term = _mm512_sub_ps(_mm512_mul_ps(d0, _mm512_cvtepi32_ps(sumi[l])),
-                           _mm512_mul_ps(_mm512_mul_ps(w->dmin, dx), _mm512_cvtepi32_ps(off)));
-    acc[l] = _mm512_add_ps(acc[l], term);
-  }
+  wl_fold(w, sumi, xp, xd, nx, q6, acc);
 }
 
 /* Activation rows [r0, r0 + nx) of group g (xq's layout; xpairs: [g][t][npairs]). */
@@ -195,7 +203,13 @@ SP_INLINE SP_VNNI void wl_chunk(const job *jb, const int32_t *xpairs, const wgro
  * each activation broadcast serving two weight vectors was as fast with the weights in cache
  * and 1.1-2.2x slower streaming them from memory: the tile and the next one, which is
  * prefetched, no longer fit in L1). */
-SP_INLINE SP_VNNI void wl_tiles(const job *jb, const int32_t *xpairs, int64_t n0, int64_t n1, const int q6) {
+#ifdef SP_HAVE_AMX
+static void amx_group(const job *jb, const int32_t *xpairs, const wgroup *w, int64_t g, int64_t t0, int64_t nx,
+                      __m512 *acc); /* ggml_matmul_amx.h (Q4_K) */
+#endif
+
+SP_INLINE SP_VNNI void wl_tiles(const job *jb, const int32_t *xpairs, int64_t n0, int64_t n1, const int q6,
+                                const int amx) {
   const int64_t ng = jb->xq.kp / 256, rb = jb->row_bytes, gbytes = q6 ? 210 : 144;
   const int64_t tile_bytes = SP_WR * rb, share = (tile_bytes + ng - 1) / ng;
   const uint8_t *end = jb->w + jb->n * rb;
@@ -218,6 +232,13 @@ SP_INLINE SP_VNNI void wl_tiles(const job *jb, const int32_t *xpairs, int64_t n0
         }
         if (q6) wl_unpack_q6_k(tile + g * gbytes, idx, &w);
         else wl_unpack_q4_k(tile + g * gbytes, idx, &w);
+#ifdef SP_HAVE_AMX
+        if (amx) { /* the sums by tile multiplies */
+          amx_group(jb, xpairs, &w, g, t0, tb, acc);
+          continue;
+        }
+#endif
+        (void)amx;
         int64_t l = 0;
         for (; l + 8 <= tb; l += 8) wl_chunk(jb, xpairs, &w, g, t0 + l, 8, q6, acc + l);
         switch (tb - l) { /* the row count a constant in each */
@@ -238,8 +259,8 @@ SP_INLINE SP_VNNI void wl_tiles(const job *jb, const int32_t *xpairs, int64_t n0
 }
 
 static SP_VNNI void wlanes_vnni(const job *jb, const void *xpairs, int64_t n0, int64_t n1) {
-  if (jb->type == SP_Q6_K) wl_tiles(jb, xpairs, n0, n1, 1);
-  else wl_tiles(jb, xpairs, n0, n1, 0);
+  if (jb->type == SP_Q6_K) wl_tiles(jb, xpairs, n0, n1, 1, 0);
+  else wl_tiles(jb, xpairs, n0, n1, 0, 0);
 }
 
 /* The activations' block sums as int16 pairs, [g][t][npairs] (|sum| <= 32 * 127: an int16):

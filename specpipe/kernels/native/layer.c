@@ -71,7 +71,7 @@ int sp_silu_mul(const float *g, const float *u, int64_t t, int64_t n, int64_t gs
   if (t < 0 || n < 0) return SP_ERR_SHAPE;
   silu_fn fn = silu_mul_row_portable;
 #if defined(__x86_64__) || defined(__i386__)
-  if (isa == SP_ISA_AVX2 || isa == SP_ISA_AVX512VNNI) fn = silu_mul_row_avx2; /* 8 lanes: one ymm */
+  if (isa == SP_ISA_AVX2 || sp_vector_isa(isa) == SP_ISA_AVX512VNNI) fn = silu_mul_row_avx2; /* 8 lanes: one ymm */
 #endif
   (void)isa;
   for (int64_t i = 0; i < t; i++) fn(g + i * gstride, u + i * ustride, n, y + i * n);
