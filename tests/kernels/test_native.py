@@ -134,12 +134,37 @@ def test_isa_paths_bitwise_equal(qtype, k):
     for isa in native.supported_isas():
         assert torch.equal(run(x, packed, qtype, isa=isa), base), isa
         # on AVX-512 VNNI 2-5 rows cross the paths' row-count thresholds: few rows, weight lanes
-        # (Q4_K, Q6_K), tile, row lanes; AMX takes Q4_K from 8 rows, 16 per tile multiply
+        # (Q4_K, Q6_K), tile, row lanes; AMX takes Q4_K and Q6_K from 8 rows, 16 per tile multiply
         for t in (2, 3, 4, 5, 8, 11, 16):
             assert torch.equal(run(x[:t], packed, qtype, isa=isa), base[:t]), (isa, t)
         # one row (decode) takes a path of its own on some ISAs (Q4_K / Q6_K on AVX-512 VNNI)
         for threads in (1, 2):
             assert torch.equal(run(x[3:4], packed, qtype, isa=isa, threads=threads), base[3:4]), isa
+
+
+@pytest.mark.parametrize("qtype", TYPES_K, ids=lambda q: q.name)
+@pytest.mark.parametrize("fill", [0xFF, 0x80, 0x7F])
+def test_extreme_blocks_every_path(qtype, fill):
+    """The integer sums at their largest: every value and scale byte `fill` (Q6_K: q = 63 with
+    scale -128 or 127, or q = 32 + 0x80's bits), activations all at +-127; the paths that
+    multiply scales into the weights (AMX) must not overflow a byte or an int32."""
+    block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    k, n = 512, 33
+    raw = np.full((n, k // block, nbytes), fill, dtype=np.uint8)
+    if qtype == Q.Q6_K:
+        raw[..., 208:210] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    else:
+        raw[..., 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+        raw[..., 2:4] = np.frombuffer(np.float16(0.005).tobytes(), np.uint8)
+    packed = np.ascontiguousarray(raw.reshape(n, -1))
+    x = torch.ones(17, k)
+    x[1::2] = -1.0
+    ref, bound = reference(x, packed, qtype)
+    base = run(x, packed, qtype, isa="portable")
+    assert bool(((base.double() - ref).abs() <= bound).all())
+    for isa in native.supported_isas():
+        for t in (1, 8, 16, 17):
+            assert torch.equal(run(x[:t], packed, qtype, isa=isa), base[:t]), (isa, t)
 
 
 def test_env_var_forces_path(monkeypatch):

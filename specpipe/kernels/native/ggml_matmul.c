@@ -58,7 +58,7 @@
 #endif
 #define SP_AMX_ROWS 16 /* activation rows per tile multiply (ggml_matmul_amx.h) */
 #define SP_AMX_PAD (SP_AMX_ROWS * 256)
-#define SP_AMX_FROM 8 /* the fewest activation rows Q4_K's weight lanes take AMX for (as fast at 8) */
+#define SP_AMX_FROM 8 /* the fewest activation rows the weight lanes take AMX for */
 #if defined(__aarch64__)
 #include <arm_neon.h>
 #endif
@@ -1240,7 +1240,7 @@ int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, 
     }
     lanes_fn lanes = wlanes_vnni;
 #ifdef SP_HAVE_AMX
-    if (amx && type == SP_Q4_K && t >= SP_AMX_FROM) lanes = wlanes_amx;
+    if (amx && t >= SP_AMX_FROM) lanes = wlanes_amx;
 #endif
     run_parallel_lanes(lanes, &jb, pairs, ntiles, mthreads);
     free(pairs);

@@ -205,7 +205,7 @@ SP_INLINE SP_VNNI void wl_chunk(const job *jb, const int32_t *xpairs, const wgro
  * prefetched, no longer fit in L1). */
 #ifdef SP_HAVE_AMX
 static void amx_group(const job *jb, const int32_t *xpairs, const wgroup *w, int64_t g, int64_t t0, int64_t nx,
-                      __m512 *acc); /* ggml_matmul_amx.h (Q4_K) */
+                      int q6, __m512 *acc); /* ggml_matmul_amx.h */
 #endif
 
 SP_INLINE SP_VNNI void wl_tiles(const job *jb, const int32_t *xpairs, int64_t n0, int64_t n1, const int q6,
@@ -234,7 +234,7 @@ SP_INLINE SP_VNNI void wl_tiles(const job *jb, const int32_t *xpairs, int64_t n0
         else wl_unpack_q4_k(tile + g * gbytes, idx, &w);
 #ifdef SP_HAVE_AMX
         if (amx) { /* the sums by tile multiplies */
-          amx_group(jb, xpairs, &w, g, t0, tb, acc);
+          amx_group(jb, xpairs, &w, g, t0, tb, q6, acc);
           continue;
         }
 #endif
