@@ -142,20 +142,28 @@ def test_isa_paths_bitwise_equal(qtype, k):
             assert torch.equal(run(x[3:4], packed, qtype, isa=isa, threads=threads), base[3:4]), isa
 
 
+# the bytes of a K-quant block holding its sub-block scales (the rest are values and f16 scales)
+SCALE_BYTES = {Q.Q4_K: slice(4, 16), Q.Q5_K: slice(4, 16), Q.Q6_K: slice(192, 208)}
+
+
 @pytest.mark.parametrize("qtype", TYPES_K, ids=lambda q: q.name)
-@pytest.mark.parametrize("fill", [0xFF, 0x80, 0x7F])
-def test_extreme_blocks_every_path(qtype, fill):
-    """The integer sums at their largest: every value and scale byte `fill` (Q6_K: q = 63 with
-    scale -128 or 127, or q = 32 + 0x80's bits), activations all at +-127; the paths that
-    multiply scales into the weights (AMX) must not overflow a byte or an int32."""
+@pytest.mark.parametrize("values", [0xFF, 0x00])
+@pytest.mark.parametrize("scales", [0x80, 0x7F, 0xFF])
+def test_extreme_blocks_every_path(qtype, values, scales):
+    """The integer sums at their largest: every value byte `values` (0xff: the largest q, Q6_K's
+    63), every scale byte `scales` (Q6_K: -128, 127, -1; Q4_K/Q5_K: 0xff gives 63), activations
+    all at +-127; the paths that multiply scales into the weights (AMX) must not overflow a
+    byte or an int32."""
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
     k, n = 512, 33
-    raw = np.full((n, k // block, nbytes), fill, dtype=np.uint8)
+    raw = np.full((n, k // block, nbytes), values, dtype=np.uint8)
+    raw[..., SCALE_BYTES[qtype]] = scales
+    f16 = lambda v: np.frombuffer(np.float16(v).tobytes(), np.uint8)  # noqa: E731
     if qtype == Q.Q6_K:
-        raw[..., 208:210] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-    else:
-        raw[..., 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-        raw[..., 2:4] = np.frombuffer(np.float16(0.005).tobytes(), np.uint8)
+        raw[..., 208:210] = f16(0.01)
+    else:  # d, dmin
+        raw[..., 0:2] = f16(0.01)
+        raw[..., 2:4] = f16(0.005)
     packed = np.ascontiguousarray(raw.reshape(n, -1))
     x = torch.ones(17, k)
     x[1::2] = -1.0
