@@ -16,9 +16,10 @@
  *   - each output value: one running float sum over the visible slots in read order (a masked
  *     slot is skipped, not added as zero, so nothing depends on C), the denominator the same in
  *     double; their quotient rounded to float once at the end.
- * The query heads that share a KV head are computed together, so each key and value is read
- * once per row and KV head; the scores eight slots at a time (their last folds done on
- * transposed lanes), the value sums for a block of heads at once over 32 slots held in L1.
+ * The query heads that share a KV head, and up to eight rows, are computed together, so each
+ * key and value is read once per block of rows and KV head (from L1 for all but the first of
+ * them); the scores eight slots at a time (their last folds done on transposed lanes), the
+ * value sums for a block of heads at once over 32 slots held in L1, row after row.
  * Only the interleaving changes with the shapes, never a sum's order: a head's arithmetic is
  * the same alone (and is the same as in the one-slot, one-head loops this replaced: 0.53-0.84x
  * their time, docs/native_kernels.md).
@@ -119,130 +120,187 @@ SP_INLINE void values_block(const float *const *vp, const float *e, int64_t c8, 
 
 /* The slots of a head block's value sums that stay in L1 while its chunks are summed. */
 #define SP_ATT_SLOTS 32
+/* The most rows whose scores are computed over one read of a block of keys. */
+#define SP_ATT_ROWS 8
 
-/* One row and KV head g: the `group` query heads q[0 .. group) that read it, `heads` at a time
- * in the value sums.  s: scratch for group x c8 weights (c8 = c rounded up to 8), vp: c
- * pointers, acc: group x d floats. */
-SP_INLINE void attend_group(const float *q, const float *k, const float *v, const int64_t *slots,
-                            const uint8_t *mask, int64_t c, int hkv, int g, int group, int d,
-                            float scale, int heads, float *s, const float **vp, float *acc,
-                            float *out) {
-  const int64_t stride = (int64_t)hkv * d, c8 = (c + 7) / 8 * 8;
-  const v8f none = (v8f){0} - INFINITY;
-  v8f mv[64]; /* lane r: the largest visible score among slots r mod 8 */
-  float m[64];
-  double sum[64];
-  for (int h = 0; h < group; h++) mv[h] = none, sum[h] = 0.0;
-  for (int64_t j0 = 0; j0 < c; j0 += 8) { /* the scores, eight slots at a time */
-    const float *kr[8];
-    v8i seen; /* lane r: -1 where slot j0 + r exists and is visible */
-    for (int r = 0; r < 8; r++) {
-      const int64_t j = j0 + r < c ? j0 + r : c - 1; /* past the end: a copy, never used */
-      seen[r] = j0 + r < c && (!mask || mask[j]) ? -1 : 0;
-      kr[r] = k + (slots ? slots[j] : j) * stride + (int64_t)g * d;
-    }
-    int any = 0;
-    for (int r = 0; r < 8; r++) any |= seen[r];
-    if (!any) continue; /* (masked scores are computed, never read) */
-    for (int h = 0; h < group; h++) {
-      const v8f x = dot8(q + h * d, kr, d) * scale;
-      memcpy(s + h * c8 + j0, &x, sizeof x);
-      const v8i up = seen & (x > mv[h]);
-      mv[h] = (v8f)(((v8i)x & up) | ((v8i)mv[h] & ~up));
-    }
-  }
-  for (int h = 0; h < group; h++) { /* the maximum: exact in any order */
-    m[h] = -INFINITY;
-    for (int r = 0; r < 8; r++)
-      if (mv[h][r] > m[h]) m[h] = mv[h][r];
-  }
-  int64_t nv = 0; /* the visible slots' values, in read order */
-  for (int64_t j = 0; j < c; j++)
-    if (!mask || mask[j]) vp[nv++] = v + (slots ? slots[j] : j) * stride + (int64_t)g * d;
-  for (int h = 0; h < group; h++) { /* the weights, then the visible ones moved to the front */
-    float *sh = s + h * c8;
-    for (int64_t j = c; j < c8; j++) sh[j] = m[h];
-    for (int64_t j = 0; j < c8; j += 8) {
-      const v8f e = exp8(ld8f(sh + j) - m[h]);
-      memcpy(sh + j, &e, sizeof e);
-    }
-    if (mask)
-      for (int64_t j = 0, n = 0; j < c; j++)
-        if (mask[j]) sh[n++] = sh[j];
-  }
-  memset(acc, 0, (size_t)group * d * sizeof *acc);
+/* Scratch of one thread for rows x group heads over c slots. */
+typedef struct {
+  float *s;         /* rows x group x c8 scores, then weights (row-major) */
+  v8f *mv;          /* rows x group: lane r the largest visible score among slots r mod 8 */
+  double *sum;      /* rows x group denominators */
+  float *acc;       /* rows x group x d value sums */
+  const float **vp; /* c: the values of the KV head, in read order */
+  const float **vl; /* SP_ATT_SLOTS: a block's visible values (a row with masked slots in it) */
+  float *el;        /* group x SP_ATT_SLOTS: their weights */
+} att_scratch;
+
+/* The value sums of one row over the visible slots [n0, n1) of vp and e (weights of head h at
+ * e[h * stride + n]), `heads` at a time. */
+SP_INLINE void values_row(const float *const *vp, const float *e, int64_t stride, int64_t n0,
+                          int64_t n1, int group, int d, int heads, double *sum, float *acc) {
   for (int h0 = 0; h0 < group; h0 += heads) {
     const int hb = group - h0 < heads ? group - h0 : heads;
-    for (int64_t n0 = 0; n0 < nv; n0 += SP_ATT_SLOTS) {
-      const int64_t n1 = nv - n0 < SP_ATT_SLOTS ? nv : n0 + SP_ATT_SLOTS;
-      const float *e = s + h0 * c8;
-      double *w = sum + h0;
-      float *a = acc + h0 * d;
-      switch (hb) { /* the block's size as a constant: its sums in registers */
-      case 1: values_block(vp, e, c8, n0, n1, 1, d, w, a); break;
-      case 2: values_block(vp, e, c8, n0, n1, 2, d, w, a); break;
-      case 3: values_block(vp, e, c8, n0, n1, 3, d, w, a); break;
-      case 4: values_block(vp, e, c8, n0, n1, 4, d, w, a); break;
-      case 5: values_block(vp, e, c8, n0, n1, 5, d, w, a); break;
-      case 6: values_block(vp, e, c8, n0, n1, 6, d, w, a); break;
-      case 7: values_block(vp, e, c8, n0, n1, 7, d, w, a); break;
-      default: values_block(vp, e, c8, n0, n1, SP_ATT_HEADS, d, w, a);
+    const float *eh = e + h0 * stride;
+    double *w = sum + h0;
+    float *a = acc + h0 * d;
+    switch (hb) { /* the block's size as a constant: its sums in registers */
+    case 1: values_block(vp, eh, stride, n0, n1, 1, d, w, a); break;
+    case 2: values_block(vp, eh, stride, n0, n1, 2, d, w, a); break;
+    case 3: values_block(vp, eh, stride, n0, n1, 3, d, w, a); break;
+    case 4: values_block(vp, eh, stride, n0, n1, 4, d, w, a); break;
+    case 5: values_block(vp, eh, stride, n0, n1, 5, d, w, a); break;
+    case 6: values_block(vp, eh, stride, n0, n1, 6, d, w, a); break;
+    case 7: values_block(vp, eh, stride, n0, n1, 7, d, w, a); break;
+    default: values_block(vp, eh, stride, n0, n1, SP_ATT_HEADS, d, w, a);
+    }
+  }
+}
+
+/* Rows [0, nrows) and KV head g: each row's `group` query heads that read it (q of row r at
+ * q + r * qstride, its mask at mask + r * c).  Every block of keys and values is read once for
+ * all the rows, each row's sums taking the slots it sees in read order as described at the
+ * top, so a row's result is the same in any set of rows. */
+SP_INLINE void attend_rows(const float *q, int64_t qstride, const float *k, const float *v,
+                           const int64_t *slots, const uint8_t *mask, int64_t c, int nrows,
+                           int hkv, int g, int group, int d, float scale, int heads,
+                           const att_scratch *W, float *out) {
+  const int64_t stride = (int64_t)hkv * d, c8 = (c + 7) / 8 * 8;
+  const int rh = nrows * group;
+  const v8f none = (v8f){0} - INFINITY;
+  for (int x = 0; x < rh; x++) W->mv[x] = none, W->sum[x] = 0.0;
+  for (int64_t j0 = 0; j0 < c; j0 += 8) { /* the scores, eight slots at a time */
+    const float *kr[8];
+    for (int r = 0; r < 8; r++) {
+      const int64_t j = j0 + r < c ? j0 + r : c - 1; /* past the end: a copy, never used */
+      kr[r] = k + (slots ? slots[j] : j) * stride + (int64_t)g * d;
+    }
+    for (int i = 0; i < nrows; i++) {
+      const uint8_t *mi = mask ? mask + i * c : NULL;
+      v8i seen; /* lane r: -1 where slot j0 + r exists and row i sees it */
+      int any = 0;
+      for (int r = 0; r < 8; r++) {
+        seen[r] = j0 + r < c && (!mi || mi[j0 + r]) ? -1 : 0;
+        any |= seen[r];
+      }
+      if (!any) continue; /* (masked scores are computed, never read) */
+      for (int h = 0; h < group; h++) {
+        const int x = i * group + h;
+        const v8f sc = dot8(q + i * qstride + h * d, kr, d) * scale;
+        memcpy(W->s + x * c8 + j0, &sc, sizeof sc);
+        const v8i up = seen & (sc > W->mv[x]);
+        W->mv[x] = (v8f)(((v8i)sc & up) | ((v8i)W->mv[x] & ~up));
       }
     }
   }
-  for (int h = 0; h < group; h++)
-    for (int i = 0; i < d; i++) out[h * d + i] = (float)(acc[h * d + i] / sum[h]);
+  for (int x = 0; x < rh; x++) { /* the weights: exp(score - maximum), the maximum exact */
+    float m = -INFINITY;
+    for (int r = 0; r < 8; r++)
+      if (W->mv[x][r] > m) m = W->mv[x][r];
+    float *sx = W->s + x * c8;
+    for (int64_t j = c; j < c8; j++) sx[j] = m;
+    for (int64_t j = 0; j < c8; j += 8) {
+      const v8f e = exp8(ld8f(sx + j) - m);
+      memcpy(sx + j, &e, sizeof e);
+    }
+  }
+  for (int64_t j = 0; j < c; j++) W->vp[j] = v + (slots ? slots[j] : j) * stride + (int64_t)g * d;
+  memset(W->acc, 0, (size_t)rh * d * sizeof *W->acc);
+  for (int64_t j0 = 0; j0 < c; j0 += SP_ATT_SLOTS) { /* the value sums, 32 slots in L1 */
+    const int64_t j1 = c - j0 < SP_ATT_SLOTS ? c : j0 + SP_ATT_SLOTS;
+    for (int i = 0; i < nrows; i++) {
+      const float *e = W->s + (int64_t)i * group * c8;
+      double *sum = W->sum + i * group;
+      float *acc = W->acc + (int64_t)i * group * d;
+      const uint8_t *mi = mask ? mask + i * c : NULL;
+      if (!mi || !memchr(mi + j0, 0, (size_t)(j1 - j0))) { /* the row sees the whole block */
+        values_row(W->vp, e, c8, j0, j1, group, d, heads, sum, acc);
+        continue;
+      }
+      int64_t nv = 0;
+      for (int64_t j = j0; j < j1; j++) /* its visible slots moved to the front */
+        if (mi[j]) {
+          W->vl[nv] = W->vp[j];
+          for (int h = 0; h < group; h++) W->el[h * SP_ATT_SLOTS + nv] = e[h * c8 + j];
+          nv++;
+        }
+      if (nv) values_row(W->vl, W->el, SP_ATT_SLOTS, 0, nv, group, d, heads, sum, acc);
+    }
+  }
+  for (int i = 0; i < nrows; i++)
+    for (int h = 0; h < group; h++) {
+      const int x = i * group + h;
+      for (int e = 0; e < d; e++)
+        out[i * qstride + h * d + e] = (float)(W->acc[(int64_t)x * d + e] / W->sum[x]);
+    }
 }
 
-/* attend_group compiled per ISA (the parallel region below is outlined by the compiler into a
+/* attend_rows compiled per ISA (the parallel region below is outlined by the compiler into a
  * function of its own, which would not inherit a target attribute: it calls these instead). */
-typedef void (*group_fn)(const float *, const float *, const float *, const int64_t *,
-                         const uint8_t *, int64_t, int, int, int, int, float, float *,
-                         const float **, float *, float *);
+typedef void (*rows_fn)(const float *, int64_t, const float *, const float *, const int64_t *,
+                        const uint8_t *, int64_t, int, int, int, int, int, float,
+                        const att_scratch *, float *);
 /* heads: the value sums' head block, as many as the ISA's registers hold (a v16f is one
  * AVX-512 register, two AVX2 ones, four SSE ones) */
-#define SP_GROUP_FN(name, attr, heads)                                                           \
-  attr static void name(const float *q, const float *k, const float *v, const int64_t *slots,   \
-                        const uint8_t *mask, int64_t c, int hkv, int g, int group, int d,        \
-                        float scale, float *s, const float **vp, float *acc, float *out) {       \
+#define SP_ROWS_FN(name, attr, heads)                                                            \
+  attr static void name(const float *q, int64_t qs, const float *k, const float *v,             \
+                        const int64_t *slots, const uint8_t *mask, int64_t c, int nrows, int hkv, \
+                        int g, int group, int d, float scale, const att_scratch *W, float *out) { \
     if (d == 64) /* the common head sizes as constants: loops unrolled */                       \
-      attend_group(q, k, v, slots, mask, c, hkv, g, group, 64, scale, heads, s, vp, acc, out);   \
+      attend_rows(q, qs, k, v, slots, mask, c, nrows, hkv, g, group, 64, scale, heads, W, out);  \
     else if (d == 128)                                                                           \
-      attend_group(q, k, v, slots, mask, c, hkv, g, group, 128, scale, heads, s, vp, acc, out);  \
+      attend_rows(q, qs, k, v, slots, mask, c, nrows, hkv, g, group, 128, scale, heads, W, out); \
     else                                                                                         \
-      attend_group(q, k, v, slots, mask, c, hkv, g, group, d, scale, heads, s, vp, acc, out);    \
+      attend_rows(q, qs, k, v, slots, mask, c, nrows, hkv, g, group, d, scale, heads, W, out);   \
   }
-SP_GROUP_FN(attend_group_portable, , 2)
+SP_ROWS_FN(attend_rows_portable, , 2)
 #if defined(__x86_64__) || defined(__i386__)
-SP_GROUP_FN(attend_group_avx2, __attribute__((target("avx2"))), 4)
-SP_GROUP_FN(attend_group_avx512, __attribute__((target("avx512f"))), SP_ATT_HEADS)
+SP_ROWS_FN(attend_rows_avx2, __attribute__((target("avx2"))), 4)
+SP_ROWS_FN(attend_rows_avx512, __attribute__((target("avx512f"))), SP_ATT_HEADS)
 #endif
-#undef SP_GROUP_FN
+#undef SP_ROWS_FN
 
-static int attention_body(group_fn fn, const float *q, int64_t t, int hq, int hkv, int d,
+static int attention_body(rows_fn fn, const float *q, int64_t t, int hq, int hkv, int d,
                           const float *k, const float *v, const int64_t *slots, int64_t c,
                           const uint8_t *mask, float scale, float *out, int threads) {
-  const int64_t pairs = t * hkv, c8 = (c + 7) / 8 * 8;
+  const int64_t c8 = (c + 7) / 8 * 8, qs = (int64_t)hq * d;
   const int group = hq / hkv;
+  /* rows per block: up to SP_ATT_ROWS, fewer where the blocks would not feed every thread
+   * (a row's result is the same in any block) */
+  int64_t rb = t * hkv / threads;
+  rb = rb < 1 ? 1 : rb > SP_ATT_ROWS ? SP_ATT_ROWS : rb;
+  const int64_t blocks = (t + rb - 1) / rb, items = blocks * hkv;
+  const size_t rh = (size_t)(rb * group);
   int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed) if (threads > 1)
   {
-    float *s = malloc((size_t)(group * c8) * sizeof(float));
-    const float **vp = malloc((size_t)c * sizeof *vp);
-    float *acc = malloc((size_t)(group * d) * sizeof(float));
-    if (!s || !vp || !acc) failed = 1;
+    att_scratch W = {
+        .s = malloc(rh * c8 * sizeof(float)),
+        .mv = aligned_alloc(64, (rh * sizeof(v8f) + 63) / 64 * 64),
+        .sum = malloc(rh * sizeof(double)),
+        .acc = malloc(rh * d * sizeof(float)),
+        .vp = malloc((size_t)c * sizeof(float *)),
+        .vl = malloc(SP_ATT_SLOTS * sizeof(float *)),
+        .el = malloc((size_t)group * SP_ATT_SLOTS * sizeof(float)),
+    };
+    const int ok = W.s && W.mv && W.sum && W.acc && W.vp && W.vl && W.el;
+    if (!ok) failed = 1;
     /* every thread reaches the loop (and its barrier), with or without its scratch */
 #pragma omp for schedule(static)
-    for (int64_t p = 0; p < pairs; p++) { /* p = (row, KV head) */
-      if (!s || !vp || !acc) continue;
-      const int64_t row = p / hkv;
+    for (int64_t p = 0; p < items; p++) { /* p = (row block, KV head) */
+      if (!ok) continue;
+      const int64_t row = p / hkv * rb, n = t - row < rb ? t - row : rb;
       const int g = (int)(p % hkv);
-      fn(q + (row * hq + (int64_t)g * group) * d, k, v, slots, mask ? mask + row * c : NULL, c, hkv,
-         g, group, d, scale, s, vp, acc, out + (row * hq + (int64_t)g * group) * d);
+      const int64_t off = row * qs + (int64_t)g * group * d;
+      fn(q + off, qs, k, v, slots, mask ? mask + row * c : NULL, c, (int)n, hkv, g, group, d,
+         scale, &W, out + off);
     }
-    free(s);
-    free((void *)vp);
-    free(acc);
+    free(W.s);
+    free(W.mv);
+    free(W.sum);
+    free(W.acc);
+    free((void *)W.vp);
+    free((void *)W.vl);
+    free(W.el);
   }
   return failed ? SP_ERR_MEMORY : SP_OK;
 }
@@ -252,10 +310,10 @@ int sp_attention_slots(const float *q, int64_t t, int hq, int hkv, int d, const 
                        float scale, float *out, int threads, int isa) {
   if (t < 0 || c < 1 || hq < 1 || hkv < 1 || d < 1 || hq % hkv || hq / hkv > 64) return SP_ERR_SHAPE;
   if (threads < 1) threads = 1;
-  group_fn fn = attend_group_portable;
+  rows_fn fn = attend_rows_portable;
 #if defined(__x86_64__) || defined(__i386__)
-  if (sp_vector_isa(isa) == SP_ISA_AVX512VNNI) fn = attend_group_avx512;
-  else if (isa == SP_ISA_AVX2) fn = attend_group_avx2;
+  if (sp_vector_isa(isa) == SP_ISA_AVX512VNNI) fn = attend_rows_avx512;
+  else if (isa == SP_ISA_AVX2) fn = attend_rows_avx2;
 #endif
   (void)isa;
   return attention_body(fn, q, t, hq, hkv, d, k, v, slots, c, mask, scale, out, threads);
