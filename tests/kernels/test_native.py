@@ -343,6 +343,31 @@ def test_attention_rows_see_only_their_slots(c, d, hq, hkv):
         assert torch.equal(alone[0], full[i]), f"row {i}"
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_row_blocks_do_not_change_a_row(masked):
+    """Rows are computed in blocks (up to eight per KV head, fewer for more threads) sharing
+    each read of the keys; 19 rows make full and partial blocks. A tree layer's mask (the
+    prefix whole, then each row's ancestors) or none: every row equals itself alone."""
+    c, t = 100, 19
+    q, k, v, _ = attention_case(c, t=t, hq=12, hkv=2, d=128, seed=3)
+    mask = None
+    if masked:
+        mask = torch.zeros(t, c, dtype=torch.bool)
+        mask[:, :c - t] = True
+        for i in range(t):
+            mask[i, c - t + i] = True
+            mask[i, c - t:c - t + i] = torch.rand(i, generator=torch.Generator().manual_seed(i)) < 0.5
+    full = native.attention(q, k, v, mask, 0.1, threads=1)
+    for threads in (3, 8):
+        assert torch.equal(native.attention(q, k, v, mask, 0.1, threads=threads), full), threads
+    for isa in native.supported_isas():
+        assert torch.equal(native.attention(q, k, v, mask, 0.1, isa=isa), full), isa
+    for i in range(t):
+        seen = torch.arange(c) if mask is None else mask[i].nonzero().squeeze(1)
+        alone = native.attention(q[i:i + 1], k[seen], v[seen], None, 0.1, threads=1)
+        assert torch.equal(alone[0], full[i]), f"row {i}"
+
+
 def test_attention_input_validation():
     q, k, v, mask = attention_case(4)
     with pytest.raises(TypeError):
