@@ -10,7 +10,10 @@ fitted to the real runs: the profile (stage steps through the stages' own code),
 row decoding in pp through local stage processes: the gaps along its path between the stages'
 own compute spans, `specpipe profile --probe-links`) and the driver time are measured separately.
 Real runs record the stages' spans too, so the script also says how their compute and hand-overs
-compare with the profile and the link.
+compare with the profile and the link. The profile measures a layer on middle stages of 8 layers
+and of the sizes the runs' stages have (`specpipe profile --stage-layers`): on a CPU whose caches
+hold an 8-layer stage's KV but not a whole model's, a long context's layer costs more in the
+larger stage (docs/benchmarks.md §9).
 
   python benchmarks/validate_sim.py --out benchmarks/results/validate_sim.json
 
@@ -28,6 +31,9 @@ import tempfile
 from pathlib import Path
 
 from specpipe.costs.profile import CostProfile, Link
+from specpipe.loader import open_checkpoint
+from specpipe.loader.default_model import default_model_path
+from specpipe.loader.partition import partition_layers
 from specpipe.sim.events import has_stage_spans, measured, simulate
 from specpipe.sim.trace import Trace
 
@@ -80,6 +86,8 @@ def median_profile(profiles: list[CostProfile]) -> CostProfile:
     out = CostProfile.from_json(profiles[0].to_json())
     for name in ("layer_ms", "head_ms", "overhead_ms", "request_ms", "request_overhead_ms"):
         setattr(out, name, med(*(getattr(p, name) for p in profiles)))
+    for size in out.layer_ms_by_stage:
+        out.layer_ms_by_stage[size] = med(*(p.layer_ms_by_stage[size] for p in profiles))
     for link in out.links:
         out.links[link]["latency_ms"] = med(*(p.links[link]["latency_ms"] for p in profiles))
     return out
@@ -97,11 +105,14 @@ def main() -> None:
     common = ["--transport", "processes", "--stage-threads", "1", "--prompts-per-group", "2", "--groups", args.groups, "--max-tokens", str(args.max_tokens), "--no-progress"]
     # Every stage is a process with one thread: at S = 1 the stage and the driver each have a core;
     # at S = 2 the two stages do, and the driver shares (there are only two).
+    num_layers = open_checkpoint(default_model_path()).config.num_layers
+    sizes = sorted({8} | {spec.end - spec.start for S in (1, 2) for spec in partition_layers(num_layers, S)})
     for i in range(PROFILES):
         path = work / f"profile{i + 1}.json"
         if not path.exists():
             sh("profile", "--threads", "1", "--rows", "1,2,4,8,16,32,64,128,256", "--contexts", "64,256,512",
-               "--repeats", "9", "--probe-links", "1,2", "--out", str(path))
+               "--stage-layers", ",".join(map(str, sizes)), "--repeats", "9", "--probe-links", "1,2",
+               "--out", str(path))
     profile = median_profile([CostProfile.load(work / f"profile{i + 1}.json") for i in range(PROFILES)])
     profile.save(work / "profile.json")  # the one the predictions use
     cases = [("single", SINGLE, "1"), ("batched", BATCHED, "8")]

@@ -86,7 +86,7 @@ class StageTimer:
 
 def measure_checkpoint(model, draft, rows: list[int], contexts: list[int], device: str = "cpu",
                        dtype: str = "auto", threads: int = 0, repeats: int = 3, draft_vocab: int | None = None,
-                       draft_quantization: str | None = None):
+                       draft_quantization: str | None = None, stage_layers: list[int] | None = None):
     """The cost profile of a checkpoint (the target, and the draft if given, its LM head over
     `draft_vocab` tokens and its weights requantized to `draft_quantization` if given, as
     --draft-vocab and --draft-quantization serve it); `model` None is the embedded default model."""
@@ -103,6 +103,7 @@ def measure_checkpoint(model, draft, rows: list[int], contexts: list[int], devic
     dev = torch.device(device)
     target = model or default_model_path()
     ckpt = open_checkpoint(target)
+    middle_stage_sizes(ckpt.config.num_layers, stage_layers)  # a bad size fails before the loading
     draft_model, draft_meta = None, None
     if draft:
         dckpt = open_checkpoint(draft)
@@ -118,14 +119,30 @@ def measure_checkpoint(model, draft, rows: list[int], contexts: list[int], devic
             draft_model.lm_head = select_outputs(draft_model.lm_head, ids)
             draft_meta["vocab"] = len(ids)
     prof = profile_stages(lambda spec: build_stage(ckpt, spec, dev, torch_dtype), ckpt.config, rows, contexts,
-                          repeats, dev, torch_dtype, draft_model)
+                          repeats, dev, torch_dtype, draft_model, stage_layers)
     prof.model["path"], prof.draft = str(target), draft_meta
     return prof
 
 
-def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: int, device, dtype, draft=None):
+def middle_stage_sizes(num_layers: int, stage_layers: list[int] | None) -> list[int]:
+    """The sizes of the middle stages a layer is measured on: `stage_layers` (each 2..num_layers),
+    by default one of 8 layers (fewer in a smaller model)."""
+    if not stage_layers:
+        return [max(2, min(8, num_layers - 1))]
+    from specpipe.config import ConfigError
+
+    sizes = sorted(set(stage_layers))
+    if sizes[0] < 2 or sizes[-1] > num_layers:
+        raise ConfigError(f"--stage-layers must be between 2 and the model's {num_layers} layers, got "
+                         f"{','.join(map(str, sizes))}")
+    return sizes
+
+
+def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: int, device, dtype, draft=None,
+                   stage_layers: list[int] | None = None):
     """The cost profile of a model whose stages `build(StageSpec)` makes (from a checkpoint, or
-    random weights of a given shape), and of a whole draft model if given."""
+    random weights of a given shape), and of a whole draft model if given; a layer is measured
+    on middle stages of each size in `stage_layers` (middle_stage_sizes)."""
     import torch
 
     from specpipe.config import StageSpec
@@ -136,16 +153,20 @@ def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: in
     # A stage's step = overhead(n) + layers x layer(n, context) [+ head(n) on the last stage]:
     # measured on middle stages of 1 and K layers (slope: a layer; intercept: the overhead; K
     # large so that timing noise is divided by K - 1) and on a last stage of 1 layer (minus the
-    # 1-layer middle stage: the head).
+    # 1-layer middle stage: the head). Larger middle stages (sizes[1:]) give the same slope for
+    # stages whose weights and KV no longer fit the caches.
     def timer(start: int, stop: int, last: bool = False) -> StageTimer:
         spec = StageSpec(start, stop, first=False, last=last)
         return StageTimer(build(spec), contexts, rows, device, dtype, sync, REQUESTS)
 
-    K = max(2, min(8, L - 1))
+    sizes = middle_stage_sizes(L, stage_layers)
+    K = sizes[0]
     print(f"profile: computing the contexts ({REQUESTS} requests at {', '.join(map(str, contexts))} tokens) "
-          f"on stages of 1, {K} and 1 + head layers", file=sys.stderr, flush=True)
-    one, many, tail = timer(0, 1), timer(0, K), timer(L - 1, L, last=True)
-    total = len(contexts) * (len(rows) * (4 if draft is not None else 3) + 4)
+          f"on stages of 1, {', '.join(map(str, sizes))} and 1 + head layers", file=sys.stderr, flush=True)
+    one, tail = timer(0, 1), timer(L - 1, L, last=True)
+    middles = {k: timer(0, k) for k in sizes}
+    many = middles[K]
+    total = len(contexts) * (len(rows) * (len(sizes) + 2 + (draft is not None)) + 4)
     done = 0
 
     def progress(what: str) -> None:
@@ -154,6 +175,7 @@ def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: in
         print(f"\rprofile: {done}/{total} {what:40s}", end="", file=sys.stderr, flush=True)
 
     layer_ms, head_ms, overhead_ms, request_ms, request_overhead = [], [], [], [], []
+    larger: dict[str, list[list[float]]] = {str(k): [] for k in sizes[1:]}
     for ctx in contexts:
         # What requests beyond the first add: REQUESTS rows as one row each of REQUESTS requests
         # against REQUESTS rows of one request, on both middle stages (slope: per layer).
@@ -163,6 +185,8 @@ def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: in
         request_ms.append(per_layer)
         request_overhead.append(max(0.0, (t[1, REQUESTS] - t[1, 1]) / (REQUESTS - 1) - per_layer))
         layers, heads, overheads = [], [], []
+        for table in larger.values():
+            table.append([])
         for n in rows:
             t1 = one.ms(n, ctx, repeats)
             progress(f"1-layer stage, {n} rows, context {ctx}")
@@ -172,6 +196,10 @@ def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: in
             progress(f"last stage, {n} rows, context {ctx}")
             layer = max(0.0, (tk - t1) / (K - 1))
             layers.append(layer)
+            for k in sizes[1:]:
+                tm = middles[k].ms(n, ctx, repeats)
+                progress(f"{k}-layer stage, {n} rows, context {ctx}")
+                larger[str(k)][-1].append(max(0.0, (tm - t1) / (k - 1)))
             overheads.append(max(0.0, t1 - layer))
             heads.append(max(0.0, t_last - t1))
         layer_ms.append(layers)
@@ -201,7 +229,10 @@ def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: in
                      f"{repeats} runs after a warm-up",
                      f"layer: the difference between middle stages of {K} and 1 layers over {K - 1}; overhead: the "
                      "1-layer stage minus a layer; head: the last stage of 1 layer minus the 1-layer stage",
+                     *([f"layer_ms_by_stage: the same difference on middle stages of {', '.join(larger)} layers"]
+                       if larger else []),
                      "every row attends to the whole context and itself (one tree layer of one request)",
                      f"per extra request: {REQUESTS} rows of {REQUESTS} requests against {REQUESTS} rows of one",
                      "messages between processes are not included: see the link (`specpipe sim --link`)"],
-        row_bytes=cfg.hidden_size * torch.empty((), dtype=dtype).element_size())
+        row_bytes=cfg.hidden_size * torch.empty((), dtype=dtype).element_size(),
+        stage_layers=K, layer_ms_by_stage=larger)

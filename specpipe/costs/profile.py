@@ -15,6 +15,10 @@ specifications (costs/roofline.py). Both write the same JSON file:
    "request_ms": [...],               per context: what each request beyond the first adds to a
                                       layer (its own context read, its attention segment)
    "request_overhead_ms": ...,        ... and to a stage's step outside the layers
+   "stage_layers": K,                 the middle stage layer_ms was measured on (0: not recorded)
+   "layer_ms_by_stage": {"M": [[...] per context]},  the same layer measured on larger middle
+                                      stages of M layers ({} = none; `specpipe profile
+                                      --stage-layers K,M`)
    "row_bytes": ...,                  bytes of one row's hidden state on the link between stages
    "links": {name: {...}}}            links measured with the profile (e.g. loopback-s2: stage
                                       processes on this machine), usable by name in `specpipe sim`
@@ -22,7 +26,10 @@ specifications (costs/roofline.py). Both write the same JSON file:
 Between measured points costs are linear in rows and in context; past the last measured row
 count or context they are extrapolated from the last two points (compute-bound growth; never below
 the last point), below the first they are the first point (a step never costs less than its fixed
-overhead).
+overhead). Where layer_ms_by_stage has tables, a stage's layers cost what its own size reads off
+them, linear between the measured sizes and flat outside them: a stage whose weights and KV
+outgrow the caches streams them from memory, and its layers cost more than a small stage's
+(measured: docs/benchmarks.md §9).
 Files written before contexts were added ({"profile": {"rows", "layer_ms", "head_ms",
 "draft_ms", "context"}}) load as one context.
 """
@@ -70,13 +77,20 @@ class CostProfile:
     links: dict[str, dict] = field(default_factory=dict)  # name -> Link fields
     request_ms: list[float] = field(default_factory=list)  # [context]
     request_overhead_ms: float = 0.0
+    stage_layers: int = 0
+    layer_ms_by_stage: dict[str, list[list[float]]] = field(default_factory=dict)  # layers -> [context][rows]
 
     def __post_init__(self) -> None:
         if list(self.rows) != sorted(set(self.rows)) or not self.rows or self.rows[0] < 1:
             raise ValueError(f"profile rows must be ascending positive counts, got {self.rows}")
         if list(self.contexts) != sorted(set(self.contexts)) or not self.contexts:
             raise ValueError(f"profile contexts must be ascending, got {self.contexts}")
-        tables = {"layer_ms": self.layer_ms, **({"draft_ms": self.draft_ms} if self.draft_ms else {})}
+        tables = {"layer_ms": self.layer_ms, **({"draft_ms": self.draft_ms} if self.draft_ms else {}),
+                  **{f"layer_ms_by_stage[{k}]": t for k, t in self.layer_ms_by_stage.items()}}
+        if self.layer_ms_by_stage and (self.stage_layers < 1 or any(int(k) <= self.stage_layers
+                                                                    for k in self.layer_ms_by_stage)):
+            raise ValueError(f"profile layer_ms_by_stage must be for stages larger than stage_layers "
+                             f"({self.stage_layers}), got {sorted(self.layer_ms_by_stage)}")
         for name, table in tables.items():
             if len(table) != len(self.contexts) or any(len(r) != len(self.rows) for r in table):
                 raise ValueError(f"profile {name} must be {len(self.contexts)} contexts x {len(self.rows)} rows")
@@ -97,8 +111,15 @@ class CostProfile:
         ctx = self.contexts[0] if context is None else context
         return _interp(self.contexts, per_context, ctx)
 
-    def layer(self, n: int, context: Optional[int] = None) -> float:
-        return self._table(self.layer_ms, n, context)
+    def layer(self, n: int, context: Optional[int] = None, stage_layers: Optional[int] = None) -> float:
+        """One decoder layer for n rows at `context`, in a stage of `stage_layers` layers (None:
+        the stage layer_ms was measured on)."""
+        base = self._table(self.layer_ms, n, context)
+        if not self.layer_ms_by_stage or stage_layers is None or stage_layers <= self.stage_layers:
+            return base
+        sizes = [self.stage_layers, *sorted(int(k) for k in self.layer_ms_by_stage)]
+        costs = [base, *(self._table(self.layer_ms_by_stage[str(k)], n, context) for k in sizes[1:])]
+        return _interp(sizes, costs, min(stage_layers, sizes[-1]))
 
     def head(self, n: int) -> float:
         return _interp(self.rows, self.head_ms, n) if n > 0 else 0.0
@@ -117,7 +138,7 @@ class CostProfile:
         if self.request_ms:
             overhead += sum(layers * _interp(self.contexts, self.request_ms, c) + self.request_overhead_ms
                             for c in others)
-        return layers * self.layer(n, context) + (self.head(n if head is None else head) if last else 0.0) + overhead
+        return layers * self.layer(n, context, layers) + (self.head(n if head is None else head) if last else 0.0) + overhead
 
     # ---- files ------------------------------------------------------------------------------
 

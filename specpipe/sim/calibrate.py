@@ -41,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
     p.add_argument("--threads", type=int, default=0, help="CPU threads (default: torch's choice)")
+    p.add_argument("--stage-layers", type=_ints, default=None,
+                   help="measure a layer on middle stages of these sizes (default 8); add the sizes of the "
+                        "stages you will run when their weights outgrow the caches, e.g. 8,15,29")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median; default 3)")
     p.add_argument("--probe-links", type=_ints, default=[],
                    help="also measure the link between local stage processes for these stage counts, "
@@ -68,7 +71,8 @@ def main(args: argparse.Namespace) -> int:
         from specpipe.costs.measure import measure_checkpoint
 
         prof = measure_checkpoint(args.model, args.draft, args.rows, args.contexts, args.device, args.dtype,
-                                  args.threads, args.repeats, args.draft_vocab, args.draft_quantization)
+                                  args.threads, args.repeats, args.draft_vocab, args.draft_quantization,
+                                  args.stage_layers)
         for S in args.probe_links:
             for link in probe_link(args.model, S, args.device, args.threads):
                 prof.links[link.name] = asdict(link)

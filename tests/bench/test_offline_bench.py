@@ -35,10 +35,13 @@ def test_oracle_step_counts_traces_and_pictures(capsys, tiny_llama_dir, prompts,
     """Every mode against oracle stages (outputs checked against the target's own), a trace per
     run that the simulator and the pictures read, and a profile measured on this CPU."""
     code = main(["profile", "--model", str(tiny_llama_dir), "--rows", "1,8", "--contexts", "16,64", "--repeats", "1",
-                 "--probe-links", "2", "--threads", "1", "--out", str(tmp_path / "p.json")])
+                 "--probe-links", "2", "--threads", "1", "--stage-layers", "2,4", "--out", str(tmp_path / "p.json")])
     assert code == 0
     profile = CostProfile.load(tmp_path / "p.json")
     assert profile.method == "measured" and profile.num_layers == 4
+    # A layer measured on middle stages of 2 and of all 4 layers, for each context and row count.
+    assert profile.stage_layers == 2 and list(profile.layer_ms_by_stage) == ["4"]
+    assert [len(r) for r in profile.layer_ms_by_stage["4"]] == [2, 2]
     # The link between two local stage processes, idle and while they compute: a message costs time.
     assert set(profile.links) == {"loopback-s2", "loopback-s2-busy"}
     assert all(link["latency_ms"] > 0 for link in profile.links.values())
@@ -135,6 +138,8 @@ def test_bad_arguments_are_one_line(capsys, tiny_llama_dir, prompts, tmp_path):
     assert "shipped: a100-80gb" in capsys.readouterr().err
     assert main(["profile", "--roofline", "tpu-v9", "--out", str(tmp_path / "x.json")]) == 2
     assert "known: a100-80gb, h100-80gb, h200" in capsys.readouterr().err
+    assert main(["profile", "--model", str(tiny_llama_dir), "--stage-layers", "2,9", "--out", str(tmp_path / "x.json")]) == 2
+    assert "between 2 and the model's 4 layers" in capsys.readouterr().err
 
 
 def test_run_specs():
