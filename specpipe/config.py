@@ -188,7 +188,7 @@ class LinkOptions:
 class EngineConfig:
     model: Optional[str] = None  # GGUF file or HF directory; None = the embedded default model
     mode: str = "pp"
-    stages: int = 1
+    stages: int = 1  # --cluster ray: at most this many, planned over the nodes (0: one per node)
     stage_layers: Optional[list[int] | str] = None  # layers per stage, or "balanced" (by --cost-profile)
     draft: Optional[str] = None  # source spec (see spec_decode/build.py); tree/specpipe default: ngram
     draft_vocab: Optional[int] = None  # a draft model proposes from about this many tokens (None: all)
@@ -206,7 +206,10 @@ class EngineConfig:
     link_delay_ms: float = 0.0  # emulated per-message link latency between ranks
     link_bandwidth_mbps: float = 0.0  # emulated link bandwidth; 0 = unlimited
     stage_timeout_s: float = 30.0  # a stage silent this long fails the in-flight requests
-    restart_stages: int = 3  # local stage processes: start them again this often after one dies; 0 = never
+    restart_stages: int = 3  # stage processes or actors: start them again this often in a row after one dies; 0 = never
+    cluster: str = "local"  # local (this machine, or torchrun ranks) | ray (stages as actors on a Ray cluster)
+    ray_address: str = "auto"  # --cluster ray: the cluster to join (auto: the one `ray start` made here)
+    cluster_key_file: Optional[str] = None  # torchrun: a file holding the links' shared secret
     max_num_seqs: int = 32  # requests in the pipeline at once (more wait in a queue)
     max_step_rows: int = 64  # pp-cb / specpipe-db: rows entering stage 1 per step (prefill chunks included)
     max_waiting: int = 1024  # requests waiting beyond that are refused (QueueFull)
@@ -224,7 +227,7 @@ class EngineConfig:
     def validate(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"unknown mode {self.mode!r}; choose one of {', '.join(MODES)}")
-        if self.stages < 1:
+        if self.stages < (0 if self.cluster == "ray" else 1):  # ray: 0 = one stage per node
             raise ConfigError(f"--stages must be at least 1, got {self.stages}")
         if self.tree_width < 1:
             raise ConfigError(f"--tree-width must be at least 1, got {self.tree_width}")
@@ -244,6 +247,10 @@ class EngineConfig:
             raise ConfigError(f"--max-context must be at least 2, got {self.max_context}")
         if self.transport not in ("auto", "inproc", "processes"):
             raise ConfigError(f"--transport must be auto, inproc or processes, got {self.transport!r}")
+        if self.cluster not in ("local", "ray"):
+            raise ConfigError(f"--cluster must be local or ray, got {self.cluster!r}")
+        if self.cluster == "ray" and self.transport == "inproc":
+            raise ConfigError("--cluster ray runs every stage as a Ray actor; --transport inproc cannot go with it")
         if self.link_delay_ms < 0 or self.link_bandwidth_mbps < 0:
             raise ConfigError("--link-delay-ms and --link-bandwidth-mbps must be >= 0")
         if self.stage_threads < 0:

@@ -34,10 +34,12 @@ class SocketError(RuntimeError):
 
 
 class Mesh:
-    def __init__(self, rank: int, world_size: int, store, address: str, bind: Optional[str] = None) -> None:
+    def __init__(self, rank: int, world_size: int, store, address: str, bind: Optional[str] = None,
+                 key: Optional[bytes] = None) -> None:
         """`address`: where the other ranks reach this one; `bind`: the address it listens on
-        (default: `address`; "" for every interface)."""
+        (default: `address`; "" for every interface); `key`: the pipeline's shared secret."""
         self.rank, self.world_size, self.store, self.address = rank, world_size, store, address
+        self.key = key
         self.bind = address if bind is None else bind
         self.peers: dict[int, socket.socket] = {}
         self._stash: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)

@@ -81,18 +81,31 @@ def _hold_until(due_ns: int) -> None:
 class Transport:
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int,
                  options: LinkOptions = LinkOptions(), device: str = "cpu",
-                 connect_timeout_s: float = 300.0, use_nccl: Optional[bool] = None) -> None:
+                 connect_timeout_s: float = 300.0, use_nccl: Optional[bool] = None, store=None,
+                 address: Optional[str] = None, key: Optional[bytes] = None) -> None:
+        """`store`: the rendezvous store to use instead of a TCPStore at master_addr:master_port
+        (the Ray backend's, cluster/rendezvous.py: anything with set/get/check/clone); `address`:
+        the address this rank publishes and listens on (default: found from master_addr);
+        `key`: the pipeline's secret, which every link proves it holds before it carries a
+        message (sockets.py); None: links open to whoever connects first with a rank."""
         self.rank, self.world_size, self.options = rank, world_size, options
+        self.key = key
         self.device = torch.device(device)
         # NCCL needs one GPU per rank; stages sharing a GPU send activations through host memory.
         self.use_nccl = self.device.type == "cuda" if use_nccl is None else use_nccl
         # The rendezvous store is ours, so it also carries readiness, errors and heartbeats. The
         # links join only once every stage has loaded its layers (init_groups), so a stage that
         # fails while loading is reported instead of leaving the others waiting.
-        self.store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
-                                   timeout=datetime.timedelta(seconds=connect_timeout_s),
-                                   wait_for_workers=False)
+        if store is None:
+            store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
+                                  timeout=datetime.timedelta(seconds=connect_timeout_s), wait_for_workers=False)
+            self._new_store = lambda: dist.TCPStore(master_addr, master_port, world_size, is_master=False,
+                                                    timeout=datetime.timedelta(seconds=30))
+        else:
+            self._new_store = store.clone
+        self.store = store
         self._addr, self._port = master_addr, master_port
+        self._address = address
         self._connect_timeout_s = connect_timeout_s
         self.mesh: Optional[Mesh] = None
         self.bytes_sent = 0
@@ -131,7 +144,8 @@ class Transport:
             raise LinkError(f"connecting to the other ranks failed: {short_error(failure[0])}")
 
     def _init_groups(self) -> None:
-        mesh = Mesh(self.rank, self.world_size, self.store, *addresses(self._addr, self.rank))
+        where = (self._address, self._address) if self._address else addresses(self._addr, self.rank)
+        mesh = Mesh(self.rank, self.world_size, self.store, *where, key=self.key)
         mesh.connect(self._connect_timeout_s)
         self.mesh = mesh
         if self.use_nccl:
@@ -231,8 +245,7 @@ class Transport:
     # -- liveness ---------------------------------------------------------------------------------
     def start_heartbeat(self) -> None:
         """Stages: publish a heartbeat from a thread with its own store connection."""
-        store = dist.TCPStore(self._addr, self._port, self.world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=30))
+        store = self._new_store()
         key = f"heartbeat/{self.rank}"
 
         def beat() -> None:

@@ -103,7 +103,9 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
     """The engine flags `generate` and `serve` share."""
     g.add_argument("--model", help="GGUF file or Hugging Face directory (default: embedded SmolLM2-135M-Instruct)")
     g.add_argument("--mode", default="pp", help="pp | pp-cb | tree | specpipe | specpipe-db (default: pp for generate, specpipe-db for serve)")
-    g.add_argument("--stages", type=int, default=1, help="pipeline stages S (default 1)")
+    g.add_argument("--stages", type=int, default=None,
+                   help="pipeline stages S (default 1; with --cluster ray: at most S, planned over the nodes, "
+                        "default one per node)")
     g.add_argument("--stage-layers", default=None, help="layers per stage, e.g. 8,8,7,7, or balanced: counts whose slowest stage "
                    "is fastest by --cost-profile (default: even split)")
     g.add_argument("--draft", default=None,
@@ -140,6 +142,14 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--restart-stages", type=int, default=3,
                    help="local stage processes: when one dies, start the stages again up to N times in a row "
                         "and recompute the requests in flight, token for token (default 3; 0 = fail them)")
+    g.add_argument("--cluster", default="local", choices=["local", "ray"],
+                   help="local: stages on this machine (or the ranks of a torchrun job); ray: stages as actors on "
+                        "the Ray cluster this machine joined, the split planned from each node's memory and speed")
+    g.add_argument("--ray-address", default="auto",
+                   help="--cluster ray: the cluster's address (default auto: the one `ray start` made or joined here)")
+    g.add_argument("--cluster-key-file", default=None,
+                   help="torchrun: a file holding a secret shared by every rank; each link between ranks proves it "
+                        "holds the key before it carries a message (also SPECPIPE_CLUSTER_KEY_FILE)")
     g.add_argument("--max-num-seqs", type=_positive_int, default=32, help="requests in the pipeline at once (default 32)")
     g.add_argument("--max-step-rows", type=_positive_int, default=64,
                    help="pp-cb/specpipe-db: rows entering stage 1 per step, prefill chunks included (default 64)")
@@ -155,7 +165,8 @@ def _engine_config(args: argparse.Namespace, **extra):
     from specpipe.config import EngineConfig
     from specpipe.loader.partition import parse_stage_layers
 
-    config = EngineConfig(model=args.model, mode=args.mode, stages=args.stages,
+    stages = args.stages if args.stages is not None else (0 if args.cluster == "ray" else 1)
+    config = EngineConfig(model=args.model, mode=args.mode, stages=stages,
                           stage_layers=parse_stage_layers(args.stage_layers), draft=args.draft,
                           draft_vocab=args.draft_vocab, draft_quantization=args.draft_quantization,
                           tree_width=args.tree_width, tree_depth=args.tree_depth,
@@ -165,7 +176,8 @@ def _engine_config(args: argparse.Namespace, **extra):
                           transport=args.transport, stage_threads=args.stage_threads,
                           link_delay_ms=args.link_delay_ms,
                           link_bandwidth_mbps=args.link_bandwidth_mbps, stage_timeout_s=args.stage_timeout,
-                          restart_stages=args.restart_stages,
+                          restart_stages=args.restart_stages, cluster=args.cluster, ray_address=args.ray_address,
+                          cluster_key_file=args.cluster_key_file,
                           max_num_seqs=args.max_num_seqs, max_step_rows=args.max_step_rows, kv_memory=args.kv_memory,
                           kv_memory_fraction=args.kv_memory_fraction, block_size=args.block_size, **extra)
     config.validate()
