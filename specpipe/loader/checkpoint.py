@@ -23,10 +23,11 @@ The model's parameter names are these names, so loading is a checked copy.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from specpipe.config import ModelConfig
+from specpipe.config import ModelConfig, StageSpec
 
 if TYPE_CHECKING:  # only annotations need torch: the tokenizer imports this package without it
     import torch
@@ -52,6 +53,60 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message is meant for the user."""
 
 
+@dataclass(frozen=True)
+class StageBytes:
+    """What one pipeline stage reads of a checkpoint's files, without their contents.
+
+    A copy that holds these ranges at the same offsets, in files of the same sizes (the rest
+    left as holes), opens and builds the stage exactly like the original: the loaders find every
+    header and tensor where they expect it. Small, plain data, so it can travel to another node.
+    """
+
+    name: str  # the checkpoint's file (GGUF) or directory (Hugging Face) name
+    is_dir: bool  # a directory of files (Hugging Face) rather than one file (GGUF)
+    files: list[tuple[str, int]]  # (path relative to the root, size in bytes)
+    ranges: list[tuple[str, int, int]]  # (path relative to the root, offset, length): sorted, merged
+
+    @property
+    def total(self) -> int:
+        """Bytes the stage needs (the sum of the ranges)."""
+        return sum(length for _, _, length in self.ranges)
+
+    def root_of(self, path: Path) -> Path:
+        """The directory the relative paths start from, for the checkpoint at `path`."""
+        return Path(path) if self.is_dir else Path(path).parent
+
+    def checkpoint_path(self, root: Path) -> Path:
+        """The path to open (the file or the directory) for a root holding these files."""
+        return Path(root) if self.is_dir else Path(root) / self.name
+
+
+def merge_ranges(ranges: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
+    """Ranges sorted by file and offset, overlapping or touching ones joined, empty ones dropped."""
+    out: list[tuple[str, int, int]] = []
+    for rel, offset, length in sorted(r for r in ranges if r[2] > 0):
+        if out and out[-1][0] == rel and offset <= out[-1][1] + out[-1][2]:
+            prev_rel, prev_offset, prev_length = out[-1]
+            out[-1] = (rel, prev_offset, max(prev_offset + prev_length, offset + length) - prev_offset)
+        else:
+            out.append((rel, offset, length))
+    return out
+
+
+def stage_needs(name: str, spec: StageSpec, names: set[str]) -> bool:
+    """Whether a stage built for `spec` may read the canonical tensor `name` (`names`: all of the
+    checkpoint's). Anything that is neither a layer's tensor nor one of the three top-level
+    weights (GGUF's RoPE tables, which the config is read from) is needed by every stage."""
+    parts = name.split(".")
+    if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
+        return spec.start <= int(parts[1]) < spec.end
+    if name == "embed_tokens.weight":  # a tied LM head is the embedding matrix (model/stage.py)
+        return spec.first or (spec.last and "lm_head.weight" not in names)
+    if name in ("lm_head.weight", "norm.weight"):
+        return spec.last
+    return True
+
+
 class Checkpoint(ABC):
     path: Path
     config: ModelConfig
@@ -74,6 +129,13 @@ class Checkpoint(ABC):
         """(GGML type, rows (N, row_bytes) uint8, canonical shape) for formats that store
         quantized blocks (GGUF); None for formats that store plain floats."""
         return None
+
+    def stage_ranges(self, spec: StageSpec) -> StageBytes:
+        """The files of this checkpoint and the byte ranges of them that `spec`'s stage reads:
+        every preamble (headers, metadata, tensor directory) and the data of each tensor the
+        stage needs (stage_needs). Used to copy just a stage's bytes to another node."""
+        raise CheckpointError(f"{self.path.name}: {type(self).__name__} cannot say which bytes a stage "
+                              "needs, so its stages cannot be copied to other nodes")
 
     def close(self) -> None:  # pragma: no cover - formats that hold files override it
         pass

@@ -32,10 +32,11 @@ import gguf
 import numpy as np
 import torch
 
-from specpipe.config import ConfigError, LinearRope, ModelConfig, RopeScaling
+from specpipe.config import ConfigError, LinearRope, ModelConfig, RopeScaling, StageSpec
 from specpipe.kernels.ggml_types import BLOCKS
 from specpipe.loader import gguf_families as families
-from specpipe.loader.checkpoint import Checkpoint, CheckpointError, check_config_against_tensors, fused_parts
+from specpipe.loader.checkpoint import (Checkpoint, CheckpointError, StageBytes, check_config_against_tensors,
+                                       fused_parts, merge_ranges, stage_needs)
 from specpipe.loader.gguf_metadata import GGUFMetadataError, read_gguf_metadata
 
 # Architectures whose Q/K rows llama.cpp's converter permutes. llama.cpp itself calls
@@ -464,6 +465,23 @@ class GGUFCheckpoint(Checkpoint):
         if w.dtype != np.float32 or not w.flags.writeable or not w.flags.c_contiguous:
             w = np.array(w, dtype=np.float32, order="C")
         return torch.from_numpy(w) if dtype is None else torch.from_numpy(w).to(dtype)
+
+    def stage_ranges(self, spec: StageSpec) -> StageBytes:
+        """The file's preamble (header, metadata, tensor directory: everything before the first
+        tensor's data) and the data of every record the stage needs. A record can back several
+        canonical names (fused q/k/v, stacked experts); one that backs none (a RoPE table) is
+        needed by every stage, since the config is read from it at open."""
+        if self._reader is None:
+            raise CheckpointError(f"{self.path.name}: checkpoint is closed")
+        names, rel = self.names(), self.path.name
+        needed: dict[int, bool] = {}  # id(record) -> some canonical name it backs is needed
+        for name, t in self._tensors.items():
+            needed[id(t)] = needed.get(id(t), False) or stage_needs(name, spec, names)
+        size = int(self._reader.data.shape[0])
+        records = self._reader.tensors
+        ranges = [(rel, 0, min((int(t.data_offset) for t in records), default=size))]
+        ranges += [(rel, int(t.data_offset), int(t.n_bytes)) for t in records if needed.get(id(t), True)]
+        return StageBytes(name=rel, is_dir=False, files=[(rel, size)], ranges=merge_ranges(ranges))
 
     def close(self) -> None:
         # The memory map is released once nothing references the reader or its arrays.

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from specpipe.config import ConfigError, ModelConfig
-from specpipe.loader.checkpoint import Checkpoint, CheckpointError, check_config_against_tensors, fused_parts
+from specpipe.config import ConfigError, ModelConfig, StageSpec
+from specpipe.loader.checkpoint import (Checkpoint, CheckpointError, StageBytes, check_config_against_tensors,
+                                       fused_parts, merge_ranges, stage_needs)
 from specpipe.loader import PICKLE_SUFFIXES
 
 
@@ -44,6 +46,33 @@ def _read_json_object(path: Path) -> dict:
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: expected a JSON object, got {type(value).__name__}")
     return value
+
+
+def safetensors_spans(shard: Path) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(where the data starts, tensor name -> (offset, length) in the file) from a shard's
+    header: a little-endian u64 length, then that many bytes of JSON whose data_offsets count
+    from the end of the header. Read by hand because safetensors does not expose the offsets."""
+    size = shard.stat().st_size
+    with open(shard, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if n is None or 8 + n > size:
+            raise CheckpointError(f"{shard.name}: unreadable safetensors file (truncated header)")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{shard.name}: unreadable safetensors file (header: {e})") from None
+    start, spans = 8 + n, {}
+    for name, entry in (header.items() if isinstance(header, dict) else ()):
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
+                and 0 <= offsets[0] <= offsets[1] and start + offsets[1] <= size):
+            raise CheckpointError(f"{shard.name}: unreadable safetensors file (tensor {name!r} has data "
+                                  f"offsets {offsets!r} outside the file)")
+        spans[name] = (start + offsets[0], offsets[1] - offsets[0])
+    return start, spans
 
 
 class HFCheckpoint(Checkpoint):
@@ -132,6 +161,26 @@ class HFCheckpoint(Checkpoint):
             raise
         except Exception as e:
             raise CheckpointError(f"{self.path.name}: cannot read tensor {name!r} ({e})") from None
+
+    def stage_ranges(self, spec: StageSpec) -> StageBytes:
+        """Every *.json file whole (config, index, tokenizer, generation config: small, and the
+        node may want them all), and of each shard its header and the tensors the stage needs."""
+        names = self.names()
+        files: list[tuple[str, int]] = []
+        ranges: list[tuple[str, int, int]] = []
+        for f in sorted(p for p in self.path.glob("*.json") if p.is_file()):
+            size = f.stat().st_size
+            files.append((f.name, size))
+            ranges.append((f.name, 0, size))
+        for shard in self._shards():
+            files.append((shard.name, shard.stat().st_size))
+            start, spans = safetensors_spans(shard)
+            ranges.append((shard.name, 0, start))
+            for hf_name, (offset, length) in spans.items():
+                parts = fused_parts(canonical(hf_name), self.config) or [(canonical(hf_name), None, None)]
+                if any(stage_needs(part, spec, names) for part, _, _ in parts):
+                    ranges.append((shard.name, offset, length))
+        return StageBytes(name=self.path.name, is_dir=True, files=files, ranges=merge_ranges(ranges))
 
     def close(self) -> None:
         self._handles.clear()
