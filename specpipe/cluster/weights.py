@@ -1,0 +1,331 @@
+"""A node's copy of one pipeline stage's weights: the driver's own file where the node has the
+same one, else the stage's bytes streamed from the driver into a content-addressed cache.
+
+Glossary:
+  stage bytes -- what a stage reads of the checkpoint's files (StageBytes, from
+                 Checkpoint.stage_ranges): the files with their sizes, and the byte ranges of
+                 them that must be present (headers and the stage's tensors).
+  root        -- the directory the stage bytes' relative paths start from: a GGUF file's parent,
+                 or the Hugging Face directory itself.
+  digest      -- blake2b-256 over the checkpoint's name, each file's path and size, and each
+                 range's position and bytes. Two copies with one digest build the same stage.
+  entry       -- <cache>/weights/<digest>/: a sparse copy of the checkpoint (files at their full
+                 size, only the stage's ranges written, at their original offsets), so the loaders
+                 open it exactly like the original. It appears only by an atomic rename, complete.
+
+Why find() hashes an entry's bytes again every time, rather than trusting the digest cache: the
+entry may have been cut short by a full disk, damaged on disk, or edited; a wrong weight would
+not fail, it would silently change every token. The driver's own file is hashed once and the
+digest kept (keyed by path, sizes and mtimes), since the driver has to hash it for every node.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator, Optional
+
+from specpipe.loader.checkpoint import StageBytes
+
+__all__ = ["StageBytes", "WeightCacheError", "cache_dir", "stage_digest", "iter_chunks", "WeightCache",
+           "CacheWriter"]
+
+CHUNK_BYTES = 8 << 20  # reads and streamed messages: large enough to be cheap, small enough to hold
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+STALE_S = 24 * 3600  # a temporary entry untouched this long belongs to a writer that died
+
+
+class WeightCacheError(RuntimeError):
+    """Stage bytes that cannot be hashed, streamed or cached; the message is meant for the user."""
+
+
+def cache_dir() -> Path:
+    """$SPECPIPE_CACHE_DIR, else $XDG_CACHE_HOME/specpipe, else ~/.cache/specpipe."""
+    if os.environ.get("SPECPIPE_CACHE_DIR"):
+        return Path(os.environ["SPECPIPE_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "specpipe"
+
+
+def _check_layout(sb: StageBytes) -> None:
+    """Refuse stage bytes that could write outside an entry or that no checkpoint could have:
+    they come from another machine. Every path is a plain file name (no checkpoint SpecPipe
+    opens has subdirectories), every range lies inside its file."""
+    def plain(name: object) -> bool:
+        return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name \
+            and "\0" not in name
+
+    if not plain(sb.name):
+        raise WeightCacheError(f"stage bytes name {sb.name!r} is not a plain file name")
+    sizes = dict(sb.files)
+    if len(sizes) != len(sb.files) or not all(plain(rel) and isinstance(size, int) and size >= 0
+                                              for rel, size in sb.files):
+        raise WeightCacheError(f"{sb.name}: stage bytes list odd files {sb.files!r}")
+    if not sb.is_dir and [rel for rel, _ in sb.files] != [sb.name]:
+        raise WeightCacheError(f"{sb.name}: a single-file checkpoint's stage bytes must list just that file")
+    for rel, offset, length in sb.ranges:
+        if rel not in sizes or not (isinstance(offset, int) and isinstance(length, int)) \
+                or offset < 0 or length <= 0 or offset + length > sizes[rel]:
+            raise WeightCacheError(f"{sb.name}: range ({rel!r}, {offset}, {length}) is not inside a listed file")
+
+
+def _sizes_match(root: Path, sb: StageBytes) -> bool:
+    try:
+        return all((root / rel).stat().st_size == size for rel, size in sb.files)
+    except OSError:
+        return False
+
+
+def _read_range(path: Path, offset: int, length: int, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """(offset, bytes) of [offset, offset + length) in chunks; a file shorter than that is an error."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        end = offset + length
+        while offset < end:
+            data = f.read(min(chunk_bytes, end - offset))
+            if not data:
+                raise WeightCacheError(f"{path}: ends at byte {offset}, the stage needs bytes up to {end}")
+            yield offset, data
+            offset += len(data)
+
+
+def _hash(root: Path, sb: StageBytes, chunk_bytes: int = CHUNK_BYTES) -> str:
+    """The digest, from the bytes themselves (see the glossary)."""
+    h = hashlib.blake2b(digest_size=32)
+    h.update(json.dumps([sb.name, sb.is_dir, sb.files]).encode() + b"\n")
+    for rel, offset, length in sb.ranges:
+        h.update(f"{rel}\0{offset}\0{length}\n".encode())
+        for _, data in _read_range(root / rel, offset, length, chunk_bytes):
+            h.update(data)
+    return h.hexdigest()
+
+
+def stage_digest(root: Path, sb: StageBytes, cache: Optional[Path] = None) -> str:
+    """The digest of the stage bytes under `root`, read once and then remembered.
+
+    Remembered under `cache` (default cache_dir()) by the files' absolute paths, sizes and
+    mtime_ns and the ranges, so the driver hashes a 40 GB model once, not once per node and run;
+    rewriting a file changes its mtime and so the key. (A rewrite that restores the old mtime is
+    not seen; WeightCache.find never trusts this for its own entries.)
+    """
+    root = Path(root).resolve()
+    _check_layout(sb)
+    try:
+        stats = [(rel, (root / rel).stat()) for rel, _ in sb.files]
+    except OSError as e:
+        raise WeightCacheError(f"{root}: cannot hash the stage's files ({e})") from None
+    for (rel, st), (_, size) in zip(stats, sb.files):
+        if st.st_size != size:
+            raise WeightCacheError(f"{root / rel}: has {st.st_size} bytes, the stage bytes say {size}")
+    key = json.dumps([str(root), sb.name, sb.is_dir, [(rel, st.st_size, st.st_mtime_ns) for rel, st in stats],
+                      sb.ranges])
+    memo = (Path(cache) if cache is not None else cache_dir()) / "digests" / \
+        hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+    try:
+        known = memo.read_text().strip()
+        if _DIGEST.fullmatch(known):
+            return known
+    except OSError:
+        pass
+    digest = _hash(root, sb)
+    try:  # a cache that cannot be written costs a re-read next time, nothing more
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+        tmp.write_text(digest + "\n")
+        os.replace(tmp, memo)
+    except OSError:
+        pass
+    return digest
+
+
+def iter_chunks(root: Path, sb: StageBytes, chunk_bytes: int = CHUNK_BYTES) -> Iterator[tuple[str, int, bytes]]:
+    """The driver's side of streaming: (relative path, offset, bytes) covering every range, in
+    chunks of at most `chunk_bytes`, for CacheWriter.write on the node."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    for rel, offset, length in sb.ranges:
+        for at, data in _read_range(Path(root) / rel, offset, length, chunk_bytes):
+            yield rel, at, data
+
+
+def _check_digest(digest: str) -> None:
+    if not (isinstance(digest, str) and _DIGEST.fullmatch(digest)):  # it becomes a directory name
+        raise WeightCacheError(f"not a stage digest: {digest!r}")
+
+
+def _entry_root(entry: Path, sb: StageBytes) -> Path:
+    """Where an entry keeps the files: in a directory of the checkpoint's name for a Hugging Face
+    checkpoint, the entry itself for a GGUF file (which is named like the original)."""
+    return entry / sb.name if sb.is_dir else entry
+
+
+def _entry_good(entry: Path, sb: StageBytes, digest: str) -> bool:
+    """The entry's files have the right sizes and its bytes hash to `digest`, read now."""
+    root = _entry_root(entry, sb)
+    try:
+        return _sizes_match(root, sb) and _hash(root, sb) == digest
+    except (OSError, WeightCacheError):
+        return False
+
+
+def _remove(path: Path) -> None:
+    """Delete a directory tree, first renamed aside so no reader ever sees half of it."""
+    aside = path.with_name(f".trash-{path.name}-{uuid.uuid4().hex[:12]}")
+    try:
+        os.rename(path, aside)
+    except OSError:
+        return  # gone already (another process removed it)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+class WeightCache:
+    """A node's content-addressed store of stage copies, under <root>/weights/<digest>/."""
+
+    def __init__(self, root: Optional[Path] = None) -> None:
+        self.root = Path(root) if root is not None else cache_dir()
+        self.weights = self.root / "weights"
+
+    def entry(self, digest: str) -> Path:
+        _check_digest(digest)
+        return self.weights / digest
+
+    def find(self, sb: StageBytes, digest: str, local_root: Optional[Path] = None) -> Optional[Path]:
+        """The checkpoint path to open for these stage bytes, or None when they must be fetched.
+
+        local_root: the driver's checkpoint path (file or directory); used when this node has
+        files of the same sizes there whose stage digest is `digest`. Else a cache entry whose
+        files have the right sizes and whose bytes hash to `digest` now; an entry that does not
+        (truncated, corrupted) is deleted, so the caller fetches it again.
+        """
+        _check_layout(sb)
+        entry = self.entry(digest)
+        if local_root is not None:
+            local_root = Path(local_root).expanduser()
+            root = sb.root_of(local_root)
+            if local_root.exists() and local_root.name == sb.name and _sizes_match(root, sb):
+                try:
+                    if stage_digest(root, sb, self.root) == digest:
+                        return local_root
+                except (OSError, WeightCacheError):
+                    pass  # unreadable here: use the cache instead
+        if not entry.is_dir():
+            return None
+        if not _entry_good(entry, sb, digest):
+            _remove(entry)
+            return None
+        return sb.checkpoint_path(_entry_root(entry, sb))
+
+    def writer(self, sb: StageBytes, digest: str) -> "CacheWriter":
+        """A new entry for `digest`, written by the caller (from iter_chunks' chunks)."""
+        self._sweep()
+        return CacheWriter(self, sb, digest)
+
+    def _sweep(self) -> None:
+        """Remove what crashed processes left: temporary entries nobody has written to for a day
+        (their sparse files can hold most of a stage) and entries half removed."""
+        if not self.weights.is_dir():
+            return
+        now = time.time()
+        for tmp in [*self.weights.glob(".tmp-*"), *self.weights.glob(".trash-*")]:
+            try:
+                newest = max([tmp.stat().st_mtime] + [f.stat().st_mtime for f in tmp.rglob("*")])
+            except OSError:
+                continue  # being removed right now
+            if now - newest > STALE_S:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+class CacheWriter:
+    """One entry being written: a temporary directory beside the final one, holding the
+    checkpoint's files at their full sizes as holes; `write` fills the needed ranges, `finish`
+    checks the digest and renames the directory into place. Use as a context manager to abort on
+    an error."""
+
+    def __init__(self, cache: WeightCache, sb: StageBytes, digest: str) -> None:
+        _check_layout(sb)
+        self.sb, self.digest, self.final = sb, digest, cache.entry(digest)
+        cache.weights.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{digest[:16]}-", dir=cache.weights))
+        self._root = _entry_root(self.tmp, sb)
+        self._root.mkdir(exist_ok=True)
+        self._files: dict[str, object] = {}
+        try:
+            for rel, size in sb.files:
+                f = open(self._root / rel, "w+b")
+                f.truncate(size)  # sparse: the holes cost no disk
+                self._files[rel] = f
+        except OSError as e:
+            self.abort()
+            raise WeightCacheError(f"{self.tmp}: cannot create the stage's files ({e})") from None
+        self._ranges: dict[str, list[tuple[int, int]]] = {}  # rel -> sorted (start, end)
+        for rel, offset, length in sb.ranges:
+            self._ranges.setdefault(rel, []).append((offset, offset + length))
+        for spans in self._ranges.values():
+            spans.sort()
+
+    def write(self, relpath: str, offset: int, data: bytes) -> None:
+        """Put `data` at `offset` of `relpath`; it must lie inside one of the needed ranges, so a
+        confused or hostile sender cannot grow the entry or write where no weight is."""
+        spans = self._ranges.get(relpath, [])
+        i = bisect.bisect_right(spans, (offset, float("inf"))) - 1
+        if offset < 0 or i < 0 or offset + len(data) > spans[i][1]:
+            raise WeightCacheError(f"{self.sb.name}: refusing to write {len(data)} bytes at {relpath!r} offset "
+                                   f"{offset}: not inside a range the stage needs")
+        f = self._files.get(relpath)
+        if f is None:
+            raise WeightCacheError(f"{self.sb.name}: the entry is already finished or aborted")
+        f.seek(offset)
+        f.write(data)
+
+    def finish(self) -> Path:
+        """Check what was written against the digest and move the entry into place; the path to
+        open. When another writer finished the same entry first, theirs is kept."""
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        try:
+            got = _hash(self._root, self.sb)
+        except (OSError, WeightCacheError) as e:
+            self.abort()
+            raise WeightCacheError(f"{self.sb.name}: cannot check the written stage bytes ({e})") from None
+        if got != self.digest:
+            self.abort()
+            raise WeightCacheError(f"{self.sb.name}: the stage bytes written hash to {got}, expected "
+                                   f"{self.digest} (a chunk missing or damaged in transfer)")
+        for attempt in range(2):
+            try:
+                os.rename(self.tmp, self.final)  # atomic: readers see no entry or a whole one
+                break
+            except OSError as e:
+                if not self.final.is_dir():
+                    self.abort()
+                    raise WeightCacheError(f"{self.final}: cannot move the entry into place ({e})") from None
+                # Another writer got there first. Theirs holds the same bytes, unless it is a
+                # damaged entry nobody has removed yet: then it goes and ours takes its place.
+                if attempt == 1 or _entry_good(self.final, self.sb, self.digest):
+                    self.abort()
+                    break
+                _remove(self.final)
+        return self.sb.checkpoint_path(_entry_root(self.final, self.sb))
+
+    def abort(self) -> None:
+        """Drop the unfinished entry."""
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> "CacheWriter":
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is not None:
+            self.abort()

@@ -1,0 +1,261 @@
+"""A stage's bytes (Checkpoint.stage_ranges) and a node's cache of them (cluster/weights.py): the
+ranges hold just the stage's tensors, a sparse copy streamed through CacheWriter builds the same
+stage as the original file, and a damaged copy or a changed local file is never used."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+from pathlib import Path
+
+import gguf
+import pytest
+import torch
+
+from checkpoint_helpers import gguf_twin
+from specpipe.cluster import weights
+from specpipe.cluster.weights import WeightCache, WeightCacheError, iter_chunks, stage_digest
+from specpipe.loader import open_checkpoint
+from specpipe.loader.partition import partition_layers
+from specpipe.model.stage import build_stage
+
+STAGES = partition_layers(4, 3)  # layers [0, 2) + embedding, [2, 3), [3, 4) + norm and head
+
+
+@pytest.fixture(autouse=True)
+def cache_env(tmp_path, monkeypatch):
+    """Every test's digest cache and weight cache in its own directory, never the user's."""
+    monkeypatch.setenv("SPECPIPE_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.fixture(params=["hf", "hf-sharded", "gguf"])
+def model(request, tiny_model_dir, tmp_path) -> Path:
+    """A private copy of the tiny Llama (tests modify it): a Hugging Face directory (one file, or
+    shards with an index), or a GGUF file."""
+    src = tiny_model_dir("llama", max_shard_size="200KB" if request.param == "hf-sharded" else None)
+    if request.param.startswith("hf"):
+        return Path(shutil.copytree(src, tmp_path / "src" / "tiny_llama"))
+    (tmp_path / "src").mkdir()
+    return gguf_twin(src, tmp_path / "src" / "tiny_llama.gguf")
+
+
+def tensor_spans(path: Path) -> dict[str, tuple[str, int, int]]:
+    """File name, start and end of every tensor's data, read independently of the loader: the
+    safetensors header by hand, GGUF through gguf's own reader."""
+    spans = {}
+    if path.is_dir():
+        for shard in path.glob("*.safetensors"):
+            raw = shard.read_bytes()
+            n = struct.unpack("<Q", raw[:8])[0]
+            for name, e in json.loads(raw[8:8 + n]).items():
+                if name != "__metadata__":
+                    spans[name] = (shard.name, 8 + n + e["data_offsets"][0], 8 + n + e["data_offsets"][1])
+    else:
+        for t in gguf.GGUFReader(path).tensors:
+            spans[t.name] = (path.name, int(t.data_offset), int(t.data_offset) + int(t.n_bytes))
+    return spans
+
+
+def layer_of(name: str):
+    m = re.search(r"(?:layers|blk)\.(\d+)\.", name)
+    return int(m.group(1)) if m else None
+
+
+def covered(ranges, rel: str, a: int, b: int) -> bool:
+    return any(r == rel and o <= a and b <= o + n for r, o, n in ranges)
+
+
+def touches(ranges, rel: str, a: int, b: int) -> bool:
+    return any(r == rel and o < b and a < o + n for r, o, n in ranges)
+
+
+def weight_range(sb, model: Path) -> tuple[str, int, int]:
+    """(file, offset, length) of the data of one tensor the stage needs."""
+    rel, a, b = max(s for s in tensor_spans(model).values() if covered(sb.ranges, *s))
+    return rel, a, b - a
+
+
+def stream(cache: WeightCache, ckpt_path: Path, sb, digest: str, chunk_bytes: int = 4096) -> Path:
+    with cache.writer(sb, digest) as w:
+        for rel, offset, data in iter_chunks(sb.root_of(ckpt_path), sb, chunk_bytes):
+            w.write(rel, offset, data)
+        return w.finish()
+
+
+def same_stage(a: Path, b: Path, spec) -> None:
+    sa = build_stage(open_checkpoint(a), spec, stack=False).state_dict()
+    sb = build_stage(open_checkpoint(b), spec, stack=False).state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def test_ranges_hold_only_the_stages_tensors(model):
+    ckpt, spans = open_checkpoint(model), tensor_spans(model)
+    for spec in STAGES:
+        sb = ckpt.stage_ranges(spec)
+        assert sb.ranges == sorted(sb.ranges) and sb.total < sum(size for _, size in sb.files)
+        for name, (rel, a, b) in spans.items():
+            layer = layer_of(name)
+            if layer is not None:
+                want = spec.start <= layer < spec.end
+            elif "embd" in name or "embed" in name:
+                want = spec.first  # untied: the last stage has its own head
+            else:  # norm, LM head
+                want = spec.last
+            assert covered(sb.ranges, rel, a, b) if want else not touches(sb.ranges, rel, a, b), (spec, name)
+        if model.is_dir():
+            assert "model.safetensors.index.json" in dict(sb.files) or len(sb.files) == 5
+        # Every preamble, and (HF) every JSON file whole.
+        assert all(covered(sb.ranges, rel, 0, 8) for rel, _ in sb.files if not rel.endswith(".json"))
+        assert all(covered(sb.ranges, rel, 0, size) for rel, size in sb.files if rel.endswith(".json"))
+
+
+def test_tied_head_and_gguf_tables_go_to_the_stages_that_read_them(tiny_model_dir, tmp_path):
+    tied = tiny_model_dir("llama", tie_word_embeddings=True)
+    spans, ckpt = tensor_spans(tied), open_checkpoint(tied)
+    rel, a, b = spans["model.embed_tokens.weight"]
+    for spec in STAGES:
+        assert covered(ckpt.stage_ranges(spec).ranges, rel, a, b) == (spec.first or spec.last)
+    # Phi-3's LongRoPE factors are tensors the config is read from: every stage needs them.
+    phi = gguf_twin(tiny_model_dir("phi3"), tmp_path / "phi3.gguf")
+    spans, ckpt = tensor_spans(phi), open_checkpoint(phi)
+    for spec in STAGES:
+        sb = ckpt.stage_ranges(spec)
+        for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+            assert covered(sb.ranges, *spans[name])
+    cache = WeightCache()
+    sb = ckpt.stage_ranges(STAGES[1])
+    copy = stream(cache, phi, sb, stage_digest(phi.parent, sb))
+    same_stage(phi, copy, STAGES[1])
+
+
+def test_streamed_sparse_copy_builds_the_same_stage(model, cache_env):
+    ckpt, cache = open_checkpoint(model), WeightCache()
+    for spec in STAGES:
+        sb = ckpt.stage_ranges(spec)
+        digest = stage_digest(sb.root_of(model), sb)
+        assert cache.find(sb, digest, None) is None
+        copy = stream(cache, model, sb, digest)
+        assert copy.name == model.name and copy.is_dir() == model.is_dir()
+        assert copy.parent.parent == cache_env / "weights"
+        same_stage(model, copy, spec)
+        assert cache.find(sb, digest, None) == copy  # the next run loads it locally
+        assert not list((cache_env / "weights").glob(".tmp-*"))
+        # The copy really is sparse: another stage's layer is zeros in it.
+        other = next(s for s in STAGES if s != spec)
+        name, (rel, a, b) = next((n, s) for n, s in tensor_spans(model).items() if layer_of(n) == other.start)
+        with open(sb.root_of(copy) / rel, "rb") as f:
+            f.seek(a)
+            assert f.read(b - a) == bytes(b - a)
+
+
+def test_a_second_writer_keeps_the_first_entry(model):
+    sb = open_checkpoint(model).stage_ranges(STAGES[2])
+    digest, cache = stage_digest(sb.root_of(model), sb), WeightCache()
+    first = stream(cache, model, sb, digest)
+    assert stream(cache, model, sb, digest) == first
+    assert cache.find(sb, digest) == first
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_damaged_entry_is_removed_and_fetched_again(model, damage):
+    sb = open_checkpoint(model).stage_ranges(STAGES[1])
+    digest, cache = stage_digest(sb.root_of(model), sb), WeightCache()
+    copy = stream(cache, model, sb, digest)
+    rel, offset, length = weight_range(sb, model)
+    path = sb.root_of(copy) / rel
+    with open(path, "r+b") as f:
+        if damage == "truncate":
+            f.truncate(offset + length // 2)
+        else:
+            f.seek(offset + length // 2)
+            byte = f.read(1)
+            f.seek(offset + length // 2)
+            f.write(bytes([byte[0] ^ 0x01]))
+    assert cache.find(sb, digest) is None
+    assert not cache.entry(digest).exists()
+    assert stream(cache, model, sb, digest) == copy and cache.find(sb, digest) == copy
+
+
+def test_the_drivers_path_is_used_where_the_node_has_the_same_bytes(model):
+    sb = open_checkpoint(model).stage_ranges(STAGES[0])
+    digest, cache = stage_digest(sb.root_of(model), sb), WeightCache()
+    assert cache.find(sb, digest, model) == model
+    assert not cache.weights.exists()  # nothing was copied
+    # A different file at that path (same size, one weight of the stage changed) is not used.
+    rel, offset, length = weight_range(sb, model)
+    path = sb.root_of(model) / rel
+    data = bytearray(path.read_bytes())
+    data[offset + length - 1] ^= 0x01
+    path.write_bytes(bytes(data))
+    assert cache.find(sb, digest, model) is None
+    assert cache.find(sb, digest, sb.root_of(model) / "elsewhere") is None
+
+
+def test_stage_digest_is_read_once(model, cache_env, monkeypatch):
+    sb = open_checkpoint(model).stage_ranges(STAGES[2])
+    root = sb.root_of(model)
+    digest = stage_digest(root, sb)
+    reads = []
+    real = weights._read_range
+    monkeypatch.setattr(weights, "_read_range", lambda *a: reads.append(a) or real(*a))
+    assert stage_digest(root, sb) == digest and reads == []
+    # Changing a needed byte while keeping size and mtime fools the remembered digest (that is
+    # the key), but never a cache entry, which find() hashes again.
+    rel, offset, _ = weight_range(sb, model)
+    path = root / rel
+    st = path.stat()
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert stage_digest(root, sb) == digest and reads == []
+    # A real rewrite (new mtime) is hashed again.
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    assert stage_digest(root, sb) != digest and reads
+
+
+def test_writes_outside_the_needed_ranges_are_refused(model):
+    sb = open_checkpoint(model).stage_ranges(STAGES[1])
+    digest, cache = stage_digest(sb.root_of(model), sb), WeightCache()
+    w = cache.writer(sb, digest)
+    # A range that starts after its file's header, so the byte before it is outside every range.
+    rel, offset, length = next(r for r in sb.ranges if r[0].endswith((".gguf", ".safetensors")) and r[1] > 0)
+    w.write(rel, offset, b"\0" * length)  # the whole range is fine
+    for bad in [(rel, offset - 1, b"\0\0"), (rel, offset + length - 1, b"\0\0"), ("other.bin", 0, b"\0"),
+                (rel, -1, b"\0")]:
+        with pytest.raises(WeightCacheError, match="not inside a range"):
+            w.write(*bad)
+    with pytest.raises(WeightCacheError, match="hash to"):  # most ranges were never written
+        w.finish()
+    assert not w.tmp.exists() and not cache.entry(digest).exists()
+
+
+def test_stage_bytes_from_elsewhere_cannot_leave_the_cache(model):
+    sb = open_checkpoint(model).stage_ranges(STAGES[1])
+    cache = WeightCache()
+    evil = type(sb)(sb.name, sb.is_dir, [("../escape", 10)] + sb.files, sb.ranges)
+    with pytest.raises(WeightCacheError, match="odd files"):
+        cache.writer(evil, "0" * 64)
+    with pytest.raises(WeightCacheError, match="not a stage digest"):
+        cache.writer(sb, "../x")
+    beyond = type(sb)(sb.name, sb.is_dir, sb.files, sb.ranges + [(sb.files[-1][0], sb.files[-1][1], 1)])
+    with pytest.raises(WeightCacheError, match="not inside a listed file"):
+        cache.find(beyond, "0" * 64)
+
+
+def test_a_dead_writers_leftovers_are_swept(model):
+    sb = open_checkpoint(model).stage_ranges(STAGES[1])
+    digest, cache = stage_digest(sb.root_of(model), sb), WeightCache()
+    dead, alive = cache.writer(sb, digest), cache.writer(sb, digest)
+    for f in [dead.tmp, *dead.tmp.rglob("*")]:
+        os.utime(f, (0, 0))
+    stream(cache, model, sb, digest)
+    assert not dead.tmp.exists() and alive.tmp.exists()
+    alive.abort()
+    dead.abort()  # closes its files
