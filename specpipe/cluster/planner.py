@@ -1,0 +1,238 @@
+"""Which machine holds which layers: a contiguous split chosen from each node's memory and speed.
+
+    nodes (free memory, one layer's measured step)  +  the model's bytes per layer
+        ->  for each order of the nodes tried, a dynamic programme over (node, layers placed,
+            stages used)  ->  the split whose objective is best, within every node's memory
+
+A stage on node n holding layers [a, b) costs (b - a + head) x layer_ms(n) per step, where `head`
+is the LM head's cost in layers on the last stage (a CPU's decode reads weights from memory, so
+the head costs its bytes over a layer's); it holds the weights of its layers, the embedding
+(first stage), the head (last stage), their KV for the whole pool, and a fixed runtime.
+
+Two objectives, by how the mode uses the pipeline:
+  latency     pp and tree: a token crosses every stage in turn, so the step is the *sum* of the
+              stages (plus a link per hop); fewer, faster machines win, and the plan may use
+              fewer stages than nodes (all on the fastest node that holds the model).
+  throughput  pp-cb, specpipe, specpipe-db: every stage computes at once, so the step is the
+              *slowest* stage; layers spread until the stages are even in time, not in count.
+Ties go to the other objective. Several stages on one node (more stages asked than nodes) share
+its memory and cores: each such slot gets its share of both.
+
+Pure: no Ray, no torch; `cluster/ray_backend.py` measures the reports and runs the plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+from specpipe.config import ConfigError, StageSpec
+
+LATENCY_MODES = ("pp", "tree")
+GiB = 2**30
+
+
+class PlanError(ConfigError):
+    """The model does not fit the nodes (or the asked-for split does not); the message says why."""
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """What a node offers: memory the stages may take and one layer's measured step time."""
+
+    node_id: str
+    name: str  # how the plan prints it (host address, or Ray's node name)
+    free_bytes: int
+    layer_ms: float
+    threads: int = 1
+
+
+@dataclass(frozen=True)
+class ModelBytes:
+    """What the planner knows of the model."""
+
+    layer_bytes: tuple[int, ...]  # weights of each decoder layer
+    embed_bytes: int  # the token embedding (first stage)
+    head_bytes: int  # final norm + LM head (last stage; the embedding again when tied)
+    kv_bytes_per_layer: int  # one layer's share of the KV pool every stage holds
+    runtime_bytes: int = GiB // 2  # a stage process: interpreter, torch, buffers
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_bytes)
+
+    @property
+    def head_layers(self) -> float:
+        """The LM head's step in layers: its bytes over an average layer's."""
+        mean = sum(self.layer_bytes) / max(1, self.num_layers)
+        return self.head_bytes / mean if mean else 0.0
+
+    def stage_bytes(self, start: int, end: int) -> int:
+        return (sum(self.layer_bytes[start:end]) + (end - start) * self.kv_bytes_per_layer + self.runtime_bytes
+                + (self.embed_bytes if start == 0 else 0) + (self.head_bytes if end == self.num_layers else 0))
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    node: NodeReport
+    start: int
+    end: int
+    bytes: int
+    predicted_ms: float
+
+    @property
+    def layers(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Plan:
+    stages: tuple[StagePlan, ...]
+    objective: str
+    link_ms: float = 0.0
+
+    def specs(self) -> list[StageSpec]:
+        last = len(self.stages) - 1
+        return [StageSpec(s.start, s.end, first=i == 0, last=i == last) for i, s in enumerate(self.stages)]
+
+    @property
+    def step_ms(self) -> float:
+        """The predicted step: the slowest stage (throughput) or the sum with the hops (latency)."""
+        times = [s.predicted_ms for s in self.stages]
+        if self.objective == "throughput":
+            return max(times)
+        return sum(times) + self.link_ms * (len(times) - 1)
+
+    def describe(self) -> list[str]:
+        lines = [f"plan ({self.objective}: {len(self.stages)} stage{'s' if len(self.stages) > 1 else ''}, "
+                 f"predicted {self.step_ms:.1f} ms per step):"]
+        for i, s in enumerate(self.stages):
+            lines.append(f"  stage {i + 1}: node {s.node.name}, layers {s.start}-{s.end - 1} ({s.layers}), "
+                         f"{s.bytes / GiB:.2f} GB of {s.node.free_bytes / GiB:.2f} GB free, "
+                         f"{s.predicted_ms:.1f} ms per step")
+        return lines
+
+
+def objective_for(mode: str) -> str:
+    return "latency" if mode in LATENCY_MODES else "throughput"
+
+
+def plan_split(nodes: Sequence[NodeReport], model: ModelBytes, objective: str = "throughput",
+               max_stages: Optional[int] = None, stages: Optional[int] = None,
+               stage_layers: Optional[Sequence[int]] = None, link_ms: float = 0.0) -> Plan:
+    """The best contiguous split of `model` over `nodes`.
+
+    max_stages: use at most this many stages (default: one per node). stages: exactly this many
+    (a restarted pipeline keeps its stage count); more than the nodes puts several on a node.
+    stage_layers: the layer counts are given (--stage-layers); only the nodes are chosen."""
+    if objective not in ("latency", "throughput"):
+        raise ValueError(f"objective must be latency or throughput, got {objective!r}")
+    if not nodes:
+        raise PlanError("no node to place the stages on: the Ray cluster has no live node")
+    L = model.num_layers
+    if stage_layers is not None:
+        stages = len(stage_layers)
+        if sum(stage_layers) != L or min(stage_layers) < 1:
+            raise PlanError(f"--stage-layers {','.join(map(str, stage_layers))} must be positive and sum to the "
+                            f"model's {L} layers")
+    if stages is not None and not 1 <= stages <= L:
+        raise PlanError(f"--stages {stages} must be between 1 and the model's {L} layers")
+    limit = stages or min(max_stages or len(nodes), len(nodes), L)
+    slots = _slots(nodes, stages or limit)
+    best: Optional[Plan] = None
+    for order in _orders(slots):
+        plan = _best_split(order, model, objective, limit, exact=stages is not None, counts=stage_layers,
+                           link_ms=link_ms)
+        if plan is not None and (best is None or _key(plan) < _key(best)):
+            best = plan
+    if best is None:
+        raise PlanError(_does_not_fit(nodes, model, stages or limit))
+    return best
+
+
+def _key(plan: Plan) -> tuple[float, float, int]:
+    times = [s.predicted_ms for s in plan.stages]
+    hops = plan.link_ms * (len(times) - 1)
+    if plan.objective == "throughput":
+        return (round(max(times), 9), round(sum(times) + hops, 9), len(times))
+    return (round(sum(times) + hops, 9), round(max(times), 9), len(times))
+
+
+def _slots(nodes: Sequence[NodeReport], wanted: int) -> list[NodeReport]:
+    """One slot per node, or, where more stages are wanted than there are nodes, several slots on
+    the fastest nodes first, each with its share of the node's memory and cores."""
+    if wanted <= len(nodes):
+        return list(nodes)
+    by_speed = sorted(nodes, key=lambda n: n.layer_ms)
+    share = {n.node_id: 0 for n in nodes}
+    for i in range(wanted):
+        share[by_speed[i % len(by_speed)].node_id] += 1
+    out = []
+    for n in nodes:
+        k = share[n.node_id]
+        out += [replace(n, free_bytes=n.free_bytes // k, layer_ms=n.layer_ms * k, threads=max(1, n.threads // k))] * k
+    return out
+
+
+def _orders(slots: list[NodeReport]) -> list[list[NodeReport]]:
+    """The node orders tried: every order for a few nodes, else as given and by speed both ways."""
+    if len(slots) <= 4:
+        return [list(p) for p in itertools.permutations(slots)]
+    by_speed = sorted(slots, key=lambda n: n.layer_ms)
+    return [list(slots), by_speed, by_speed[::-1]]
+
+
+def _best_split(order: list[NodeReport], model: ModelBytes, objective: str, limit: int, exact: bool,
+                counts: Optional[Sequence[int]], link_ms: float) -> Optional[Plan]:
+    """Dynamic programme over (slots considered, layers placed, stages used): each slot either
+    takes the next contiguous run of layers or is left out (never when `exact` and counts say
+    every slot is needed). best[k][l]: the best (key, stages) placing layers [0, l) on k stages."""
+    L, head = model.num_layers, model.head_layers
+    prefix = list(itertools.accumulate(model.layer_bytes, initial=0))
+
+    def cost(node: NodeReport, a: int, b: int) -> Optional[tuple[float, int]]:
+        nbytes = (prefix[b] - prefix[a] + (b - a) * model.kv_bytes_per_layer + model.runtime_bytes
+                  + (model.embed_bytes if a == 0 else 0) + (model.head_bytes if b == L else 0))
+        if nbytes > node.free_bytes:
+            return None
+        return (b - a + (head if b == L else 0.0)) * node.layer_ms, nbytes
+
+    def combine(acc: tuple, ms: float) -> tuple:
+        primary, secondary = acc
+        if objective == "throughput":
+            return (max(primary, ms), secondary + ms + (link_ms if secondary else 0.0))
+        return (primary + ms + (link_ms if primary else 0.0), max(secondary, ms))
+
+    # best[k][l] = (objective tuple, [StagePlan...]) over the slots seen so far
+    best: list[dict[int, tuple]] = [dict() for _ in range(limit + 1)]
+    best[0][0] = ((0.0, 0.0), [])
+    for node in order:
+        nxt = [dict(level) for level in best]  # leaving this slot out keeps everything
+        for k in range(limit):
+            for a, (acc, stages) in best[k].items():
+                ends = [a + counts[k]] if counts is not None else range(a + 1, L + 1)
+                for b in ends:
+                    c = cost(node, a, b)
+                    if c is None:
+                        break  # more layers only need more memory
+                    value = combine(acc, c[0])
+                    if b not in nxt[k + 1] or value < nxt[k + 1][b][0]:
+                        nxt[k + 1][b] = (value, stages + [StagePlan(node, a, b, c[1], c[0])])
+        best = nxt
+    options = [best[k][L] for k in range(1, limit + 1) if L in best[k] and (not exact or k == limit)]
+    if not options:
+        return None
+    plans = [Plan(tuple(stages), objective, link_ms) for _, stages in options]
+    return min(plans, key=_key)
+
+
+def _does_not_fit(nodes: Sequence[NodeReport], model: ModelBytes, stages: int) -> str:
+    whole = model.stage_bytes(0, model.num_layers)
+    free = sum(n.free_bytes for n in nodes)
+    biggest = max(model.stage_bytes(i, i + 1) for i in range(model.num_layers))
+    return (f"the model does not fit the cluster's {len(nodes)} node{'s' if len(nodes) > 1 else ''} in "
+            f"{stages} stage{'s' if stages > 1 else ''}: it needs {whole / GiB:.2f} GB with its KV pool "
+            f"(the largest single layer with embedding or head {biggest / GiB:.2f} GB), the nodes have "
+            f"{free / GiB:.2f} GB free in all ({', '.join(f'{n.name}: {n.free_bytes / GiB:.2f}' for n in nodes)}); "
+            f"add a node, or lower --max-context / --max-num-seqs (or --kv-memory) to shrink the KV pool")

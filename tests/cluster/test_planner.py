@@ -1,0 +1,87 @@
+"""The planner: a contiguous split within every node's memory, best by the mode's objective."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from specpipe.cluster.planner import GiB, ModelBytes, NodeReport, PlanError, plan_split
+
+MB = 2**20
+
+
+def model(layers: int = 24, layer_mb: int = 40, kv_mb: int = 4) -> ModelBytes:
+    return ModelBytes(layer_bytes=(layer_mb * MB,) * layers, embed_bytes=100 * MB, head_bytes=100 * MB,
+                      kv_bytes_per_layer=kv_mb * MB, runtime_bytes=200 * MB)
+
+
+def node(name: str, free_gb: float, layer_ms: float) -> NodeReport:
+    return NodeReport(name, name, int(free_gb * GiB), layer_ms)
+
+
+def counts(plan) -> list[int]:
+    return [s.layers for s in plan.stages]
+
+
+def test_equal_nodes_split_evenly_with_the_head_on_a_lighter_last_stage():
+    plan = plan_split([node(f"n{i}", 8, 1.0) for i in range(3)], model(), "throughput")
+    assert sum(counts(plan)) == 24 and len(plan.stages) == 3
+    # The head costs 2.5 layers (100 MB over 40 MB): the last stage takes fewer layers.
+    assert counts(plan)[-1] < counts(plan)[0]
+    assert plan.step_ms == pytest.approx(max(s.predicted_ms for s in plan.stages))
+    specs = plan.specs()
+    assert specs[0].first and specs[-1].last and specs[0].start == 0 and specs[-1].end == 24
+
+
+def test_speed_bound_a_fast_node_takes_more_layers():
+    fast, slow1, slow2 = node("fast", 8, 1.0), node("slow1", 8, 2.0), node("slow2", 8, 2.0)
+    plan = plan_split([slow1, fast, slow2], model(), "throughput")
+    by_node = {s.node.name: s.layers for s in plan.stages}
+    assert by_node["fast"] > by_node["slow1"] and by_node["fast"] > by_node["slow2"]
+    # Within one layer's time of the ideal: the fast node has half the work.
+    assert plan.step_ms <= (24 + 2.5) / 2 * 1.0 + 2.0
+    # pp (latency): everything on the fast node, which holds the whole model.
+    pp = plan_split([slow1, fast, slow2], model(), "latency")
+    assert [s.node.name for s in pp.stages] == ["fast"] and counts(pp) == [24]
+
+
+def test_memory_bound_a_small_node_takes_only_what_fits():
+    small, big = node("small", 0.6, 1.0), node("big", 8, 3.0)
+    plan = plan_split([small, big], model(), "latency")
+    for s in plan.stages:
+        assert s.bytes <= s.node.free_bytes
+    assert {s.node.name for s in plan.stages} == {"small", "big"}  # neither holds it alone faster
+    assert sum(counts(plan)) == 24
+
+
+def test_does_not_fit_names_the_need_and_what_to_do():
+    with pytest.raises(PlanError, match=r"does not fit .* 2 nodes .*--max-context"):
+        plan_split([node("a", 0.5, 1.0), node("b", 0.5, 1.0)], model())
+
+
+def test_exact_stages_more_than_nodes_share_a_node():
+    plan = plan_split([node("a", 8, 1.0), node("b", 8, 1.0)], model(), "throughput", stages=3)
+    assert len(plan.stages) == 3
+    names = [s.node.name for s in plan.stages]
+    assert sorted(set(names)) == ["a", "b"]
+
+
+def test_given_layer_counts_are_kept_and_checked():
+    plan = plan_split([node("a", 8, 1.0), node("b", 8, 2.0)], model(), "throughput", stage_layers=[20, 4])
+    assert counts(plan) == [20, 4] and plan.stages[0].node.name == "a"
+    with pytest.raises(PlanError, match="sum to the model's 24"):
+        plan_split([node("a", 8, 1.0)], model(), stage_layers=[3, 4])
+
+
+def test_max_stages_and_a_dead_cluster():
+    plan = plan_split([node(f"n{i}", 8, 1.0) for i in range(4)], model(), "throughput", max_stages=2)
+    assert len(plan.stages) == 2
+    with pytest.raises(PlanError, match="no live node"):
+        plan_split([], model())
+
+
+def test_a_big_cluster_plans_in_seconds():
+    t0 = time.perf_counter()
+    plan = plan_split([node(f"n{i}", 40, 1.0 + (i % 3)) for i in range(8)], model(layers=80), "throughput")
+    assert time.perf_counter() - t0 < 20 and sum(counts(plan)) == 80
