@@ -46,14 +46,27 @@ class Engine:
         self.max_context = min(config.max_context, cfg.max_position)
         self.prompts = PromptProcessor(self.tokenizer, cfg.vocab_size, self.max_context)
         self.cost_profile = cost_profile_of(config)
-        self.stage_specs = stage_specs(config, cfg, self.cost_profile)
+        self.cluster = None  # --cluster ray: the nodes, the planned split, the stage actors
+        if config.cluster == "ray":
+            from specpipe.cluster.ray_backend import RayBackend
+
+            self.cluster = RayBackend(config, self.checkpoint, self.model_path,
+                                      lambda S: spec_reserve(config.mode, config.tree_width, config.tree_depth, S,
+                                                             config.layers_per_step), progress)
+            self.config = config = self.cluster.config  # the plan's stages and layer counts
+            self.stage_specs = self.cluster.plan.specs()
+        else:
+            self.stage_specs = stage_specs(config, cfg, self.cost_profile)
         if config.stage_layers == BALANCED and progress is not None:
             progress(f"stages balanced by the cost profile: {','.join(str(s.end - s.start) for s in self.stage_specs)} "
                      "layers")
         reserve = spec_reserve(config.mode, config.tree_width, config.tree_depth, config.stages,
                                config.layers_per_step)
-        self.num_blocks, self.window_blocks, whole_blocks = pool_blocks(
-            config, cfg, self.stage_specs, reserve, weight_bytes=held_weight_bytes(self.checkpoint, config))
+        if self.cluster is not None:  # sized by the plan, which checked every node's memory for it
+            self.num_blocks, self.window_blocks, whole_blocks = self.cluster.num_blocks, 0, self.cluster.num_blocks
+        else:
+            self.num_blocks, self.window_blocks, whole_blocks = pool_blocks(
+                config, cfg, self.stage_specs, reserve, weight_bytes=held_weight_bytes(self.checkpoint, config))
         # A draft model holds what a stage holds plus the layers it drafted ahead of the rows sent
         # (up to one speculative reserve per running request): room for that, so it rarely runs out.
         # It keeps whole contexts in one pool: sized as the stages' pool would be without a window
@@ -65,12 +78,13 @@ class Engine:
         if config.mode in SPECULATIVE_MODES:
             self._source()  # before any process starts, so a bad --draft leaves nothing running
         self.pipeline: Pipeline = start_pipeline(config, self.checkpoint, self.model_path, self.stage_specs,
-                                                 self.num_blocks, self.window_blocks, rank_env, progress)
+                                                 self.num_blocks, self.window_blocks, rank_env, progress,
+                                                 self.cluster)
         if rank_env is not None:
             # Each stage sized its pools from its own machine's memory: admit against the smallest.
             self.num_blocks = min([self.num_blocks] + [r["num_blocks"] for r in self.pipeline.ready])
             self.window_blocks = min([self.window_blocks] + [r["window_blocks"] for r in self.pipeline.ready])
-        if progress and (rank_env is not None or config.uses_processes()):  # with the stages' own lines
+        if progress and (rank_env is not None or config.uses_processes() or self.cluster is not None):  # with the stages' own lines
             window = (f"; sliding-window layers: {self.window_blocks} blocks "
                       f"({self.window_blocks * self.block_size} tokens)" if self.window_blocks else "")
             progress(f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens per stage "

@@ -31,9 +31,14 @@ Progress = Optional[Callable[[str], None]]
 
 def start_pipeline(config: EngineConfig, ckpt: Checkpoint, model_path: Path, specs: list[StageSpec],
                    num_blocks: int, window_blocks: int = 0, rank_env: Optional[RankEnv] = None,
-                   progress: Progress = None) -> Pipeline:
-    """The pipeline the config asks for: torchrun ranks when this process is rank 0 of a job,
-    local stage processes (`--transport processes`, the default when S > 1), else in-process."""
+                   progress: Progress = None, cluster=None) -> Pipeline:
+    """The pipeline the config asks for: stage actors on a Ray cluster (`cluster`: its
+    RayBackend), torchrun ranks when this process is rank 0 of a job, local stage processes
+    (`--transport processes`, the default when S > 1), else in-process."""
+    if cluster is not None:
+        # Ray places the stages, so the driver can start them again, elsewhere if a node is lost.
+        return RestartingPipeline(cluster.start, config.restart_stages, progress) if config.restart_stages \
+            else cluster.start()
     if rank_env is not None:
         return torchrun_driver(rank_env, config.stages, config.device, config.link(), progress=progress)
     if config.uses_processes():

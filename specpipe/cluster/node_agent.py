@@ -1,0 +1,94 @@
+"""One actor per node: what the node offers (memory, cores, one layer's measured speed) and its
+copy of each stage's weights (cluster/weights.py), before any stage starts there.
+
+    driver  --probe-->  free memory, cores, address
+            --find(stage bytes, digest, the driver's path)-->  a local path, or None
+            --begin / write(chunk) ... / finish-->  the cache entry the driver streamed
+            --calibrate(path, layer)-->  ms of one layer's step at 1 and W rows
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Optional
+
+CALIBRATION_CONTEXT = 64
+CALIBRATION_REPEATS = 5
+
+
+def node_cores() -> int:
+    """The cores this node's processes may run on (a `taskset` on `ray start` is inherited)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+class NodeAgent:
+    def __init__(self, cache_root: Optional[str] = None) -> None:
+        from specpipe.cluster.weights import WeightCache
+
+        self.cache = WeightCache(Path(cache_root) if cache_root else None)
+        self._writers: dict = {}
+
+    def probe(self, device: str = "cpu") -> dict:
+        import ray
+
+        from specpipe.engine.kv_pool import available_memory
+
+        return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
+                "host": socket.gethostname(), "free_bytes": available_memory(device), "cores": node_cores()}
+
+    # -- weights -------------------------------------------------------------------------------
+    def find(self, sb, digest: str, driver_path: str) -> Optional[str]:
+        """The path a stage on this node opens: the driver's own file where this node has the same
+        one (unless SPECPIPE_USE_SHARED_PATH=0 where `ray start` ran: say the path is a slow network
+        share), else a verified cache entry; None: the driver must stream the bytes."""
+        local = Path(driver_path)
+        shared = os.environ.get("SPECPIPE_USE_SHARED_PATH", "1") != "0"  # 0: a slow network share
+        found = self.cache.find(sb, digest, local if shared and local.exists() else None)
+        return None if found is None else str(found)
+
+    def begin(self, sb, digest: str) -> None:
+        if digest in self._writers:
+            self._writers.pop(digest).abort()
+        self._writers[digest] = self.cache.writer(sb, digest)
+
+    def write(self, digest: str, relpath: str, offset: int, data: bytes) -> None:
+        self._writers[digest].write(relpath, offset, data)
+
+    def finish(self, digest: str) -> str:
+        return str(self._writers.pop(digest).finish())
+
+    def abort(self, digest: str) -> None:
+        w = self._writers.pop(digest, None)
+        if w is not None:
+            w.abort()
+
+    # -- speed ---------------------------------------------------------------------------------
+    def calibrate(self, path: str, layer: int, rows: list[int], threads: int, device: str = "cpu",
+                  dtype: Optional[str] = None, quantization: Optional[str] = None) -> dict[int, float]:
+        """Milliseconds of one decoder layer's step (a middle stage of that one layer, through the
+        stages' own code) for each row count, with the threads a stage here would use."""
+        import gc
+
+        import torch
+
+        from specpipe.config import StageSpec
+        from specpipe.costs.measure import StageTimer
+        from specpipe.loader import open_checkpoint
+        from specpipe.model.stage import build_stage
+
+        torch.set_num_threads(max(1, threads))
+        torch_dtype = getattr(torch, dtype) if dtype else None
+        model = build_stage(open_checkpoint(path), StageSpec(layer, layer + 1, False, False), device, torch_dtype,
+                            quantization)
+        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+        timer = StageTimer(model, [CALIBRATION_CONTEXT], rows, torch.device(device), torch_dtype or torch.float32,
+                           sync, 1)
+        out = {n: timer.ms(n, CALIBRATION_CONTEXT, CALIBRATION_REPEATS) for n in rows}
+        del timer, model
+        gc.collect()
+        return out

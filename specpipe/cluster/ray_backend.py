@@ -1,0 +1,311 @@
+"""The driver's side of `--cluster ray`: the machines of a Ray cluster as one pipeline.
+
+    join the cluster  ->  an agent per node: free memory, cores, one layer's measured step
+        ->  plan the split (cluster/planner.py), print it  ->  each stage's weights on its node
+            (the node's own copy of the file, its cache, or streamed from here: cluster/weights.py)
+        ->  a stage actor per stage, a fresh key and rendezvous per pipeline  ->  RemotePipeline
+
+The driver stays in the calling process; the per-step data go over our own framed TCP links
+(distributed/sockets.py), authenticated by the pipeline's key. `start` is also what recovery
+calls (engine/restart.py): nodes that no longer answer are dropped, the split is planned again
+on those left (same number of stages) where a planned node is gone, and the new stages load
+from their nodes' caches; the engine core recomputes every request in flight from its tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from specpipe.cluster.planner import ModelBytes, NodeReport, Plan, PlanError, objective_for, plan_split
+from specpipe.config import SPECULATIVE_MODES, ConfigError, EngineConfig, StageSpec
+from specpipe.distributed.remote_pipeline import PipelineError, RemotePipeline
+from specpipe.loader.checkpoint import Checkpoint
+
+Progress = Optional[Callable[[str], None]]
+PING_S = 5.0  # a node agent that does not answer within this is taken for lost
+LOAD_TIMEOUT_S = 600.0
+
+
+class RayBackend:
+    def __init__(self, config: EngineConfig, ckpt: Checkpoint, model_path: Path, reserve: Callable[[int], int],
+                 progress: Progress = None) -> None:
+        """`reserve(S)`: the speculative rows one request may hold at a stage with S stages."""
+        import ray
+
+        from specpipe.cluster.placement import connect, driver_node_id
+
+        connect(config.ray_address)
+        self.config, self.ckpt, self.model_path, self.progress = config, ckpt, Path(model_path), progress
+        self.driver_node = driver_node_id()
+        self.driver_ip = ray.util.get_node_ip_address()
+        self.agents: dict[str, object] = {}
+        self.nodes: dict[str, dict] = {}  # node id -> its probe
+        self.reports: dict[str, NodeReport] = {}
+        self._digests: dict[StageSpec, tuple] = {}
+        self.restarts = 0
+        self.state = "starting"
+        self._refresh_nodes()
+        S_max = config.stages or len(self.reports)
+        self.num_blocks = kv_blocks(config, ckpt.config, reserve(S_max))
+        self.model = model_bytes(ckpt, config, self.num_blocks)
+        counts = config.stage_layers if isinstance(config.stage_layers, list) else None
+        self.plan = self._plan(max_stages=config.stages or None, counts=counts)
+        self.num_blocks = kv_blocks(config, ckpt.config, reserve(len(self.plan.stages)))
+        self.config = dataclasses.replace(config, stages=len(self.plan.stages),
+                                          stage_layers=[s.layers for s in self.plan.stages])
+
+    # -- nodes ---------------------------------------------------------------------------------
+    def _say(self, msg: str) -> None:
+        if self.progress:
+            self.progress(msg)
+
+    def _refresh_nodes(self) -> None:
+        """Agents on every live node; nodes whose agent does not answer are dropped; new nodes are
+        probed and calibrated."""
+        import ray
+
+        from specpipe.cluster.node_agent import NodeAgent
+        from specpipe.cluster.placement import live_nodes, on_node
+
+        agent_cls = ray.remote(num_cpus=0, max_concurrency=4)(NodeAgent)
+        for n in live_nodes():
+            if n["NodeID"] not in self.agents:
+                self.agents[n["NodeID"]] = agent_cls.options(**on_node(n["NodeID"])).remote()
+        probes = {nid: a.probe.remote(self.config.device) for nid, a in self.agents.items()}
+        for nid, ref in probes.items():
+            try:
+                self.nodes[nid] = ray.get(ref, timeout=PING_S)
+            except Exception:  # dead, or unreachable: a lost node
+                self.agents.pop(nid)
+                self.nodes.pop(nid, None)
+                self.reports.pop(nid, None)
+        if not self.agents:
+            raise PlanError("the Ray cluster has no live node to run a stage on")
+        new = [nid for nid in self.agents if nid not in self.reports]
+        if new:
+            self._calibrate(new)
+
+    def _calibrate(self, node_ids: list[str]) -> None:
+        """One layer of this model, its weight types and a stage's threads, timed on each node."""
+        import ray
+
+        c = self.config
+        layer = self.ckpt.config.num_layers // 2
+        spec = StageSpec(layer, layer + 1, False, False)
+        rows = 1 if objective_for(c.mode) == "latency" or c.mode not in SPECULATIVE_MODES else c.tree_width
+        t0 = time.perf_counter()
+        paths = {nid: self._provision(nid, spec, f"calibration layer for node {self._name(nid)}") for nid in node_ids}
+        for nid in node_ids:  # one at a time: nodes that share a machine must not time each other
+            ms = ray.get(self.agents[nid].calibrate.remote(paths[nid], layer, [rows], self.nodes[nid]["cores"],
+                                                           c.device, _dtype_name(c), c.quantization))[rows]
+            probe = self.nodes[nid]
+            self.reports[nid] = NodeReport(nid, self._name(nid), probe["free_bytes"] // self._hosts_sharing(nid),
+                                           ms, probe["cores"])
+            self._say(f"node {self._name(nid)}: {probe['cores']} cores, {probe['free_bytes'] / 2**30:.1f} GB free, "
+                      f"a layer's step {ms:.2f} ms at {rows} row{'s' if rows > 1 else ''}")
+        self._say(f"calibrated {len(node_ids)} node{'s' if len(node_ids) > 1 else ''} in "
+                  f"{time.perf_counter() - t0:.1f} s")
+
+    def _hosts_sharing(self, nid: str) -> int:
+        """Ray nodes on the same host (one machine running several `ray start`) share its memory."""
+        ip = self.nodes[nid]["ip"], self.nodes[nid]["host"]
+        return sum((p["ip"], p["host"]) == ip for p in self.nodes.values())
+
+    def _name(self, nid: str) -> str:
+        p = self.nodes[nid]
+        return f"{p['ip']}/{nid[:6]}"
+
+    def _plan(self, max_stages: Optional[int] = None, stages: Optional[int] = None,
+              counts: Optional[list[int]] = None) -> Plan:
+        plan = plan_split(list(self.reports.values()), self.model, objective_for(self.config.mode),
+                          max_stages=max_stages, stages=stages, stage_layers=counts)
+        for line in plan.describe():
+            self._say(line)
+        return plan
+
+    # -- weights -------------------------------------------------------------------------------
+    def _provision(self, nid: str, spec: StageSpec, label: str) -> str:
+        """The path a stage of `spec` opens on node `nid`, its bytes put there first if need be."""
+        import ray
+
+        from specpipe.cluster.weights import iter_chunks, stage_digest
+
+        if spec not in self._digests:
+            sb = self.ckpt.stage_ranges(spec)
+            self._digests[spec] = (sb, stage_digest(sb.root_of(self.model_path), sb))
+        sb, digest = self._digests[spec]
+        agent = self.agents[nid]
+        found = ray.get(agent.find.remote(sb, digest, str(self.model_path)))
+        if found is not None:
+            return found
+        ray.get(agent.begin.remote(sb, digest))
+        inflight: list = []
+        sent, last_told = 0, -1
+        try:
+            for relpath, offset, data in iter_chunks(sb.root_of(self.model_path), sb):
+                inflight.append(agent.write.remote(digest, relpath, offset, data))
+                if len(inflight) > 4:  # a few chunks in flight: the link stays busy, memory bounded
+                    ray.get(inflight.pop(0))
+                sent += len(data)
+                told = int(10 * sent / max(1, sb.total))
+                if told != last_told:
+                    last_told = told
+                    self._say(f"{label}: streaming weights {sent / 2**20:.0f}/{sb.total / 2**20:.0f} MiB "
+                              f"({100 * sent / max(1, sb.total):.0f}%)")
+            ray.get(inflight)
+            return ray.get(agent.finish.remote(digest))
+        except BaseException:
+            try:
+                ray.get(agent.abort.remote(digest), timeout=PING_S)
+            except Exception:
+                pass
+            raise
+
+    # -- the pipeline --------------------------------------------------------------------------
+    def start(self) -> RemotePipeline:
+        """Stage actors for the current plan, connected to this driver; after a failure, the plan
+        again over the nodes still alive (PipelineError where nothing can host the stages)."""
+        try:
+            return self._start()
+        except (PlanError, ConfigError) as e:
+            self.state = "failed"
+            raise PipelineError(str(e)) from None
+
+    def _start(self) -> RemotePipeline:
+        import ray
+
+        from specpipe.cluster.placement import on_node
+        from specpipe.cluster.rendezvous import RayStore
+        from specpipe.cluster.stage_actor import StageActor
+        from specpipe.distributed.ranks import stage_failure, wait_ready
+        from specpipe.distributed.transport import Transport
+
+        if self.state != "starting":  # a restart: who is still there
+            self.restarts += 1
+            self._refresh_nodes()
+            if any(s.node.node_id not in self.reports for s in self.plan.stages):
+                self._say("a node of the pipeline is gone: planning the split again on the nodes left")
+                self.plan = self._plan(stages=len(self.plan.stages))
+        c, plan = self.config, self.plan
+        S, specs = len(plan.stages), plan.specs()
+        paths = [self._provision(s.node.node_id, spec, f"stage {i + 1}")
+                 for i, (s, spec) in enumerate(zip(plan.stages, specs))]
+        per_node = {nid: sum(s.node.node_id == nid for s in plan.stages) for nid in {s.node.node_id for s in plan.stages}}
+        store = RayStore.create(self.driver_node)
+        key = secrets.token_bytes(32)  # fresh for every pipeline, handed over through Ray only
+        actor_cls = ray.remote(num_cpus=0, max_concurrency=2, max_restarts=0)(StageActor)
+        actors, refs = [], []
+        for rank, (s, spec, path) in enumerate(zip(plan.stages, specs, paths), start=1):
+            nid = s.node.node_id
+            threads = max(1, self.nodes[nid]["cores"] // per_node[nid])
+            actor = actor_cls.options(**on_node(nid)).remote()
+            actors.append(actor)
+            refs.append(actor.serve.remote(rank, S + 1, store.clone(), key, path, spec, self.num_blocks,
+                                           c.block_size, c.device, _dtype_name(c), c.link(), threads, c.quantization))
+
+        def exits() -> dict[int, str]:
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            return {refs.index(ref) + 1: _ended(ref) for ref in done}
+
+        def stop(broken: bool) -> None:
+            if not broken:
+                ray.wait(refs, num_returns=len(refs), timeout=5.0)
+            for a in actors:
+                try:
+                    ray.kill(a, no_restart=True)
+                except Exception:
+                    pass
+            store.close()
+
+        t = Transport(0, S + 1, "", 0, c.link(), c.device, use_nccl=False, store=store, address=self.driver_ip,
+                      key=key)
+        try:
+            ready = wait_ready(store, S, exits, LOAD_TIMEOUT_S, self.progress)
+            t.init_groups(abort=lambda: stage_failure(store, S, exits))
+        except BaseException as e:
+            stop(broken=True)
+            t.close()
+            if isinstance(e, RuntimeError):
+                raise PipelineError(str(e)) from None
+            raise
+        self.state = "running"
+        self._actors = actors
+        pipe = RemotePipeline(t, S, exits, on_close=stop)
+        pipe.ready = ready  # type: ignore[attr-defined]
+        return pipe
+
+    def stage_pids(self) -> list[int]:
+        """The stage actors' process ids, stage 1 first."""
+        import ray
+
+        return ray.get([a.ping.remote() for a in self._actors])
+
+    def describe(self) -> list[dict]:
+        """Each stage's node, layers, state and the pipeline's restarts (for /health and /metrics)."""
+        return [{"stage": i + 1, "node": s.node.name, "node_id": s.node.node_id, "layers": [s.start, s.end],
+                 "state": self.state, "restarts": self.restarts} for i, s in enumerate(self.plan.stages)]
+
+
+def _ended(ref) -> str:
+    """Why a stage actor's serve() ended, in one line."""
+    import ray
+
+    try:
+        ray.get(ref, timeout=1.0)
+        return "stopped"
+    except ray.exceptions.RayActorError:
+        return "actor died (its process was killed or its node was lost)"
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if getattr(e, "cause", None) is not None else e
+        return f"failed: {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+    except Exception as e:  # noqa: BLE001
+        return f"ended: {type(e).__name__}"
+
+
+def _dtype_name(config: EngineConfig) -> Optional[str]:
+    dtype = config.torch_dtype()
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def kv_blocks(config: EngineConfig, cfg, reserve: int) -> int:
+    """Blocks per stage: what --max-num-seqs requests of --max-context tokens and their trees
+    can use (or what --kv-memory buys the largest stage: at most that); every layer in one pool."""
+    from specpipe.config import parse_bytes
+    from specpipe.sched.block_manager import blocks_for
+
+    cap = config.max_num_seqs * blocks_for(config.max_context + reserve, config.block_size)
+    if config.kv_memory is None:
+        return cap
+    per_layer_block = 2 * cfg.num_kv_heads * cfg.head_dim * _dtype_bytes(config) * config.block_size
+    return max(1, min(cap, parse_bytes(config.kv_memory) // (per_layer_block * cfg.num_layers)))
+
+
+def _dtype_bytes(config: EngineConfig) -> int:
+    import torch
+
+    return torch.empty(0, dtype=config.torch_dtype()).element_size()
+
+
+def model_bytes(ckpt: Checkpoint, config: EngineConfig, num_blocks: int) -> ModelBytes:
+    """The model as the planner sees it: each layer's weights as stored (scaled where the stages
+    expand them, e.g. bfloat16 files run in float32), the embedding, the head, and a layer's KV."""
+    from specpipe.engine.kv_pool import held_weight_bytes
+
+    cfg = ckpt.config
+    L = cfg.num_layers
+
+    def need(spec: StageSpec) -> int:
+        return ckpt.stage_ranges(spec).total
+
+    base = need(StageSpec(0, 0, False, False))  # headers and tables every stage reads
+    layers = [need(StageSpec(i, i + 1, False, False)) - base for i in range(L)]
+    embed = need(StageSpec(0, 0, True, False)) - base
+    head = need(StageSpec(L, L, False, True)) - base
+    stored = sum(layers) + embed + head
+    scale = max(1.0, held_weight_bytes(ckpt, config) / max(1, stored))
+    kv = num_blocks * config.block_size * 2 * cfg.num_kv_heads * cfg.head_dim * _dtype_bytes(config)
+    return ModelBytes(tuple(int(b * scale) for b in layers), int(embed * scale), int(head * scale), kv)

@@ -1,0 +1,140 @@
+"""--cluster ray on a Ray cluster of several nodes on this machine (ray.cluster_utils.Cluster):
+the same tokens as one process in every mode, weights streamed to a node that lacks the file
+and loaded from its cache on the next run, a killed stage actor and a lost node survived token
+for token. The head node offers no CPU, so stages go only to the three worker nodes; the third
+ignores the driver's path (SPECPIPE_USE_SHARED_PATH=0), as a machine without the file would."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from specpipe.config import EngineConfig  # noqa: E402
+from specpipe.engine.engine import Engine  # noqa: E402
+from specpipe.sampling import SamplingParams  # noqa: E402
+
+PROMPTS = ["the theatre in the sea", "a b c a b c a b", "one two three four"]
+PARAMS = [SamplingParams(max_tokens=24), SamplingParams(temperature=0.8, seed=3, max_tokens=24),
+          SamplingParams(max_tokens=20)]
+MODES = ("pp", "specpipe", "specpipe-db")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("node3-cache")
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    nodes = [c.add_node(num_cpus=1), c.add_node(num_cpus=1),
+             c.add_node(num_cpus=1, env_vars={"SPECPIPE_USE_SHARED_PATH": "0", "SPECPIPE_CACHE_DIR": str(cache)})]
+    ray.init(address=c.address, log_to_driver=False)
+    yield c, nodes, cache
+    ray.shutdown()
+    c.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return str(tiny_model_dir("llama", num_hidden_layers=6))
+
+
+def config(model: str, mode: str, **extra) -> EngineConfig:
+    draft = "ngram" if mode != "pp" else None
+    return EngineConfig(model=model, mode=mode, draft=draft, tree_width=4, kv_memory="8MiB", max_context=128, **extra)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+    """Every mode's tokens in one process."""
+    engine = Engine(config(model, mode="specpipe", transport="inproc", stages=1))
+    try:
+        return {m: [engine.generate(p, s, chat=False, mode=m).token_ids for p, s in zip(PROMPTS, PARAMS)]
+                for m in MODES}
+    finally:
+        engine.close()
+
+
+def ray_engine(model, messages=None, **extra) -> Engine:
+    return Engine(config(model, cluster="ray", **extra), progress=messages.append if messages is not None else None)
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_every_mode_gives_the_tokens_of_one_process(cluster, model, reference, stages):
+    messages: list[str] = []
+    engine = ray_engine(model, messages, mode="specpipe", stages=stages)
+    try:
+        assert engine.pipeline.num_stages == stages and len(engine.cluster.plan.stages) == stages
+        assert any(m.startswith("plan (") for m in messages)  # printed before loading
+        for mode in MODES:
+            got = [engine.generate(p, s, chat=False, mode=mode).token_ids for p, s in zip(PROMPTS, PARAMS)]
+            assert got == reference[mode], mode
+    finally:
+        engine.close()
+
+
+def test_a_node_without_the_file_gets_its_stage_streamed_then_cached(cluster, model, reference):
+    _, _, cache = cluster
+    for run in range(2):
+        messages: list[str] = []
+        engine = ray_engine(model, messages, mode="pp", stages=3)  # every node holds a stage
+        try:
+            got = [engine.generate(p, s, chat=False).token_ids for p, s in zip(PROMPTS, PARAMS)]
+            assert got == reference["pp"]
+        finally:
+            engine.close()
+        streamed = [m for m in messages if "streaming weights" in m]
+        if run == 0:
+            assert streamed and any(m.startswith("stage ") for m in streamed), messages
+            assert list((cache / "weights").iterdir())
+        else:
+            assert streamed == [], streamed  # the node's cache had them
+
+
+def serve_and_kill(engine: Engine, kill, at_step: int = 5):
+    core = engine.core()
+    reqs = [engine.prompts.make_request(p, s, chat=False) for p, s in zip(PROMPTS, PARAMS)]
+    for r in reqs:
+        core.add_request(r)
+    steps = 0
+    while core.has_work():
+        core.step()
+        steps += 1
+        if steps == at_step:
+            assert all(not r.finished for r in reqs)
+            kill()
+    return reqs
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_killed_stage_actor_costs_no_token(cluster, model, reference, mode):
+    # Two stages whatever the objective (pp's alone would put the whole small model on one node).
+    engine = ray_engine(model, mode=mode, stages=2, stage_layers=[3, 3], stage_timeout_s=10)
+    try:
+        pids = engine.cluster.stage_pids()
+        reqs = serve_and_kill(engine, lambda: os.kill(pids[1], signal.SIGKILL))
+        assert [r.output_ids for r in reqs] == reference[mode]
+        assert engine.core().stage_restarts == 1 and engine.cluster.restarts == 1
+        assert engine.cluster.stage_pids()[1] != pids[1]
+    finally:
+        engine.close()
+
+
+def test_a_lost_node_is_planned_around(cluster, model, reference):
+    """Last: it takes a node away for good. Three stages on three nodes; one node goes; the
+    split is planned again on the two left (one holds two stages) and no token differs."""
+    c, nodes, _ = cluster
+    engine = ray_engine(model, mode="specpipe-db", stages=3, stage_timeout_s=10)
+    try:
+        used = {s.node.node_id for s in engine.cluster.plan.stages}
+        assert len(used) == 3
+        victim = next(n for n in nodes if n.node_id == engine.cluster.plan.stages[1].node.node_id)
+        reqs = serve_and_kill(engine, lambda: c.remove_node(victim, allow_graceful=False))
+        assert [r.output_ids for r in reqs] == reference["specpipe-db"]
+        now = {s.node.node_id for s in engine.cluster.plan.stages}
+        assert victim.node_id not in now and len(engine.cluster.plan.stages) == 3 and len(now) == 2
+    finally:
+        engine.close()
