@@ -97,6 +97,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--transport", default="auto", help="inproc | processes (default: processes when S > 1)")
     p.add_argument("--stage-threads", type=int, default=0, help="CPU threads per stage process (default: cores / S)")
+    p.add_argument("--cluster", default="local", choices=["local", "ray"],
+                   help="ray: the stages as actors on the Ray cluster this machine joined (at most --stages, planned)")
+    p.add_argument("--ray-address", default="auto", help="--cluster ray: the cluster's address (default auto)")
     p.add_argument("--trace-dir", default=None, help="write one trace per run and stage count here")
     p.add_argument("--plots", default=None, help="write PNG pictures here (an --oracle timeline needs --profile)")
     p.add_argument("--profile", default=None,
@@ -215,7 +218,8 @@ def _config(args, S: int, runs: list[RunSpec], **extra):
                         tree_depth=args.tree_depth, layers_per_step=deepest, device=args.device,
                         max_num_seqs=max(1, args.concurrency), max_step_rows=args.max_step_rows,
                         stage_timeout_s=600, cost_profile=args.cost_profile,
-                        **{"transport": args.transport, "stage_threads": args.stage_threads, **extra})
+                        **{"transport": args.transport, "stage_threads": args.stage_threads,
+                           "cluster": args.cluster, "ray_address": args.ray_address, **extra})
 
 
 def _core_args(args, run: RunSpec) -> tuple:

@@ -245,9 +245,9 @@ class RayBackend:
         return ray.get([a.ping.remote() for a in self._actors])
 
     def describe(self) -> list[dict]:
-        """Each stage's node, layers, state and the pipeline's restarts (for /health and /metrics)."""
-        return [{"stage": i + 1, "node": s.node.name, "node_id": s.node.node_id, "layers": [s.start, s.end],
-                 "state": self.state, "restarts": self.restarts} for i, s in enumerate(self.plan.stages)]
+        """Each stage's node and layers (Engine.placement adds state and restarts)."""
+        return [{"stage": i + 1, "node": s.node.name, "node_id": s.node.node_id, "layers": [s.start, s.end]}
+                for i, s in enumerate(self.plan.stages)]
 
 
 def _ended(ref) -> str:

@@ -34,6 +34,11 @@ class RemotePipeline:
         self.reported: Optional[list[dict]] = None
         self.steps = 0
 
+    @property
+    def failed(self) -> Optional[str]:
+        """Why the pipeline stopped (None while it serves)."""
+        return None if self._broken is None else str(self._broken)
+
     def submit(self, control: Control, rows: list[Rows]) -> None:
         self._check()
         try:

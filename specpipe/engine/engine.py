@@ -147,6 +147,18 @@ class Engine:
                      seed=req.sampling.seed, stages=stages)
         return RequestOutput.of(req, stats, prompt if isinstance(prompt, str) else None)
 
+    def placement(self) -> list[dict]:
+        """Each stage's node, layers, state and the stages' restarts (for /health and /metrics)."""
+        if self.cluster is not None:
+            stages = self.cluster.describe()
+        else:
+            node = "local" if self.config.uses_processes() or self.pipeline.num_stages == 1 else "in-process"
+            stages = [{"stage": i + 1, "node": node, "layers": [s.start, s.end]} for i, s in enumerate(self.stage_specs)]
+        failed = getattr(self.pipeline, "failed", None)
+        for d in stages:
+            d.update(state="failed" if failed else "running", restarts=getattr(self.pipeline, "restarted", 0))
+        return stages
+
     def close(self) -> None:
         self.pipeline.close()
 

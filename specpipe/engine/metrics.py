@@ -62,6 +62,7 @@ class EngineMetrics:
         # Totals over finished requests, for the ratio gauges.
         self._out_tokens = self._out_steps = self._verified = self._accepted = 0
         self.stages: Optional[list[dict]] = None  # the latest stage report
+        self.placement: list[dict] = []  # each stage's node, state and restarts (Engine.placement)
         self._stages_before: Optional[list[dict]] = None  # the one before (for step time)
         r.register(_LevelCollector(self, snapshot, healthy))
 
@@ -131,8 +132,23 @@ class _LevelCollector:
                     snap.kv_blocks_used / snap.kv_blocks if snap.kv_blocks else None)
         yield from self._stages()
 
+    def _placement(self) -> Iterator[Metric]:
+        m = self.m
+        if not m.placement:
+            return
+        info = GaugeMetricFamily("specpipe:stage_info", "1 for each stage: the node it runs on and its state "
+                                 "(running or failed).", labels=["model_name", "stage", "node", "state"])
+        restarts = CounterMetricFamily("specpipe:stage_restarts", "Times the stages were started again after "
+                                       "one died (its requests recomputed).", labels=["model_name"])
+        for st in m.placement:
+            info.add_metric([m._model, str(st["stage"]), st["node"], st["state"]], 1.0)
+        restarts.add_metric([m._model], m.placement[0]["restarts"])
+        yield info
+        yield restarts
+
     def _stages(self) -> Iterator[Metric]:
         m = self.m
+        yield from self._placement()
         if not m.stages:
             return
         labels = ["model_name", "stage"]

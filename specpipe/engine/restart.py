@@ -54,6 +54,11 @@ class RestartingPipeline:
         return self._steps_before + self.inner.steps
 
     @property
+    def failed(self) -> Optional[str]:
+        """Why the stages could not be started again (None while they serve)."""
+        return None if self._dead is None else str(self._dead)
+
+    @property
     def ready(self):
         return getattr(self.inner, "ready", None)
 

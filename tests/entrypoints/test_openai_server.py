@@ -106,7 +106,9 @@ def alone(model):
 # -- the API ----------------------------------------------------------------------------------------
 
 def test_models_and_health(server):
-    assert server.get("/health").json() == {"status": "ok"}  # no key needed
+    health = server.get("/health").json()  # no key needed
+    assert health["status"] == "ok" and [st["state"] for st in health["stages"]] == ["running"] * len(health["stages"])
+    assert all(st["restarts"] == 0 and len(st["layers"]) == 2 for st in health["stages"])
     models = server.client().models.list()
     assert [m.id for m in models.data] == [NAME]
 
@@ -362,6 +364,7 @@ def test_full_queue_429_then_dead_stage_fails_requests_and_health(model):
         assert stream_status in (200, 500) and "stage 2" in stream_text, stream_text
         health = s.get("/health")
         assert health.status_code == 503 and "stage 2" in health.json()["error"]
+        assert {st["state"] for st in health.json()["stages"]} == {"failed"}
         r = s.post("/v1/completions", json={**long, "max_tokens": 2})
         assert r.status_code == 503 and "stage 2" in r.json()["error"]["message"]
     finally:

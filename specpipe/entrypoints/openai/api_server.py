@@ -121,9 +121,10 @@ def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, mode
         # The truth within HEALTH_TIMEOUT_S: a stage that died while the server was idle, or a
         # pipeline that stopped stepping, is unhealthy; it costs at most about a step a second.
         problem = await aengine.check(HEALTH_TIMEOUT_S)
+        stages = engine.placement()
         if problem is not None:
-            return JSONResponse({"status": "unhealthy", "error": problem}, status_code=503)
-        return {"status": "ok"}
+            return JSONResponse({"status": "unhealthy", "error": problem, "stages": stages}, status_code=503)
+        return {"status": "ok", "stages": stages}
 
     @app.get("/version")
     async def version():
@@ -135,6 +136,7 @@ def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, mode
     async def prometheus_metrics():
         # The stages' last report (refreshed on ordinary steps): a scrape never costs a step.
         metrics.set_stages(aengine.latest_stage_stats)
+        metrics.placement = engine.placement()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", responses=_errors(*key_errors))

@@ -264,3 +264,4 @@ class ErrorResponse(BaseModel):
 class HealthResponse(BaseModel):
     status: Literal["ok", "unhealthy"]
     error: Optional[str] = None  # why it cannot serve (unhealthy only)
+    stages: Optional[list[dict]] = None  # each stage's node, layers, state and restarts
