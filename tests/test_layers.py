@@ -26,6 +26,7 @@ FORBIDDEN = {
     "worker": {"engine", "sim", "bench", "entrypoints", "costs", "spec_decode", "sched"},
     "costs": {"engine", "sim", "bench", "entrypoints", "spec_decode", "sched"},
     "spec_decode": {"engine", "sim", "bench", "entrypoints", "sched"},
+    "cluster": {"engine", "sim", "bench", "entrypoints"},
     "engine": {"sim", "bench", "entrypoints"},
 }
 

@@ -36,7 +36,7 @@ class NodeAgent:
     def probe(self, device: str = "cpu") -> dict:
         import ray
 
-        from specpipe.engine.kv_pool import available_memory
+        from specpipe.worker.memory import available_memory
 
         return {"node_id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address(),
                 "host": socket.gethostname(), "free_bytes": available_memory(device), "cores": node_cores()}

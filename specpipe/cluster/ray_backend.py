@@ -32,8 +32,9 @@ LOAD_TIMEOUT_S = 600.0
 
 class RayBackend:
     def __init__(self, config: EngineConfig, ckpt: Checkpoint, model_path: Path, reserve: Callable[[int], int],
-                 progress: Progress = None) -> None:
-        """`reserve(S)`: the speculative rows one request may hold at a stage with S stages."""
+                 weight_bytes: int, progress: Progress = None) -> None:
+        """`reserve(S)`: the speculative rows one request may hold at a stage with S stages;
+        `weight_bytes`: what the stages hold of the whole model's weights once loaded."""
         import ray
 
         from specpipe.cluster.placement import connect, driver_node_id
@@ -51,7 +52,7 @@ class RayBackend:
         self._refresh_nodes()
         S_max = config.stages or len(self.reports)
         self.num_blocks = kv_blocks(config, ckpt.config, reserve(S_max))
-        self.model = model_bytes(ckpt, config, self.num_blocks)
+        self.model = model_bytes(ckpt, config, self.num_blocks, weight_bytes)
         counts = config.stage_layers if isinstance(config.stage_layers, list) else None
         self.plan = self._plan(max_stages=config.stages or None, counts=counts)
         self.num_blocks = kv_blocks(config, ckpt.config, reserve(len(self.plan.stages)))
@@ -99,9 +100,17 @@ class RayBackend:
         rows = 1 if objective_for(c.mode) == "latency" or c.mode not in SPECULATIVE_MODES else c.tree_width
         t0 = time.perf_counter()
         paths = {nid: self._provision(nid, spec, f"calibration layer for node {self._name(nid)}") for nid in node_ids}
-        for nid in node_ids:  # one at a time: nodes that share a machine must not time each other
-            ms = ray.get(self.agents[nid].calibrate.remote(paths[nid], layer, [rows], self.nodes[nid]["cores"],
-                                                           c.device, _dtype_name(c), c.quantization))[rows]
+        # Machines one at a time, but the nodes of one machine together: nodes that share its cores
+        # (several `ray start` on one host) slow each other down while serving, so they must while
+        # timed too; nodes on other machines must not be timed by a busy driver's neighbours.
+        ms_of: dict[str, float] = {}
+        for host in sorted({self._host(nid) for nid in node_ids}):
+            group = [nid for nid in node_ids if self._host(nid) == host]
+            refs = [self.agents[nid].calibrate.remote(paths[nid], layer, [rows], self.nodes[nid]["cores"], c.device,
+                                                      _dtype_name(c), c.quantization) for nid in group]
+            ms_of.update({nid: out[rows] for nid, out in zip(group, ray.get(refs))})
+        for nid in node_ids:
+            ms = ms_of[nid]
             probe = self.nodes[nid]
             self.reports[nid] = NodeReport(nid, self._name(nid), probe["free_bytes"] // self._hosts_sharing(nid),
                                            ms, probe["cores"])
@@ -110,10 +119,12 @@ class RayBackend:
         self._say(f"calibrated {len(node_ids)} node{'s' if len(node_ids) > 1 else ''} in "
                   f"{time.perf_counter() - t0:.1f} s")
 
+    def _host(self, nid: str) -> tuple[str, str]:
+        return self.nodes[nid]["ip"], self.nodes[nid]["host"]
+
     def _hosts_sharing(self, nid: str) -> int:
         """Ray nodes on the same host (one machine running several `ray start`) share its memory."""
-        ip = self.nodes[nid]["ip"], self.nodes[nid]["host"]
-        return sum((p["ip"], p["host"]) == ip for p in self.nodes.values())
+        return sum(self._host(other) == self._host(nid) for other in self.nodes)
 
     def _name(self, nid: str) -> str:
         p = self.nodes[nid]
@@ -290,11 +301,10 @@ def _dtype_bytes(config: EngineConfig) -> int:
     return torch.empty(0, dtype=config.torch_dtype()).element_size()
 
 
-def model_bytes(ckpt: Checkpoint, config: EngineConfig, num_blocks: int) -> ModelBytes:
-    """The model as the planner sees it: each layer's weights as stored (scaled where the stages
-    expand them, e.g. bfloat16 files run in float32), the embedding, the head, and a layer's KV."""
-    from specpipe.engine.kv_pool import held_weight_bytes
-
+def model_bytes(ckpt: Checkpoint, config: EngineConfig, num_blocks: int, weight_bytes: int) -> ModelBytes:
+    """The model as the planner sees it: each layer's weights as stored (scaled to `weight_bytes`
+    where the stages expand them, e.g. bfloat16 files run in float32), the embedding, the head,
+    and a layer's KV."""
     cfg = ckpt.config
     L = cfg.num_layers
 
@@ -306,6 +316,6 @@ def model_bytes(ckpt: Checkpoint, config: EngineConfig, num_blocks: int) -> Mode
     embed = need(StageSpec(0, 0, True, False)) - base
     head = need(StageSpec(L, L, False, True)) - base
     stored = sum(layers) + embed + head
-    scale = max(1.0, held_weight_bytes(ckpt, config) / max(1, stored))
+    scale = max(1.0, weight_bytes / max(1, stored))
     kv = num_blocks * config.block_size * 2 * cfg.num_kv_heads * cfg.head_dim * _dtype_bytes(config)
     return ModelBytes(tuple(int(b * scale) for b in layers), int(embed * scale), int(head * scale), kv)

@@ -52,7 +52,8 @@ class Engine:
 
             self.cluster = RayBackend(config, self.checkpoint, self.model_path,
                                       lambda S: spec_reserve(config.mode, config.tree_width, config.tree_depth, S,
-                                                             config.layers_per_step), progress)
+                                                             config.layers_per_step),
+                                      held_weight_bytes(self.checkpoint, config), progress)
             self.config = config = self.cluster.config  # the plan's stages and layer counts
             self.stage_specs = self.cluster.plan.specs()
         else:

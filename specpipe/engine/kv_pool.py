@@ -27,27 +27,11 @@ import gguf
 from specpipe.config import BUDGETED_MODES, EngineConfig, ModelConfig, StageSpec, parse_bytes
 from specpipe.loader.checkpoint import Checkpoint
 from specpipe.sched.block_manager import blocks_for, window_need
+from specpipe.worker.memory import available_memory
 
 
 def bytes_per_token(cfg: ModelConfig, spec: StageSpec, dtype_bytes: int) -> int:
     return (spec.end - spec.start) * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
-
-
-def available_memory(device: str) -> int:
-    """Bytes free now on `device`: the GPU's free memory, or the host's MemAvailable."""
-    if device.startswith("cuda"):
-        import torch
-
-        return int(torch.cuda.mem_get_info(torch.device(device))[0])
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def held_weight_bytes(ckpt: Checkpoint, config: EngineConfig, share: float = 1.0) -> int:
