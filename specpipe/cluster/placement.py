@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import tempfile
+from pathlib import Path
+from typing import Optional
+
 from specpipe.config import ConfigError
 
 HOW_TO_START = ("start one with `ray start --head` on this machine (and `ray start --address HEAD:6379` on "
@@ -15,6 +21,9 @@ def connect(address: str = "auto") -> None:
 
     if ray.is_initialized():
         return
+    target = _bootstrap_address(address)
+    if target is not None and not _reachable(target):  # ray.init would retry for minutes
+        raise ConfigError(f"--cluster ray: no Ray cluster answers at {target} (--ray-address {address}); {HOW_TO_START}")
     try:
         ray.init(address=address, log_to_driver=False, logging_level="warning", configure_logging=True)
     except ConnectionError as e:
@@ -23,6 +32,30 @@ def connect(address: str = "auto") -> None:
     except RuntimeError as e:  # e.g. a token-authenticated cluster and no token here
         raise ConfigError(f"--cluster ray: cannot join the Ray cluster at {address!r}: "
                           f"{str(e).splitlines()[0]}") from None
+
+
+def _bootstrap_address(address: str) -> Optional[str]:
+    """host:port of the cluster to join: the given one, or for auto RAY_ADDRESS or the address
+    `ray start` left in /tmp/ray/ray_current_cluster; None where there is none (ray.init then
+    says so at once)."""
+    if address not in ("auto", ""):
+        return None if address.startswith(("ray://", "local")) else address
+    found = os.environ.get("RAY_ADDRESS")
+    if not found:
+        try:
+            found = Path(tempfile.gettempdir(), "ray", "ray_current_cluster").read_text().strip()
+        except OSError:
+            return None
+    return found or None
+
+
+def _reachable(address: str, timeout_s: float = 5.0) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def live_nodes() -> list[dict]:

@@ -78,6 +78,8 @@ def assert_user_error(code: int, err: str, *words: str) -> None:
     (["--max-context", "8"], ["exceeds the context"]),
     (["--temperature", "-1"], ["temperature"]),
     (["--mode", "specpipe", "--layers-per-step", "17"], ["--layers-per-step"]),
+    (["--cluster", "ray", "--ray-address", "127.0.0.1:9"], ["no Ray cluster", "ray start --head"]),
+    (["--cluster", "ray", "--transport", "inproc"], ["--transport inproc"]),
 ])
 def test_bad_options_are_clear_errors(capsys, tiny_llama_dir, argv, words):
     code, _, err = run_cli(capsys, "generate", "--model", str(tiny_llama_dir), "--no-chat", *argv,
