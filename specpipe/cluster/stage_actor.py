@@ -21,7 +21,7 @@ class StageActor:
         import ray
         import torch
 
-        from specpipe.distributed.transport import LinkError, Transport
+        from specpipe.distributed.transport import LinkError, MalformedMessage, Transport
         from specpipe.worker.stage_main import _store_note, run_stage
 
         torch.set_num_threads(max(1, threads))
@@ -31,6 +31,9 @@ class StageActor:
                           address=ray.util.get_node_ip_address(), key=key)
             run_stage(t, model_path, spec, num_blocks, block_size, device,
                       getattr(torch, dtype) if dtype else None, quantization)
+        except MalformedMessage as e:
+            _store_note(t, f"failed/{rank}", str(e))
+            raise
         except LinkError as e:
             _store_note(t, f"lost/{rank}", str(e))  # a consequence: do not blame this stage
             raise

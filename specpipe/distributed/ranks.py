@@ -55,15 +55,40 @@ class RankEnv:
                        os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")) + 1)
 
 
-class LocalStages:
-    """Stage processes on this machine: `python -m <module> <argv_for_rank(r)>` for r in 1..S."""
+KEY_ENV = "SPECPIPE_CLUSTER_KEY"  # hex: how a local driver hands its stage processes the pipeline's key
+KEY_FILE_ENV = "SPECPIPE_CLUSTER_KEY_FILE"
 
-    def __init__(self, module: str, argv_for_rank: Callable[[int], list[str]], num_stages: int) -> None:
+
+def load_cluster_key(path: Optional[str]) -> Optional[bytes]:
+    """The secret every rank of a torchrun job shares: the file `path` (--cluster-key-file), or
+    the one SPECPIPE_CLUSTER_KEY_FILE names; None where neither is given."""
+    from specpipe.config import ConfigError
+
+    path = path or os.environ.get(KEY_FILE_ENV)
+    if not path:
+        return None
+    try:
+        key = open(path, "rb").read().strip()
+    except OSError as e:
+        raise ConfigError(f"--cluster-key-file: cannot read {path} ({e.strerror})") from None
+    if len(key) < 16:
+        raise ConfigError(f"--cluster-key-file: {path} holds {len(key)} bytes; a key needs at least 16 "
+                          "(e.g. head -c 32 /dev/urandom > FILE)")
+    return key
+
+
+class LocalStages:
+    """Stage processes on this machine: `python -m <module> <argv_for_rank(r)>` for r in 1..S;
+    `key` reaches them in their environment (never on a command line others can read)."""
+
+    def __init__(self, module: str, argv_for_rank: Callable[[int], list[str]], num_stages: int,
+                 key: Optional[bytes] = None) -> None:
         self.procs: dict[int, subprocess.Popen] = {}
+        env = {**os.environ, KEY_ENV: key.hex()} if key is not None else None
         try:
             for r in range(1, num_stages + 1):
                 self.procs[r] = subprocess.Popen([sys.executable, "-m", module, *argv_for_rank(r)],
-                                                 stdin=subprocess.DEVNULL)
+                                                 stdin=subprocess.DEVNULL, env=env)
         except BaseException:
             self.stop(grace_s=0.0)
             raise
@@ -166,4 +191,4 @@ def stage_failure(store, num_stages: int, exits: Callable[[], dict[int, str]]) -
     return None
 
 
-__all__ = ["LinkOptions", "LocalStages", "RankEnv", "die_with_parent", "free_port", "stage_failure", "wait_ready"]
+__all__ = ["KEY_ENV", "LinkOptions", "LocalStages", "load_cluster_key", "RankEnv", "die_with_parent", "free_port", "stage_failure", "wait_ready"]

@@ -19,7 +19,10 @@ accepts every higher one.
 from __future__ import annotations
 
 import collections
+import hashlib
+import hmac
 import os
+import secrets
 import socket
 import struct
 import time
@@ -27,6 +30,10 @@ from typing import Optional
 
 HEADER = struct.Struct("<iqq")  # tag, payload bytes, due time (time.time_ns; 0: no emulation)
 HELLO = struct.Struct("<i")  # the connecting rank
+NONCE_BYTES, MAC_BYTES = 16, 32
+HANDSHAKE_S = 5.0  # a connecting peer that has not proved itself by then is dropped
+STASH_LIMIT = 64  # messages of one tag kept while a receive waits for another (a step needs 2-3)
+DEFAULT_LIMIT = 64 << 20  # the largest payload of a tag without a limit of its own
 
 
 class SocketError(RuntimeError):
@@ -35,33 +42,80 @@ class SocketError(RuntimeError):
 
 class Mesh:
     def __init__(self, rank: int, world_size: int, store, address: str, bind: Optional[str] = None,
-                 key: Optional[bytes] = None) -> None:
+                 key: Optional[bytes] = None, limits: Optional[dict[int, int]] = None) -> None:
         """`address`: where the other ranks reach this one; `bind`: the address it listens on
-        (default: `address`; "" for every interface); `key`: the pipeline's shared secret."""
+        (default: `address`; "" for every interface); `key`: the pipeline's shared secret, which
+        every link proves it holds before it carries a message (None: links open to whoever
+        connects first with a rank); `limits`: the tags a message may carry, each with its largest
+        payload (None: any tag, DEFAULT_LIMIT bytes)."""
         self.rank, self.world_size, self.store, self.address = rank, world_size, store, address
-        self.key = key
+        self.key, self.limits = key, limits
         self.bind = address if bind is None else bind
         self.peers: dict[int, socket.socket] = {}
         self._stash: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
         self._broken: dict[int, str] = {}  # peer -> why its stream can no longer be read in step
 
     def connect(self, timeout_s: float) -> None:
-        listener = socket.create_server((self.bind, 0), backlog=self.world_size)
+        listener = socket.create_server((self.bind, 0), backlog=128)  # room for strangers beside the ranks
         try:
             self.store.set(f"sock/{self.rank}", f"{self.address}:{listener.getsockname()[1]}")
             for peer in range(self.rank):  # the store waits until each lower rank has published
                 host, port = self.store.get(f"sock/{peer}").decode().rsplit(":", 1)
                 s = socket.create_connection((host, int(port)), timeout=timeout_s)
-                s.sendall(HELLO.pack(self.rank))
+                try:
+                    self._introduce(s, peer)
+                except (OSError, SocketError) as e:
+                    s.close()
+                    raise SocketError(f"rank {peer} refused this rank's link ({e or type(e).__name__}): "
+                                      "do both hold the same key?") from None
                 self._add(peer, s)
-            listener.settimeout(timeout_s)
+            deadline = time.monotonic() + timeout_s
             while len(self.peers) < self.world_size - 1:
-                s, _ = listener.accept()
-                s.settimeout(timeout_s)
-                (peer,) = HELLO.unpack(_read_exact(s, HELLO.size))
-                self._add(peer, s)
+                listener.settimeout(max(deadline - time.monotonic(), 1e-3))
+                s, _ = listener.accept()  # socket.timeout past the deadline: the caller reports it
+                peer = self._admit(s)
+                if peer is None:
+                    s.close()  # a stranger, a wrong key or a rank already here: nothing kept for it
+                else:
+                    self._add(peer, s)
         finally:
             listener.close()
+
+    # -- the handshake: HELLO + nonce ->; <- nonce + MAC("accept"); MAC("connect") ->
+    def _mac(self, label: bytes, theirs: bytes, ours: bytes, lower: int, higher: int) -> bytes:
+        return hmac.new(self.key, label + theirs + ours + struct.pack("<ii", lower, higher), hashlib.sha256).digest()
+
+    def _introduce(self, s: socket.socket, peer: int) -> None:
+        """The connecting side: say who we are, and prove the key once the acceptor has."""
+        s.settimeout(HANDSHAKE_S)
+        if self.key is None:
+            s.sendall(HELLO.pack(self.rank))
+            return
+        mine = secrets.token_bytes(NONCE_BYTES)
+        s.sendall(HELLO.pack(self.rank) + mine)
+        reply = _read_exact(s, NONCE_BYTES + MAC_BYTES, time.monotonic() + HANDSHAKE_S)
+        theirs, mac = bytes(reply[:NONCE_BYTES]), bytes(reply[NONCE_BYTES:])
+        if not hmac.compare_digest(mac, self._mac(b"accept", mine, theirs, peer, self.rank)):
+            raise SocketError("it does not hold the pipeline's key")
+        s.sendall(self._mac(b"connect", theirs, mine, peer, self.rank))
+
+    def _admit(self, s: socket.socket) -> Optional[int]:
+        """The accepting side: the connecting rank once it has proved the key; None otherwise."""
+        deadline = time.monotonic() + HANDSHAKE_S
+        try:
+            (peer,) = HELLO.unpack(_read_exact(s, HELLO.size, deadline))
+            if not self.rank < peer < self.world_size or peer in self.peers:
+                return None
+            if self.key is None:
+                return peer
+            theirs = bytes(_read_exact(s, NONCE_BYTES, deadline))
+            mine = secrets.token_bytes(NONCE_BYTES)
+            s.settimeout(HANDSHAKE_S)
+            s.sendall(mine + self._mac(b"accept", theirs, mine, self.rank, peer))
+            mac = bytes(_read_exact(s, MAC_BYTES, deadline))
+            return peer if hmac.compare_digest(mac, self._mac(b"connect", mine, theirs, self.rank, peer)) else None
+        except (OSError, SocketError):
+            return None
 
     def _add(self, peer: int, s: socket.socket) -> None:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -105,11 +159,15 @@ class Mesh:
                         raise SocketError(f"rank {src} sent {n} bytes with tag {tag}, {into.nbytes} were expected")
                     _read_into(s, into, deadline)
                     return due, into
+                self._check_frame(src, got, n)  # before a byte is allocated for it
                 data = memoryview(bytearray(n))
                 _read_into(s, data, deadline)
                 if got == tag:
                     return due, data
-                self._stash[(src, got)].append((due, data))
+                stash = self._stash[(src, got)]
+                if len(stash) >= STASH_LIMIT:
+                    raise SocketError(f"rank {src} sent more than {STASH_LIMIT} messages with tag {got} unread")
+                stash.append((due, data))
         except socket.timeout:
             why = f"no message from rank {src} within {timeout_s:g} s"
         except OSError as e:
@@ -118,6 +176,13 @@ class Mesh:
             why = str(e)
         self._broken[src] = why  # a message may have been read in part: the stream is out of step
         raise SocketError(why)
+
+    def _check_frame(self, src: int, tag: int, n: int) -> None:
+        limit = DEFAULT_LIMIT if self.limits is None else self.limits.get(tag)
+        if limit is None:
+            raise SocketError(f"rank {src} sent a message with unknown tag {tag}")
+        if not 0 <= n <= limit:
+            raise SocketError(f"rank {src} sent a message of {n} bytes with tag {tag} (at most {limit})")
 
     def close(self) -> None:
         for s in self.peers.values():

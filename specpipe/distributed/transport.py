@@ -37,10 +37,20 @@ from specpipe.distributed.sockets import Mesh, SocketError, addresses
 
 TAG_CONTROL, TAG_ROWS, TAG_RESULTS, TAG_REPORT = 1, 2, 3, 4
 HEARTBEAT_S = 0.5
+# The largest payload of each tag that is read into a new buffer: int64 vectors of a step's
+# control, rows headers, results and reports (an activation is read into a tensor of the shape its
+# header announced, checked against the stage's model: wire.py, so its frame must be exactly that
+# size). A frame beyond these, of any other tag, or of a negative length is refused before
+# anything is allocated for it.
+FRAME_LIMITS = {TAG_CONTROL: 64 << 20, TAG_ROWS: 64 << 20, TAG_RESULTS: 64 << 20, TAG_REPORT: 64 << 20}
 
 
 class LinkError(RuntimeError):
     """A peer died, a link stopped, or a receive ran past its deadline."""
+
+
+class MalformedMessage(LinkError):
+    """A peer sent what no SpecPipe rank of this version sends: the link cannot be trusted."""
 
 
 def short_error(e: BaseException, limit: int = 200) -> str:
@@ -82,14 +92,16 @@ class Transport:
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int,
                  options: LinkOptions = LinkOptions(), device: str = "cpu",
                  connect_timeout_s: float = 300.0, use_nccl: Optional[bool] = None, store=None,
-                 address: Optional[str] = None, key: Optional[bytes] = None) -> None:
+                 address: Optional[str] = None, key: Optional[bytes] = None,
+                 frame_limits: Optional[dict[int, int]] = FRAME_LIMITS) -> None:
         """`store`: the rendezvous store to use instead of a TCPStore at master_addr:master_port
         (the Ray backend's, cluster/rendezvous.py: anything with set/get/check/clone); `address`:
         the address this rank publishes and listens on (default: found from master_addr);
         `key`: the pipeline's secret, which every link proves it holds before it carries a
-        message (sockets.py); None: links open to whoever connects first with a rank."""
+        message (sockets.py); None: links open to whoever connects first with a rank;
+        `frame_limits`: the tags a link carries and their largest payloads (FRAME_LIMITS)."""
         self.rank, self.world_size, self.options = rank, world_size, options
-        self.key = key
+        self.key, self.frame_limits = key, frame_limits
         self.device = torch.device(device)
         # NCCL needs one GPU per rank; stages sharing a GPU send activations through host memory.
         self.use_nccl = self.device.type == "cuda" if use_nccl is None else use_nccl
@@ -145,7 +157,7 @@ class Transport:
 
     def _init_groups(self) -> None:
         where = (self._address, self._address) if self._address else addresses(self._addr, self.rank)
-        mesh = Mesh(self.rank, self.world_size, self.store, *where, key=self.key)
+        mesh = Mesh(self.rank, self.world_size, self.store, *where, key=self.key, limits=self.frame_limits)
         mesh.connect(self._connect_timeout_s)
         self.mesh = mesh
         if self.use_nccl:

@@ -122,10 +122,14 @@ def encode_rows(batch: list[Rows]) -> tuple[list[int], list[torch.Tensor]]:
     return out, tensors
 
 
-def decode_rows_header(values: list[int]) -> list[tuple[Rows, Optional[tuple[int, ...]], Optional[torch.dtype]]]:
+def decode_rows_header(values: list[int], hidden: Optional[int] = None, max_rows: Optional[int] = None
+                       ) -> list[tuple[Rows, Optional[tuple[int, ...]], Optional[torch.dtype]]]:
     """The Rows (data still empty) with the shape and dtype of the tensor to receive for each;
-    (marker, None, None) for a failure marker, which has no tensor."""
+    (marker, None, None) for a failure marker, which has no tensor. `hidden` and `max_rows` (a
+    stage's model width and the most rows a step brings): activations of any other shape are
+    refused before anything is allocated for them."""
     r = _Reader(values)
+    rows_in_all = 0
     out = []
     for _ in range(r.count()):
         rid = r.one()
@@ -147,6 +151,13 @@ def decode_rows_header(values: list[int]) -> list[tuple[Rows, Optional[tuple[int
             raise WireError(f"activation has {shape[0]} rows for {t} nodes")
         if any(d < 0 for d in shape):
             raise WireError(f"bad activation shape {shape}")
+        if hidden is not None and ndim == 2 and shape[1] != hidden:
+            raise WireError(f"activation of width {shape[1]}, the model's hidden size is {hidden}")
+        if hidden is not None and ndim == 1 and DTYPES[dtype_code] != torch.long:
+            raise WireError(f"1-D activation of type {DTYPES[dtype_code]} (only token ids are 1-D)")
+        rows_in_all += t
+        if max_rows is not None and rows_in_all > max_rows:
+            raise WireError(f"{rows_in_all} rows in one step, at most {max_rows} can come")
         out.append((Rows(rid, node_ids, parent_ids, positions, torch.empty(0), heads), shape, DTYPES[dtype_code]))
     r.done()
     return out

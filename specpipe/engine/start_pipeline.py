@@ -7,6 +7,7 @@ of step-count benchmarks, lives with the simulator (sim/oracle_pipeline.py)."""
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from pathlib import Path
 from typing import Callable, Optional
@@ -14,7 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from specpipe.config import EngineConfig, LinkOptions, StageSpec
-from specpipe.distributed.ranks import LocalStages, RankEnv, free_port, stage_failure, wait_ready
+from specpipe.distributed.ranks import LocalStages, RankEnv, free_port, load_cluster_key, stage_failure, wait_ready
 from specpipe.distributed.remote_pipeline import PipelineError, RemotePipeline
 from specpipe.distributed.transport import Transport
 from specpipe.engine.kv_pool import KVPools
@@ -40,7 +41,8 @@ def start_pipeline(config: EngineConfig, ckpt: Checkpoint, model_path: Path, spe
         return RestartingPipeline(cluster.start, config.restart_stages, progress) if config.restart_stages \
             else cluster.start()
     if rank_env is not None:
-        return torchrun_driver(rank_env, config.stages, config.device, config.link(), progress=progress)
+        return torchrun_driver(rank_env, config.stages, config.device, config.link(), progress=progress,
+                               key=load_cluster_key(config.cluster_key_file))
     if config.uses_processes():
         def start() -> RemotePipeline:
             return local_processes(model_path, specs, num_blocks, config.block_size, config.device,
@@ -68,13 +70,14 @@ def local_processes(model_path: Path, specs: list[StageSpec], num_blocks: int, b
     `threads`: CPU threads per stage (0: the machine's cores shared out among the stages)."""
     S, port = len(specs), free_port()
     use_nccl = device.startswith("cuda") and torch.cuda.device_count() >= S
-    t = Transport(0, S + 1, "127.0.0.1", port, link, device, use_nccl=use_nccl)
+    key = secrets.token_bytes(32)  # fresh for every pipeline: a restarted one has a new key
+    t = Transport(0, S + 1, "127.0.0.1", port, link, device, use_nccl=use_nccl, key=key)
     threads = threads or max(1, (os.cpu_count() or 1) // S)  # the stages share this machine's cores
     stages = LocalStages(
         "specpipe.worker.stage_main",
         lambda r: stage_argv(r, S + 1, "127.0.0.1", port, str(model_path), specs[r - 1], num_blocks, block_size,
                              device, dtype, link, threads, quantization, window_blocks),
-        S)
+        S, key)
     try:
         ready = wait_ready(t.store, S, stages.exits, load_timeout_s, progress)
         t.init_groups(abort=lambda: stage_failure(t.store, S, stages.exits))
@@ -91,12 +94,14 @@ def local_processes(model_path: Path, specs: list[StageSpec], num_blocks: int, b
 
 
 def torchrun_driver(env: RankEnv, num_stages: int, device: str, link: LinkOptions,
-                    load_timeout_s: float = 600.0, progress: Progress = None) -> RemotePipeline:
-    """Rank 0 of a torchrun job: the stages are the other ranks, possibly on other machines."""
+                    load_timeout_s: float = 600.0, progress: Progress = None,
+                    key: Optional[bytes] = None) -> RemotePipeline:
+    """Rank 0 of a torchrun job: the stages are the other ranks, possibly on other machines;
+    `key` (--cluster-key-file): the secret every link must prove it holds."""
     if env.world_size != num_stages + 1:
         raise PipelineError(f"--stages {num_stages} needs {num_stages + 1} ranks (a driver and one per "
                             f"stage), but the job has WORLD_SIZE={env.world_size}")
-    t = Transport(0, env.world_size, env.master_addr, env.master_port, link, device)
+    t = Transport(0, env.world_size, env.master_addr, env.master_port, link, device, key=key)
     try:
         ready = wait_ready(t.store, num_stages, dict, load_timeout_s, progress)
         t.init_groups(abort=lambda: stage_failure(t.store, num_stages, dict))
@@ -110,14 +115,14 @@ def torchrun_driver(env: RankEnv, num_stages: int, device: str, link: LinkOption
 
 def torchrun_stage(env: RankEnv, model_path: Path, specs: list[StageSpec], pools: KVPools, block_size: int,
                    device: str, dtype: Optional[torch.dtype], link: LinkOptions,
-                   quantization: Optional[str] = None) -> int:
+                   quantization: Optional[str] = None, key: Optional[bytes] = None) -> int:
     """Ranks 1..S of a torchrun job: serve one stage until the driver shuts the pipeline down."""
     if not 1 <= env.rank <= len(specs):
         print(f"specpipe: rank {env.rank} has no stage (--stages {len(specs)})", file=sys.stderr)
         return 2
     stage_process_main(env.rank, env.world_size, env.master_addr, env.master_port, str(model_path),
                        specs[env.rank - 1], pools.blocks, block_size, device, dtype, link,
-                       quantization=quantization, window_blocks=pools.window_blocks)
+                       quantization=quantization, window_blocks=pools.window_blocks, key=key)
     return 0
 
 

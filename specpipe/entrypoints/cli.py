@@ -258,6 +258,7 @@ def _serve_stage(config, env) -> int:
 
     from specpipe.engine.core import spec_reserve
     from specpipe.engine.kv_pool import held_weight_bytes, pool_blocks
+    from specpipe.distributed.ranks import load_cluster_key
     from specpipe.engine.start_pipeline import torchrun_stage
     from specpipe.loader import open_checkpoint
     from specpipe.loader.default_model import default_model_path
@@ -274,7 +275,7 @@ def _serve_stage(config, env) -> int:
     pools = pool_blocks(config, cfg, specs, reserve, sharing,
                         held_weight_bytes(ckpt, config, share=min(1.0, sharing / len(specs))))
     return torchrun_stage(env, path, specs, pools, config.block_size, config.device, config.torch_dtype(),
-                          config.link(), config.quantization)
+                          config.link(), config.quantization, load_cluster_key(config.cluster_key_file))
 
 
 def _summary(s: dict, n: int) -> str:

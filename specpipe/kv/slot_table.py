@@ -250,6 +250,20 @@ class SlotTable:
             raise KVStateError(f"request {request_id}: {len(node_ids)} rows with {len(parent_ids)} parents")
         if len(set(node_ids)) != len(node_ids) or any(n in r.spec for n in node_ids):
             raise KVStateError(f"request {request_id}: a node computed twice at this stage ({node_ids})")
+        # The tree's edges point back in time: following parents from any new row must leave this
+        # message (to a committed node or one computed here before) or end. A row that is its own
+        # parent, or rows that are each other's ancestors, would make the ancestor walk (_chain)
+        # go round for ever. (Rows may come before their parents within a message.)
+        parent_of = dict(zip(node_ids, parent_ids))
+        done: set[int] = set()
+        for n in node_ids:
+            path: set[int] = set()
+            while n in parent_of and n not in done:
+                if n in path:
+                    raise KVStateError(f"request {request_id}: the rows' parent ids form a cycle through node {n}")
+                path.add(n)
+                n = parent_of[n]
+            done |= path
         for n, p in zip(node_ids, parent_ids):
             if p != NO_PARENT and p in r.dropped:
                 raise KVStateError(f"request {request_id}: node {n} arrived after its parent {p} was pruned")

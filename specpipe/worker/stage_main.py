@@ -12,7 +12,9 @@ Everything a stage needs is on its command line; the rest comes through the TCP 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import struct
 import sys
 import time
 from typing import Optional
@@ -20,8 +22,10 @@ from typing import Optional
 import torch
 
 from specpipe.config import LinkOptions, StageSpec
-from specpipe.distributed.transport import TAG_CONTROL, TAG_REPORT, TAG_RESULTS, TAG_ROWS, LinkError, Transport, short_error
-from specpipe.distributed.wire import decode_control, decode_rows_header, encode_report, encode_results, encode_rows
+from specpipe.distributed.transport import (TAG_CONTROL, TAG_REPORT, TAG_RESULTS, TAG_ROWS, LinkError, MalformedMessage,
+                                            Transport, short_error)
+from specpipe.kv.slot_table import KVStateError
+from specpipe.distributed.wire import WireError, decode_control, decode_rows_header, encode_report, encode_results, encode_rows
 from specpipe.loader import open_checkpoint
 from specpipe.model.stage import build_stage
 from specpipe.worker.memory import process_memory
@@ -64,19 +68,23 @@ def run_stage(t: Transport, model_path: str, spec: StageSpec, num_blocks: int, b
     nxt = 0 if rank == num_stages else rank + 1
     stats = worker.stats
     send_rows(t, nxt, [])  # prime the link: at step k the next stage computes what we sent at k-1
+    hidden = model.cfg.hidden_size
     while True:
         t0 = time.perf_counter()
-        control = decode_control(t.recv_ints(0, TAG_CONTROL))
+        with from_peer(rank, 0):
+            control = decode_control(t.recv_ints(0, TAG_CONTROL))
         if control.shutdown:
             return
         t.end_step()
         batch = []
-        for rows, shape, dt in decode_rows_header(t.recv_ints(prev, TAG_ROWS)):
-            if shape is not None:  # a failure marker carries no tensor
-                rows.data = t.recv_tensor(prev, TAG_ROWS, shape, dt)
-            batch.append(rows)
+        with from_peer(rank, prev):
+            for rows, shape, dt in decode_rows_header(t.recv_ints(prev, TAG_ROWS), hidden, worker.slots.num_slots):
+                if shape is not None:  # a failure marker carries no tensor
+                    rows.data = t.recv_tensor(prev, TAG_ROWS, shape, dt)
+                batch.append(rows)
         stats.wait_s += time.perf_counter() - t0
-        out = worker.step(control, batch)
+        with from_peer(rank, prev):  # rows whose tree the slot table refuses (a cycle, a lost parent)
+            out = worker.step(control, batch)
         if nxt == 0:
             t.send_ints(0, TAG_RESULTS, encode_results(out))
         else:
@@ -85,6 +93,17 @@ def run_stage(t: Transport, model_path: str, spec: StageSpec, num_blocks: int, b
         if control.report:
             stats.rss_bytes, stats.peak_rss_bytes = process_memory()
             t.send_ints(0, TAG_REPORT, encode_report(stats, worker.take_spans()))
+
+
+@contextlib.contextmanager
+def from_peer(rank: int, peer: int):
+    """A message from `peer` that does not decode, or that the slot table refuses, is the peer's
+    fault or a corrupted link: a MalformedMessage naming both, which ends this stage as a dead
+    one would (the driver starts the stages again), never a stage left computing garbage."""
+    try:
+        yield
+    except (WireError, KVStateError, ValueError, struct.error) as e:
+        raise MalformedMessage(f"stage {rank}: malformed message from rank {peer}: {e}") from None
 
 
 def cuda_index(rank: int, device_count: int, local_rank: str | None) -> int:
@@ -99,8 +118,10 @@ def cuda_index(rank: int, device_count: int, local_rank: str | None) -> int:
 def stage_process_main(rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
                        spec: StageSpec, num_blocks: int, block_size: int, device: str, dtype: torch.dtype, link,
                        threads: int = 0, managed: bool = False, parent: int = 0,
-                       quantization: Optional[str] = None, window_blocks: int = 0) -> None:
-    """Entry point of a stage process (started by a local driver, or one rank under torchrun).
+                       quantization: Optional[str] = None, window_blocks: int = 0,
+                       key: Optional[bytes] = None) -> None:
+    """Entry point of a stage process (started by a local driver, or one rank under torchrun);
+    `key`: the pipeline's secret, which every link proves it holds.
 
     `managed`: started by a local driver, which owns the stages' lifetime. Such a stage ignores
     Ctrl-C (the terminal sends it to the whole process group; the driver finishes the step and
@@ -126,10 +147,15 @@ def stage_process_main(rank: int, world_size: int, master_addr: str, master_port
         device = f"cuda:{cuda_index(rank, count, os.environ.get('LOCAL_RANK'))}"
         use_nccl = count >= world_size - 1 or "LOCAL_RANK" in os.environ
     try:
-        t = Transport(rank, world_size, master_addr, master_port, link, device, use_nccl=use_nccl)
+        t = Transport(rank, world_size, master_addr, master_port, link, device, use_nccl=use_nccl, key=key)
         run_stage(t, model_path, spec, num_blocks, block_size, device, dtype, quantization, window_blocks)
     except KeyboardInterrupt:
         pass
+    except MalformedMessage as e:  # the peer's fault, but this stage is where it was seen: name it
+        _store_note(t, f"failed/{rank}", str(e))
+        if not managed:
+            print(f"specpipe {e}; exiting", file=sys.stderr)
+        sys.exit(1)
     except LinkError as e:
         # A consequence, not a cause: tell the driver (if it is still there) not to blame us.
         _store_note(t, f"lost/{rank}", str(e))
@@ -186,7 +212,17 @@ def main(argv: list[str] | None = None) -> None:
     stage_process_main(a.rank, a.world_size, a.addr, a.port, a.model, StageSpec(start, end, a.first, a.last),
                        a.num_blocks, a.block_size, a.device, None if a.dtype == "auto" else getattr(torch, a.dtype),
                        LinkOptions(a.delay_ms, a.bandwidth_mbps, a.timeout_s), a.threads, managed=True,
-                       parent=a.parent, quantization=a.quantization, window_blocks=a.window_blocks)
+                       parent=a.parent, quantization=a.quantization, window_blocks=a.window_blocks,
+                       key=_key_from_env())
+
+
+def _key_from_env() -> Optional[bytes]:
+    """The key a local driver handed over in this process's environment, removed from it (so a
+    child of the stage does not inherit it)."""
+    from specpipe.distributed.ranks import KEY_ENV
+
+    value = os.environ.pop(KEY_ENV, None)
+    return bytes.fromhex(value) if value else None
 
 
 def _store_note(t, key: str, value: str) -> None:

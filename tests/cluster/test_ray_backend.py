@@ -137,7 +137,9 @@ def test_a_lost_node_is_planned_around(cluster, model, reference):
         now = {s.node.node_id for s in engine.cluster.plan.stages}
         assert victim.node_id not in now and len(engine.cluster.plan.stages) == 3 and len(now) == 2
         placed = engine.placement()  # what /health and /metrics show
-        assert [st["state"] for st in placed] == ["running"] * 3 and {st["restarts"] for st in placed} == {1}
+        # At least one restart (a second where Ray had not yet marked the node dead at the first)
+        assert [st["state"] for st in placed] == ["running"] * 3 and len({st["restarts"] for st in placed}) == 1
+        assert placed[0]["restarts"] >= 1
         assert {st["node_id"] for st in placed} == now
     finally:
         engine.close()

@@ -239,3 +239,22 @@ def test_dropped_stays_bounded_over_a_long_request():
         m.drop(1, [10 * step + k for k in range(4)])
         sizes.append(len(m.requests[1].dropped))
     assert max(sizes) <= 4 * 4
+
+
+@pytest.mark.parametrize("nodes,parents", [([3], [3]), ([3, 4], [4, 3]), ([3, 4, 5], [5, 3, 4])])
+def test_rows_whose_parents_form_a_cycle_are_refused_untouched(nodes, parents):
+    """A self-parent or a cycle in a rows message (a hostile or corrupt peer) used to send the
+    ancestor walk round for ever; now the plan is refused and the table left as it was."""
+    import threading
+
+    m = SlotTable(16, 4)
+    m.admit(1)
+    m.plan(1, [0], [NO_PARENT])
+    free = m.pool.num_free()
+    errors = []
+    th = threading.Thread(target=lambda: errors.append(pytest.raises(KVStateError, m.plan, 1, nodes, parents)),
+                          daemon=True)
+    th.start()
+    th.join(10)
+    assert not th.is_alive(), "the plan never returned"
+    assert "cycle" in str(errors[0].value) and m.pool.num_free() == free and not set(nodes) & set(m.requests[1].spec)
