@@ -30,11 +30,14 @@ Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
 
 
 class LLM:
-    def __init__(self, model: Optional[str] = None, *, draft: Optional[str] = None, stages: int = 1,
+    def __init__(self, model: Optional[str] = None, *, draft: Optional[str] = None, stages: Optional[int] = None,
                  mode: str = "pp", tree_width: int = 8, tree_depth: int = 4, quiet: bool = True,
                  **options) -> None:
         """`options`: any other EngineConfig field (max_num_seqs, max_step_rows, kv_memory,
-        max_context, device, dtype, stage_layers, transport, ...)."""
+        max_context, device, dtype, stage_layers, transport, cluster="ray", ...). `stages`: 1 by
+        default; with cluster="ray" at most this many, planned over the nodes (default one per node)."""
+        if stages is None:
+            stages = 0 if options.get("cluster") == "ray" else 1
         config = EngineConfig(model=model, draft=draft, stages=stages, mode=mode, tree_width=tree_width,
                               tree_depth=tree_depth, **options)
         progress = None if quiet else (lambda msg: print(f"specpipe: {msg}", file=sys.stderr))
