@@ -249,6 +249,17 @@ class RayBackend:
         pipe.ready = ready  # type: ignore[attr-defined]
         return pipe
 
+    def close(self) -> None:
+        """The node agents go too (the stage actors went with the pipeline)."""
+        import ray
+
+        for agent in self.agents.values():
+            try:
+                ray.kill(agent)
+            except Exception:  # its node is gone already
+                pass
+        self.agents.clear()
+
     def stage_pids(self) -> list[int]:
         """The stage actors' process ids, stage 1 first."""
         import ray

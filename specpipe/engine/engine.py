@@ -162,6 +162,8 @@ class Engine:
 
     def close(self) -> None:
         self.pipeline.close()
+        if self.cluster is not None:
+            self.cluster.close()
 
 
 def stage_specs(config: EngineConfig, cfg, profile: Optional[CostProfile]) -> list[StageSpec]:
