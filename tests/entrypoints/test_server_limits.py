@@ -206,7 +206,7 @@ def test_health_polling_costs_at_most_about_a_step_a_second(server):
     idle(server)
     steps, t0 = server.core.steps, time.monotonic()
     for _ in range(20):
-        assert server.get("/health").json() == {"status": "ok"}
+        assert server.get("/health").json()["status"] == "ok"
     assert server.core.steps - steps <= 2 + int(time.monotonic() - t0)
 
 
