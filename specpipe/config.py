@@ -4,7 +4,7 @@ Glossary:
   ModelConfig  -- the architecture of a decoder (Llama, Qwen2/3, Mistral, Mixtral, Qwen3-MoE,
                   Gemma 3, Phi-3), independent of file format; the families differ only in the
                   named options below (model/llama.py reads them). Built from a Hugging Face
-                  config.json by hf_config.py and from GGUF metadata by loader/gguf.py.
+                  config.json by loader/hf_config.py and from GGUF metadata by loader/gguf.py.
   MoEConfig    -- the sparse mixture-of-experts MLP of Mixtral / Qwen3-MoE layers.
   EngineConfig -- what the user chose: model, mode, stages, speculation, KV and batching limits.
   StageSpec    -- which slice of the model one pipeline stage holds: layers [start, end),
@@ -143,13 +143,6 @@ class ModelConfig:
 
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and layer in self.moe.layers
-
-    @staticmethod
-    def from_hf_dict(cfg: dict) -> "ModelConfig":
-        """Build from a Hugging Face config.json dictionary (see hf_config.py)."""
-        from specpipe.hf_config import model_config_from_hf
-
-        return model_config_from_hf(cfg)
 
 
 @dataclass(frozen=True)

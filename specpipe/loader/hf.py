@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 
 from specpipe.config import ConfigError, ModelConfig, StageSpec
+from specpipe.loader.hf_config import model_config_from_hf
 from specpipe.loader.checkpoint import (Checkpoint, CheckpointError, StageBytes, check_config_against_tensors,
                                        fused_parts, merge_ranges, stage_needs)
 from specpipe.loader import PICKLE_SUFFIXES
@@ -82,7 +83,7 @@ class HFCheckpoint(Checkpoint):
         if not cfg_file.is_file():
             raise CheckpointError(f"{path}: not a Hugging Face model directory (no config.json)")
         try:
-            self.config = ModelConfig.from_hf_dict(_read_json_object(cfg_file))
+            self.config = model_config_from_hf(_read_json_object(cfg_file))
         except ConfigError as e:
             raise CheckpointError(f"{cfg_file}: {e}") from None
         self._file_of: dict[str, Path] = {}  # canonical name -> shard
