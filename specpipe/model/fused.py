@@ -26,17 +26,15 @@ def enabled() -> bool:
 
 
 def fuse_layers(model: nn.Module) -> int:
-    """Give every qualifying layer of `model` its native descriptor (layer.native); returns how
-    many layers got one."""
-    from specpipe.model.llama import DecoderLayer
-
+    """Give every qualifying decoder layer of `model` (a LlamaStage: its `layers`) its native
+    descriptor (layer.native); returns how many layers got one. Only llama.py imports this
+    module, never the other way round: the stage hands its layers over."""
     if not (enabled() and native_layer.available()) or getattr(model, "act_dtype", None) != torch.float32:
         return 0
     count = 0
-    for m in model.modules():
-        if isinstance(m, DecoderLayer):
-            m.native = layer_weights(m)
-            count += m.native is not None
+    for layer in model.layers.values():
+        layer.native = layer_weights(layer)
+        count += layer.native is not None
     return count
 
 
