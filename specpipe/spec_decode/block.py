@@ -83,7 +83,3 @@ def take_block(tree: TokenTree, picks: Sequence[Pick]) -> list[Node]:
     nodes = [p.node if p.node is not None else tree.add_child(p.parent, p.token, p.logprob) for p in picks]
     return sorted(nodes, key=lambda n: (n.position, -n.score, n.node_id))
 
-
-def choose_block(tree: TokenTree, props: Proposals, sent: set[int], shape: BlockShape) -> list[Node]:
-    """`select_block` then `take_block`: the block for this step, as tree nodes."""
-    return take_block(tree, select_block(tree, props, sent, shape))
