@@ -177,20 +177,31 @@ def now() -> int:
     return int(time.time())
 
 
-class CompletionChoice(BaseModel):
+class Choice(BaseModel):
+    """What every choice carries besides its text (a completion's, a message or a delta)."""
+
     index: int = 0
-    text: str
     logprobs: None = None
     finish_reason: Optional[str] = None
 
 
-class CompletionResponse(BaseModel):
-    """A whole completion, or (object "text_completion" as OpenAI streams it) one chunk of one."""
+class Response(BaseModel):
+    """What every response and chunk carries besides its choices; each kind fixes `object`."""
 
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int = Field(default_factory=now)
     model: str
+
+
+class CompletionChoice(Choice):
+    text: str
+
+
+class CompletionResponse(Response):
+    """A whole completion, or (object "text_completion" as OpenAI streams it) one chunk of one."""
+
+    object: Literal["text_completion"] = "text_completion"
     choices: list[CompletionChoice]
     usage: Optional[UsageInfo] = None
 
@@ -200,18 +211,12 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int = 0
+class ChatChoice(Choice):
     message: AssistantMessage
-    logprobs: None = None
-    finish_reason: Optional[str] = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=now)
-    model: str
     choices: list[ChatChoice]
     usage: UsageInfo
 
@@ -221,18 +226,12 @@ class DeltaMessage(BaseModel):
     content: Optional[str] = None
 
 
-class ChatChunkChoice(BaseModel):
-    index: int = 0
+class ChatChunkChoice(Choice):
     delta: DeltaMessage
-    logprobs: None = None
-    finish_reason: Optional[str] = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=now)
-    model: str
     choices: list[ChatChunkChoice]
     usage: Optional[UsageInfo] = None
 
