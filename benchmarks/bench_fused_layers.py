@@ -36,8 +36,8 @@ from specpipe.loader import open_checkpoint
 from specpipe.model.runner import run_rows
 from specpipe.model.stage import build_stage
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llamacpp_agreement import resolve_model  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import resolve_model  # noqa: E402
 
 
 def build(ckpt, fused: bool, quantization: str | None):

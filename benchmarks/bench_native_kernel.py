@@ -1,24 +1,41 @@
 #!/usr/bin/env python3
-"""Milliseconds per call of the native GGUF matmul (specpipe.kernels.native) on real layer shapes.
+"""Milliseconds per call of a quantized projection on real layer shapes: the native GGUF matmul
+(specpipe.kernels.native) against every other way to compute it on this CPU.
 
 For each weight shape N x K (Qwen2.5-1.5B and SmolLM2-135M projections), GGUF type (Q4_K, Q6_K,
 Q4_1, Q8_0 by default), thread count (1, 2) and row count T (1 .. 64), one call of
 ``native.matmul(x (T, K), packed (N, row_bytes), qtype)`` is timed, next to:
 
-  f32    -- torch ``F.linear`` on the dequantized float32 weight (what a stage runs today);
+  f32    -- torch ``F.linear`` on a float32 weight (what the dequantized path runs);
   int4mm -- ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (4-bit weights, one float scale and
-            zero per 32 values: the Q4_1 layout in torch's packing), where it exists.
+            zero per 32 values: the Q4_1 layout in torch's packing), where it exists;
+  (--no-baselines leaves these two out)
+  --registry: every other kernel of specpipe/kernels/registry.py that runs the type on a CPU
+            (``dequant``, ``int4pack``: columns TYPE_KERNEL), ``f32tile`` (the batch-invariant
+            float32 matmul in fixed 4-row calls) and, for Q8_0, ``Q8_0_int8pack`` (torch's
+            ``_weight_int8pack_mm`` after requantizing to one scale per row: lossy, for
+            comparison only, never used) — the measurement behind the registry's order;
+  --alternatives: on the Qwen shapes, what else torch offers for a 4/8-bit layer, each with
+            whether a row's result is the same bits alone as among others (which every kernel
+            SpecPipe uses must be): ``compile-deq-q4g32`` / ``compile-deq-int8`` (torch.compile
+            of dequantize-and-multiply: 4-bit codes with a scale per 32 values, Q4_0's content;
+            int8 with a scale per row) and, when torchao is installed, ``torchao-int8dyn-int8w`` /
+            ``torchao-int8dyn-int4w-g32`` (dynamic int8 activations with int8 per-row or int4
+            per-32 weights);
+  --float-only: only ``f32`` and ``f32tile`` (no native library needed).
 
 Weights are random: gguf.quants.quantize of Gaussian values for the 32-value types, random bytes
 with small finite f16 scales for the K-quants (their timing does not depend on the values).
 K-quants need K % 256 == 0, so they skip SmolLM2's K = 576 shapes (n/a).  Each figure is the
 minimum over repeats filling about --seconds of calls after a warm-up (the minimum is the least
-disturbed by other processes on a shared machine).
+disturbed by other processes on a shared machine).  SPECPIPE_NATIVE_ISA=portable|avx2|avx512vnni|amx
+picks the native path to time.  For instruction counts under callgrind (no timing noise), see
+benchmarks/native_kernel_cbench.c.
 
 Usage:
   python benchmarks/bench_native_kernel.py [--threads 1 2] [--rows 1 2 4 8 16 32 64]
-        [--types Q4_K Q6_K Q4_1 Q8_0] [--shapes qwen smollm2] [--seconds 0.3]
-        [--out benchmarks/results/native_kernel_cpu.json]
+        [--types Q4_K Q6_K Q4_1 Q8_0] [--shapes qwen smollm2] [--seconds 0.3] [--no-baselines]
+        [--registry] [--alternatives] [--float-only] [--out benchmarks/results/native_kernel_cpu.json]
 Prints a Markdown table (ms per call) and the goal checks; saves everything as JSON.
 """
 
@@ -39,6 +56,9 @@ import torch.nn.functional as F
 from gguf import quants
 
 from specpipe.kernels import native
+from specpipe.kernels.ggml_types import dequantize
+from specpipe.kernels.registry import kernels
+from specpipe.kernels.torch_kernels import invariant_linear
 
 Q = gguf.GGMLQuantizationType
 SHAPES = {  # name: (N, K) of y = x @ W^T
@@ -80,6 +100,59 @@ def time_ms(fn, seconds: float) -> float:
     return best * 1e3
 
 
+def registry_runs(types: list, packs: dict, n: int, k: int) -> list[tuple[str, object]]:
+    """(column, x -> y) for --registry: the registry's other CPU kernels per type, and int8pack."""
+    runs = []
+    for q in types:
+        if q not in packs:
+            continue
+        for kern in kernels():
+            if kern.name != "native" and kern.supports(q, "cpu"):
+                prep = kern.prepare(packs[q], q, n, k)
+                runs.append((f"{q.name}_{kern.name}_ms", lambda x, mm=kern.matmul, prep=prep: mm(x, prep)))
+        if q == Q.Q8_0:
+            w = dequantize(packs[q], Q.Q8_0)
+            scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127
+            w8 = torch.round(w / scale[:, None]).to(torch.int8)
+            runs.append(("Q8_0_int8pack_ms", lambda x, w8=w8, s8=scale: torch.ops.aten._weight_int8pack_mm(x, w8, s8)))
+    return runs
+
+
+def alternatives(n: int, k: int) -> list[tuple[str, object]]:
+    """(name, x -> y) for --alternatives (random weights of the shape)."""
+    g = torch.Generator().manual_seed(n + k)
+    q4 = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    s4 = torch.rand(n, k // 32, generator=g) * 0.002
+    w8 = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    s8 = torch.rand(n, generator=g) * 0.002
+    out = [("compile-deq-q4g32", torch.compile(lambda x: F.linear(x, ((q4.view(n, k // 32, 32).float() - 8)
+                                                                      * s4[..., None]).view(n, k)))),
+           ("compile-deq-int8", torch.compile(lambda x: F.linear(x, w8.float() * s8[:, None])))]
+    try:
+        from torchao.quantization import (Int8DynamicActivationInt8WeightConfig,
+                                          Int8DynamicActivationIntxWeightConfig, quantize_)
+        from torchao.quantization.granularity import PerGroup
+    except ImportError:
+        print("torchao is not installed: its entries are left out (pip install torchao)", file=sys.stderr, flush=True)
+        return out
+    for name, config in (("torchao-int8dyn-int8w", Int8DynamicActivationInt8WeightConfig()),
+                         ("torchao-int8dyn-int4w-g32", Int8DynamicActivationIntxWeightConfig(
+                             weight_dtype=torch.int4, weight_granularity=PerGroup(32)))):
+        layer = torch.nn.Linear(k, n, bias=False)
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn(n, k, generator=g) * 0.02)
+        quantize_(layer, config)
+        out.append((name, layer))
+    return out
+
+
+def rows_invariant(fn, k: int) -> bool:
+    """A row's result is the same bits alone (and among 7 or 32 others) as among 63 others."""
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(1))
+    full = fn(x)
+    return all(torch.equal(fn(x[:t]), full[:t]) for t in (1, 8, 33))
+
+
 def int4_weights(n: int, k: int, seed: int = 0):
     """torch's 4-bit CPU packing of random values with a scale and zero per 32 (None if absent)."""
     try:
@@ -101,31 +174,39 @@ def main() -> int:
     ap.add_argument("--types", nargs="+", default=["Q4_K", "Q6_K", "Q4_1", "Q8_0"])
     ap.add_argument("--shapes", nargs="+", default=["qwen", "smollm2"], choices=sorted(SHAPES))
     ap.add_argument("--seconds", type=float, default=0.3, help="time budget per measurement")
-    ap.add_argument("--no-baselines", action="store_true")
+    ap.add_argument("--no-baselines", action="store_true", help="leave out f32 and int4mm")
+    ap.add_argument("--registry", action="store_true", help="also the registry's other kernels, f32tile and int8pack")
+    ap.add_argument("--alternatives", action="store_true",
+                    help="also torch.compile'd dequantize-and-multiply and torchao's kernels, on the Qwen shapes")
+    ap.add_argument("--float-only", action="store_true", help="only float32 weights (f32 and f32tile)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
 
-    if not native.available():
+    if not native.available() and not args.float_only:
         print(f"native library unavailable: {native.unavailable_reason()}", file=sys.stderr)
         return 1
-    types = [Q[t] for t in args.types]
+    types = [] if args.float_only else [Q[t] for t in args.types]
     shapes = [s for group in args.shapes for s in SHAPES[group]]
     rows_max = max(args.rows)
     records = []
     load_start = os.getloadavg() if hasattr(os, "getloadavg") else None
     saved_threads = torch.get_num_threads()
+    torch.set_grad_enabled(False)
     for name, n, k in shapes:
         x_all = torch.randn(rows_max, k, generator=torch.Generator().manual_seed(0))
         packs = {q: torch.from_numpy(random_packed(q, n, k)) for q in types
                  if k % gguf.GGML_QUANT_SIZES[q][0] == 0}
         w32 = torch.randn(n, k) * 0.02
-        i4 = None if args.no_baselines else int4_weights(n, k)
+        i4 = None if args.no_baselines or args.float_only else int4_weights(n, k)
+        extra = registry_runs(types, packs, n, k) if args.registry else []
+        alts = alternatives(n, k) if args.alternatives and name.startswith("qwen") else []
+        invariant = {alt: rows_invariant(fn, k) for alt, fn in alts}
         for threads in args.threads:
             torch.set_num_threads(threads)
             for t in args.rows:
                 x = x_all[:t].contiguous()
                 rec = {"shape": name, "n": n, "k": k, "threads": threads, "rows": t}
-                if not args.no_baselines:
+                if not args.no_baselines or args.float_only:
                     rec["f32_ms"] = time_ms(lambda: F.linear(x, w32), args.seconds)
                     if i4 is not None:
                         rec["int4mm_ms"] = time_ms(
@@ -139,20 +220,29 @@ def main() -> int:
                     out = torch.empty(t, n)
                     rec[key] = time_ms(lambda: native.matmul(x, packs[q], q, threads, out=out),
                                        args.seconds)
+                if args.registry or args.float_only:
+                    rec["f32tile_ms"] = time_ms(lambda: invariant_linear(x, w32), args.seconds)
+                for key, fn in extra:
+                    rec[key] = time_ms(lambda: fn(x), args.seconds)
+                for alt, fn in alts:
+                    rec[f"{alt}_ms"] = time_ms(lambda: fn(x), args.seconds)
+                    rec[f"{alt}_invariant"] = invariant[alt]
                 records.append(rec)
                 cells = " ".join(f"{c}={rec[c]:.3f}" for c in rec if c.endswith("_ms") and rec[c])
                 print(f"# {name} threads={threads} T={t}: {cells}", file=sys.stderr, flush=True)
     torch.set_num_threads(saved_threads)
 
-    cols = (["f32_ms"] + (["int4mm_ms"] if any("int4mm_ms" in r for r in records) else [])
-            if not args.no_baselines else []) + [f"{q.name}_ms" for q in types]
-    print(f"\nms per call (min over repeats), isa={native.isa()}, "
+    cols = list(dict.fromkeys(c for r in records for c in r if c.endswith("_ms")))
+    print(f"\nms per call (min over repeats), isa={native.isa() if native.available() else 'none'}, "
           f"torch {torch.__version__}, {platform.processor() or platform.machine()}\n")
     print("| shape | threads | rows | " + " | ".join(c[:-3] for c in cols) + " |")
     print("|---|---|---|" + "---|" * len(cols))
     for r in records:
         cells = [("n/a" if r.get(c) is None else f"{r[c]:.3f}") for c in cols]
         print(f"| {r['shape']} | {r['threads']} | {r['rows']} | " + " | ".join(cells) + " |")
+    for c in dict.fromkeys(c for r in records for c in r if c.endswith("_invariant")):
+        same = all(r[c] for r in records if c in r)
+        print(f"{c[:-len('_invariant')]}: a row's bits {'do not depend' if same else 'depend'} on the rows beside it")
 
     goals = []
     for threads in args.threads:
@@ -181,7 +271,8 @@ def main() -> int:
 
     meta = {
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "isa": native.isa(), "openmp": native.has_openmp(), "torch": torch.__version__,
+        "isa": native.isa() if native.available() else None,
+        "openmp": native.has_openmp() if native.available() else None, "torch": torch.__version__,
         "machine": platform.machine(), "cpu": _cpu_name(), "cpus": os.cpu_count(),
         "load_avg_start": load_start,
     }

@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from benchmarks.llamacpp_agreement import encode_prompt, resolve_model
+from benchmarks.common import encode_prompt, resolve_model
 from specpipe.bench.datasets import load_prompts
 from specpipe.config import EngineConfig
 from specpipe.engine.core import spec_reserve
@@ -58,17 +58,17 @@ def run(config: EngineConfig, prompt: list[int], tokens: int) -> tuple[list[int]
     return req.output_ids, info, per_token
 
 
+ENGINE_OPTIONS = {"--mode": "specpipe-db", "--draft": "ngram", "--stages": 2, "--kv-memory": "256MiB",
+                  "--max-context": 32768, "--max-num-seqs": 8}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="gemma3-270m", help="a GGUF file, or gemma3-270m")
-    p.add_argument("--mode", default="specpipe-db")
-    p.add_argument("--draft", default="ngram")
-    p.add_argument("--stages", type=int, default=2)
+    for flag, default in ENGINE_OPTIONS.items():  # the second run's EngineConfig, as its CLI names them
+        p.add_argument(flag, type=type(default), default=default)
     p.add_argument("--prompt-tokens", type=int, default=2048)
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--kv-memory", default="256MiB")
-    p.add_argument("--max-context", type=int, default=32768)
-    p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", default=None)
     a = p.parse_args()

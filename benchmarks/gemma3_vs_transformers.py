@@ -1,7 +1,7 @@
 """SpecPipe's Gemma 3 against transformers' on the same GGUF, both dequantized to float32: tokens and logits.
 
 Method: real run, one process, `--threads` for both. Each Spec-Bench prompt (`--prompts-per-group`
-of each of the six groups, tokenized as benchmarks/llamacpp_agreement.py does) goes greedy through
+of each of the six groups, tokenized by benchmarks/common.py's encode_prompt) goes greedy through
 SpecPipe (`LLM`, mode pp, stages in this process) with every weight dequantized to float32
 (SPECPIPE_KERNEL=float32) for `--tokens` tokens. Then, teacher-forced on prompt + those tokens,
 one forward of SpecPipe's whole model (build_stage + run_rows, the same float32 weights) and one
@@ -34,7 +34,7 @@ import os
 import numpy as np
 import torch
 
-from benchmarks.llamacpp_agreement import encode_prompt, resolve_model
+from benchmarks.common import encode_prompt, report, resolve_model
 from specpipe import LLM, SamplingParams
 from specpipe.bench.datasets import load_prompts
 from specpipe.config import StageSpec
@@ -149,10 +149,7 @@ def main() -> None:
                "max_rel_diff": max(c["rel_diff"] for c in cases),
                "llamacpp_divergences": len(sides), "transformers_with_specpipe_there": sum(sides),
                "cases": cases}
-    print(json.dumps({k: v for k, v in summary.items() if k != "cases"}))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(summary, f, indent=1)
+    report(summary, args.out)
 
 
 if __name__ == "__main__":

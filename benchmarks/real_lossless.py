@@ -1,7 +1,7 @@
 """On a real GGUF: SpecPipe (and any other mode) gives exactly pp's tokens, prompt by prompt.
 
 Method: real run, stages in this process (inproc). The same Spec-Bench prompts (tokenized as
-benchmarks/llamacpp_agreement.py does) go greedy through `pp` at S = 1 and through `--mode` at
+benchmarks/common.py's encode_prompt does) go greedy through `pp` at S = 1 and through `--mode` at
 `--stages` with `--draft`; every request's tokens must be equal. Prints one line per prompt and a
 summary with tokens per step and hit rate.
 
@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from benchmarks.llamacpp_agreement import encode_prompt, resolve_model
+from benchmarks.common import encode_prompt, resolve_model
 from specpipe import LLM, SamplingParams
 from specpipe.bench.datasets import load_prompts
 from specpipe.tokenizer.tokenizer import Tokenizer
