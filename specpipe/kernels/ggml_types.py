@@ -28,6 +28,11 @@ IEEE half. The layouts, as in llama.cpp's ggml-common.h / ggml-quants.c:
         w = (d * scale[s]) * (q - 32)
   F16 / BF16 / F32: one element per "block" of 2 / 2 / 4 bytes.
 
+The field offsets are the table LAYOUTS below, which the reader slices by; it is the C structs'
+of kernels/native/ggml_blocks.h written again, and checked against them (their offsetof and
+sizeof, exported by the library) when the native library loads and in
+tests/kernels/test_native_boundary.py.
+
 The arithmetic (which products are formed first, f16 -> f32 before multiplying) follows
 gguf-py's `gguf.quants`, operation by operation, so the result is bitwise equal to it; each
 step is a separately rounded float32 operation (no fused multiply-add).
@@ -35,18 +40,62 @@ step is a separately rounded float32 operation (no fused multiply-add).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import gguf
 import torch
 
 Q = gguf.GGMLQuantizationType
 
+
+@dataclass(frozen=True)
+class Layout:
+    """One block type: `values` elements in `size` bytes, its fields (name -> (offset, bytes))
+    in storage order."""
+
+    values: int
+    size: int
+    fields: dict[str, tuple[int, int]]
+
+    def field(self, b: torch.Tensor, name: str) -> torch.Tensor:
+        """The bytes of field `name` of blocks b (B, size) uint8 -> (B, its bytes)."""
+        off, n = self.fields[name]
+        return b[:, off:off + n]
+
+
+def _layout(values: int, *fields: tuple[str, int]) -> Layout:
+    out, off = {}, 0
+    for name, n in fields:
+        out[name] = (off, n)
+        off += n
+    return Layout(values, off, out)
+
+
+# The quantized block types, field by field (kernels/native/ggml_blocks.h: the same structs)
+LAYOUTS: dict[Q, Layout] = {
+    Q.Q4_0: _layout(32, ("d", 2), ("qs", 16)),
+    Q.Q4_1: _layout(32, ("d", 2), ("m", 2), ("qs", 16)),
+    Q.Q5_0: _layout(32, ("d", 2), ("qh", 4), ("qs", 16)),
+    Q.Q5_1: _layout(32, ("d", 2), ("m", 2), ("qh", 4), ("qs", 16)),
+    Q.Q8_0: _layout(32, ("d", 2), ("qs", 32)),
+    Q.Q4_K: _layout(256, ("d", 2), ("dmin", 2), ("scales", 12), ("qs", 128)),
+    Q.Q5_K: _layout(256, ("d", 2), ("dmin", 2), ("scales", 12), ("qh", 32), ("qs", 128)),
+    Q.Q6_K: _layout(256, ("ql", 128), ("qh", 64), ("scales", 16), ("d", 2)),
+}
+
 # qtype -> (elements per block, bytes per block)
 BLOCKS: dict[Q, tuple[int, int]] = {
-    Q.Q4_0: (32, 18), Q.Q4_1: (32, 20), Q.Q5_0: (32, 22), Q.Q5_1: (32, 24), Q.Q8_0: (32, 34),
-    Q.Q4_K: (256, 144), Q.Q5_K: (256, 176), Q.Q6_K: (256, 210),
+    **{q: (lay.values, lay.size) for q, lay in LAYOUTS.items()},
     Q.F16: (1, 2), Q.BF16: (1, 2), Q.F32: (1, 4),
 }
 FLOAT_TYPES = (Q.F16, Q.BF16, Q.F32)
+
+
+def layout_text(qtype: Q) -> str:
+    """LAYOUTS[qtype] as the native library's sp_block_layout writes its struct:
+    "values bytes name:offset:size ..." (what the load-time check compares)."""
+    lay = LAYOUTS[qtype]
+    return " ".join([f"{lay.values} {lay.size}", *(f"{k}:{o}:{n}" for k, (o, n) in lay.fields.items())])
 
 
 def block_size(qtype: Q) -> int:
@@ -95,35 +144,34 @@ def _k_scale_min(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _dequantize_blocks(b: torch.Tensor, qtype: Q) -> torch.Tensor:
     """(B, type_size) uint8 -> (B, block_size) float32."""
+    f = LAYOUTS[qtype].field
     if qtype == Q.Q8_0:
-        return b[:, 2:].contiguous().view(torch.int8).float() * _f16(b[:, 0:2])
+        return f(b, "qs").contiguous().view(torch.int8).float() * _f16(f(b, "d"))
     if qtype == Q.Q4_0:
-        return _f16(b[:, 0:2]) * (_nibbles(b[:, 2:]).to(torch.int8) - 8).float()
+        return _f16(f(b, "d")) * (_nibbles(f(b, "qs")).to(torch.int8) - 8).float()
     if qtype == Q.Q4_1:
-        return _f16(b[:, 0:2]) * _nibbles(b[:, 4:]).float() + _f16(b[:, 2:4])
+        return _f16(f(b, "d")) * _nibbles(f(b, "qs")).float() + _f16(f(b, "m"))
     if qtype in (Q.Q5_0, Q.Q5_1):
-        off = 2 if qtype == Q.Q5_0 else 4
-        q = _nibbles(b[:, off + 4:]) | (_bits(b[:, off:off + 4], 32) << 4)
+        q = _nibbles(f(b, "qs")) | (_bits(f(b, "qh"), 32) << 4)
         if qtype == Q.Q5_0:
-            return _f16(b[:, 0:2]) * (q.to(torch.int8) - 16).float()
-        return _f16(b[:, 0:2]) * q.float() + _f16(b[:, 2:4])
+            return _f16(f(b, "d")) * (q.to(torch.int8) - 16).float()
+        return _f16(f(b, "d")) * q.float() + _f16(f(b, "m"))
     if qtype in (Q.Q4_K, Q.Q5_K):
         n = b.shape[0]
-        sc, mn = _k_scale_min(b[:, 4:16])
-        d = (_f16(b[:, 0:2]) * sc)[:, :, None]  # (B, 8, 1)
-        dm = (_f16(b[:, 2:4]) * mn)[:, :, None]
-        qs = b[:, 16:] if qtype == Q.Q4_K else b[:, 48:]
-        q = _nibbles(qs.reshape(n, 4, 32)).reshape(n, 8, 32)  # sub-blocks 2c, 2c+1 per chunk c
+        sc, mn = _k_scale_min(f(b, "scales"))
+        d = (_f16(f(b, "d")) * sc)[:, :, None]  # (B, 8, 1)
+        dm = (_f16(f(b, "dmin")) * mn)[:, :, None]
+        q = _nibbles(f(b, "qs").reshape(n, 4, 32)).reshape(n, 8, 32)  # sub-blocks 2c, 2c+1 per chunk c
         if qtype == Q.Q5_K:
-            hi = ((b[:, 16:48, None] >> torch.arange(8, dtype=torch.uint8)) & 1)  # (B, 32 l, 8 s)
+            hi = ((f(b, "qh")[:, :, None] >> torch.arange(8, dtype=torch.uint8)) & 1)  # (B, 32 l, 8 s)
             q = q | (hi.transpose(1, 2) << 4)
         return (d * q.float() - dm).reshape(n, 256)
     if qtype == Q.Q6_K:
         n = b.shape[0]
-        ql = _nibbles(b[:, 0:128].reshape(n, 2, 64)).reshape(n, 2, 4, 32)  # (B, half, group, l)
-        qh = (b[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3
+        ql = _nibbles(f(b, "ql").reshape(n, 2, 64)).reshape(n, 2, 4, 32)  # (B, half, group, l)
+        qh = (f(b, "qh").reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3
         q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
-        d = _f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float()  # (B, 16)
+        d = _f16(f(b, "d")) * f(b, "scales").contiguous().view(torch.int8).float()  # (B, 16)
         return (d[:, :, None] * q).reshape(n, 256)
     raise NotImplementedError(f"no dequantize for GGML type {qtype.name}")
 

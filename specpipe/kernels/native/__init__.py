@@ -8,7 +8,11 @@ ggml_matmul.c).  Row i of the result is bitwise the same whatever the other rows
 count, and every SIMD path (``isa()``) gives the portable C path's bits.
 
 The library is built by ``python -m specpipe.kernels.native.build`` (install.sh does it); without
-it, ``available()`` is False and ``matmul`` raises.  ``SPECPIPE_NATIVE_ISA=portable|avx2|
+it, ``available()`` is False and ``matmul`` raises.  ``SPECPIPE_NATIVE_LIBRARY=<path>`` loads
+another build (the sanitizer build, a test's).  A library that is there but does not match
+these bindings -- built from older sources (its ``sp_abi_version()`` is not ``ABI_VERSION``, or a
+function is missing) or with other block layouts than kernels/ggml_types.py's -- is refused
+with one warning naming the rebuild command, and SpecPipe runs on the portable torch path.  ``SPECPIPE_NATIVE_ISA=portable|avx2|
 avx512vnni|amx|neon`` forces a path (amx: AVX-512 VNNI with Intel AMX tile multiplies for
 Q4_K's larger calls; it needs Linux to grant the tile state) (it must be supported by this CPU); it is read once per process,
 so that every call of a process takes the same path (``reload_isa_code()`` re-reads it).
@@ -20,13 +24,19 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+import warnings
 from pathlib import Path
 
 import gguf
 import torch
 
+from specpipe.kernels import ggml_types
+
 _HERE = Path(__file__).resolve().parent
 LIBRARY = _HERE / "libspecpipe_native.so"
+# ggml_matmul.h SP_ABI_VERSION: the interface these bindings (and layer.py's) are written for
+ABI_VERSION = 2
+REBUILD = "python3 -m specpipe.kernels.native.build (or ./install.sh)"
 
 _ISA_CODES = {"portable": 0, "avx2": 1, "avx512vnni": 2, "neon": 3, "amx": 4}
 _ISA_NAMES = {v: k for k, v in _ISA_CODES.items()}
@@ -37,7 +47,26 @@ _SUPPORTED = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q4_K, _Q
 _ERRORS = {1: "unsupported type", 2: "bad shape", 3: "ISA not supported by this CPU",
            4: "out of memory"}
 # (block values, block bytes) by type id: looked up on every call, kept off the enum machinery
-_BLOCKS = {int(t): gguf.GGML_QUANT_SIZES[t] for t in _SUPPORTED}
+_BLOCKS = {int(t): ggml_types.BLOCKS[t] for t in _SUPPORTED}
+
+_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+# Every function the bindings call, with its C signature (layer.py's two take its structs and
+# are bound there): a library lacking one is refused at load, never half-used.
+_SIGNATURES = {
+    "sp_abi_version": ([], _i32),
+    "sp_matmul": ([_i32, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i32, _i32], _i32),
+    "sp_attention": ([_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i64, _ptr, ctypes.c_float, _ptr, _i32, _i32],
+                     _i32),
+    "sp_rmsnorm": ([_ptr, _i64, _i64, _ptr, ctypes.c_float, _ptr], _i32),
+    "sp_rope": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr], _i32),
+    "sp_isa_supported": ([_i32], _i32),
+    "sp_type_supported": ([_i32], _i32),
+    "sp_best_isa": ([], _i32),
+    "sp_has_openmp": ([], _i32),
+    "sp_block_layout": ([_i32, ctypes.c_char_p, _i64], _i32),
+    "sp_decoder_layer": (None, None),
+    "sp_silu_mul": (None, None),
+}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -47,42 +76,55 @@ _supported_isa_codes: frozenset[int] = frozenset()
 _process_isa: int | None = None  # the path of this process: SPECPIPE_NATIVE_ISA or the best
 
 
+def library_path() -> Path:
+    """The library this process loads: SPECPIPE_NATIVE_LIBRARY, or the one built beside this file."""
+    env = os.environ.get("SPECPIPE_NATIVE_LIBRARY", "").strip()
+    return Path(env) if env else LIBRARY
+
+
+def open_library(path: Path) -> tuple[ctypes.CDLL | None, str | None]:
+    """Load and check the library at `path`: (the bound library, None), or (None, why not).
+    Checked: every function in _SIGNATURES is there, its ABI version is ABI_VERSION, and its
+    block structs (sp_block_layout) are kernels/ggml_types.py's LAYOUTS, field by field."""
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as e:
+        return None, f"cannot load {path}: {e}"
+    missing = [name for name in _SIGNATURES if not hasattr(lib, name)]
+    if missing:
+        return None, f"{path} lacks {', '.join(missing)}: built from older sources"
+    for name, (args, res) in _SIGNATURES.items():
+        if args is not None:
+            getattr(lib, name).argtypes, getattr(lib, name).restype = args, res
+    version = lib.sp_abi_version()
+    if version != ABI_VERSION:
+        return None, f"{path} has ABI version {version}, these bindings {ABI_VERSION}"
+    buf = ctypes.create_string_buffer(512)
+    for t in sorted(_SUPPORTED):
+        want = ggml_types.layout_text(t)
+        got = buf.value.decode() if lib.sp_block_layout(int(t), buf, len(buf)) == 0 else "(none)"
+        if got != want:
+            return None, f"{path}: {t.name} blocks are {got!r} in C, {want!r} in ggml_types.py"
+    return lib, None
+
+
 def _load() -> ctypes.CDLL | None:
-    global _lib, _load_error
+    global _lib, _load_error, _best_isa, _supported_isa_codes
     if _lib is not None:  # the per-call path: no lock
         return _lib
     with _lock:
         if _lib is not None or _load_error is not None:
             return _lib
-        if not LIBRARY.exists():
-            _load_error = f"{LIBRARY.name} is not built (run python -m specpipe.kernels.native.build)"
+        path = library_path()
+        if not path.exists():
+            _load_error = f"{path.name} is not built (run {REBUILD})"
             return None
-        try:
-            lib = ctypes.CDLL(str(LIBRARY))
-        except OSError as e:
-            _load_error = f"cannot load {LIBRARY}: {e}"
+        lib, why = open_library(path)
+        if lib is None:
+            _load_error = f"{why}; rebuild it: {REBUILD}"
+            warnings.warn(f"specpipe native kernels disabled (the portable torch path runs): {_load_error}",
+                          RuntimeWarning, stacklevel=3)
             return None
-        i64, i32 = ctypes.c_int64, ctypes.c_int
-        lib.sp_matmul.argtypes = [i32, ctypes.c_void_p, i64, i64, ctypes.c_void_p, i64, i64,
-                                  ctypes.c_void_p, i32, i32]
-        lib.sp_matmul.restype = i32
-        lib.sp_attention.argtypes = [ctypes.c_void_p, i64, i32, i32, i32, ctypes.c_void_p,
-                                     ctypes.c_void_p, i64, ctypes.c_void_p, ctypes.c_float,
-                                     ctypes.c_void_p, i32, i32]
-        lib.sp_attention.restype = i32
-        lib.sp_rmsnorm.argtypes = [ctypes.c_void_p, i64, i64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p]
-        lib.sp_rmsnorm.restype = i32
-        lib.sp_rope.argtypes = [ctypes.c_void_p, i64, i64, i64, i64, ctypes.c_void_p, ctypes.c_void_p,
-                                ctypes.c_void_p]
-        lib.sp_rope.restype = i32
-        for name in ("sp_isa_supported", "sp_type_supported"):
-            getattr(lib, name).argtypes = [i32]
-            getattr(lib, name).restype = i32
-        lib.sp_best_isa.argtypes = []
-        lib.sp_best_isa.restype = i32
-        lib.sp_has_openmp.argtypes = []
-        lib.sp_has_openmp.restype = i32
-        global _best_isa, _supported_isa_codes
         _best_isa = lib.sp_best_isa()
         _supported_isa_codes = frozenset(c for c in _ISA_CODES.values() if lib.sp_isa_supported(c))
         _lib = lib
@@ -232,6 +274,8 @@ def matmul_checked_packed(x: torch.Tensor, packed: torch.Tensor, type_id: int, t
 # SmolLM2 (9 heads of 64) crosses it at about 230 slots; at 700 slots two threads took its
 # decode attention from 5.7 to 4.2 ms per token.
 _ATTENTION_THREADED_WORK = 1 << 17
+# ggml_matmul.h SP_MAX_GROUP: the most query heads per KV head the attention takes
+MAX_GROUP = 64
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -240,16 +284,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     all float32 CPU tensors. Each row's result depends only on the slots its mask lets it see,
     in their order: not on C, on the masked slots, on the other rows or on ``threads``."""
     lib = _lib if _lib is not None else _require()
+    if not all(isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.is_cpu and x.dim() == 3
+               for x in (q, k, v)):
+        raise TypeError("native attention takes 3-D float32 CPU tensors q (T, Hq, D), k and v (C, Hkv, D)")
     t, hq, d = q.shape
     c, hkv, _ = k.shape
-    if not all(x.dtype == torch.float32 and x.is_cpu for x in (q, k, v)):
-        raise TypeError("native attention takes float32 CPU tensors")
-    if k.shape != v.shape or k.shape[2] != d or hq % hkv:
+    if k.shape != v.shape or k.shape[2] != d or min(hq, hkv, d, c) < 1 or hq % hkv:
         raise ValueError(f"shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if mask is not None and tuple(mask.shape) != (t, c):
-        raise ValueError(f"mask must be {(t, c)}, got {tuple(mask.shape)}")
+    if hq // hkv > MAX_GROUP:
+        raise ValueError(f"{hq // hkv} query heads per KV head; the native attention takes at most {MAX_GROUP}")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    m = None if mask is None else mask.contiguous().view(torch.uint8)
+    m = None if mask is None else mask_bytes(mask, (t, c), "mask")
     out = torch.empty_like(q)
     if threads is None:
         threads = torch.get_num_threads() if t * hq * c * d >= _ATTENTION_THREADED_WORK else 1
@@ -259,6 +304,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if rc != 0:
         raise RuntimeError(f"sp_attention failed: {_ERRORS.get(rc, rc)}")
     return out
+
+
+def mask_bytes(mask: torch.Tensor, shape: tuple[int, int], what: str) -> torch.Tensor:
+    """A (rows, C) bool (or uint8, nonzero = may attend) CPU mask as the contiguous bytes C reads:
+    the dtype, shape and device checked here, at the boundary (C reads rows * C bytes, as bytes:
+    a short mask would be read past its end, an int64 or float one misread)."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype not in (torch.bool, torch.uint8) or not mask.is_cpu:
+        raise TypeError(f"{what} must be a bool (or uint8) CPU tensor, got {getattr(mask, 'dtype', type(mask))}")
+    if tuple(mask.shape) != tuple(shape):
+        raise ValueError(f"{what} must be {tuple(shape)}, got {tuple(mask.shape)}")
+    return mask.contiguous().view(torch.uint8)
 
 
 def _float32_rows(*tensors: torch.Tensor) -> bool:
@@ -299,6 +355,6 @@ def _name(type_id: int) -> str:
     return gguf.GGMLQuantizationType(type_id).name
 
 
-__all__ = ["available", "unavailable_reason", "supported_types", "supported_isas", "isa",
+__all__ = ["available", "unavailable_reason", "library_path", "open_library", "ABI_VERSION", "MAX_GROUP", "supported_types", "supported_isas", "isa",
            "reload_isa_code",
            "matmul", "matmul_checked_packed", "attention", "rmsnorm", "rope", "has_openmp", "LIBRARY"]

@@ -41,13 +41,7 @@
 #include "ggml_matmul.h"
 #include "vec.h"
 
-typedef float v16f __attribute__((vector_size(64)));
-
-SP_INLINE v16f ld16f(const float *p) {
-  v16f v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
+/* (v8f, v16f, ld8f, ld16f: vec.h) */
 
 /* The eight lanes of a, then of b, summed in pairs: {a0+a1, a2+a3, a4+a5, a6+a7, b0+b1, ...}. */
 SP_INLINE v8f pair_sums(v8f a, v8f b) {
@@ -308,7 +302,14 @@ static int attention_body(rows_fn fn, const float *q, int64_t t, int hq, int hkv
 int sp_attention_slots(const float *q, int64_t t, int hq, int hkv, int d, const float *k,
                        const float *v, const int64_t *slots, int64_t c, const uint8_t *mask,
                        float scale, float *out, int threads, int isa) {
-  if (t < 0 || c < 1 || hq < 1 || hkv < 1 || d < 1 || hq % hkv || hq / hkv > 64) return SP_ERR_SHAPE;
+  int64_t size;
+  if (t < 0 || c < 1 || hq < 1 || hkv < 1 || d < 1 || hq % hkv || hq / hkv > SP_MAX_GROUP)
+    return SP_ERR_SHAPE;
+  /* no size below wraps: q and out (t, hq, d), k and v (c, hkv, d), a thread's scores
+   * (SP_ATT_ROWS * group rows of c rounded up to 8 floats) */
+  if (!sp_mul_ok(t, (int64_t)hq * d, &size) || !sp_mul_ok(c, (int64_t)hkv * d, &size) ||
+      c > (INT64_MAX - 7) / ((int64_t)SP_ATT_ROWS * SP_MAX_GROUP * (int64_t)sizeof(float)))
+    return SP_ERR_SHAPE;
   if (threads < 1) threads = 1;
   rows_fn fn = attend_rows_portable;
 #if defined(__x86_64__) || defined(__i386__)

@@ -16,31 +16,11 @@
  *   - every SIMD path gives the same bits as the portable C path (the library is built with
  *     -ffp-contract=off so that no path fuses a multiply-add the others do not).
  *
- * Block layouts (ggml, little-endian; f16 = IEEE half).  "q" is the stored unsigned integer.
- *   Q4_0  32 values, 18 bytes: [0:2] f16 d | [2:18] qs[16]: value l = qs[l] & 15, value l+16 =
- *         qs[l] >> 4 (l < 16).  w = d * (q - 8).
- *   Q4_1  32 values, 20 bytes: [0:2] f16 d | [2:4] f16 m | [4:20] qs[16] as Q4_0.  w = d*q + m.
- *   Q5_0  32 values, 22 bytes: [0:2] f16 d | [2:6] u32 qh | [6:22] qs[16]: low 4 bits as Q4_0,
- *         bit 4 of value i = (qh >> i) & 1.  w = d * (q - 16).
- *   Q5_1  32 values, 24 bytes: [0:2] f16 d | [2:4] f16 m | [4:8] u32 qh | [8:24] qs[16] as Q5_0.
- *         w = d*q + m.
- *   Q8_0  32 values, 34 bytes: [0:2] f16 d | [2:34] int8 qs[32].  w = d * qs.
- *   Q4_K  256 values, 144 bytes: [0:2] f16 d | [2:4] f16 dmin | [4:16] scales[12]: eight 6-bit
- *         (scale, min) pairs, j < 4: sc = s[j] & 63, mn = s[j+4] & 63; j >= 4:
- *         sc = (s[j+4] & 15) | (s[j-4] >> 6) << 4, mn = (s[j+4] >> 4) | (s[j] >> 6) << 4 |
- *         [16:144] qs[128]: for chunk c < 4, value 64c+l = qs[32c+l] & 15 (sub-block 2c),
- *         value 64c+32+l = qs[32c+l] >> 4 (sub-block 2c+1), l < 32.
- *         w = d*sc[i/32]*q - dmin*mn[i/32].
- *   Q5_K  256 values, 176 bytes: [0:2] d | [2:4] dmin | [4:16] scales[12] as Q4_K | [16:48]
- *         qh[32] | [48:176] qs[128] as Q4_K; bit 4 of value 64c+l is qh[l] >> 2c & 1, of
- *         value 64c+32+l is qh[l] >> (2c+1) & 1.  w as Q4_K.
- *   Q6_K  256 values, 210 bytes: [0:128] ql[128] | [128:192] qh[64] | [192:208] int8 scales[16] |
- *         [208:210] f16 d.  For half h < 2, l < 32, k < 4: value 128h+32k+l has low 4 bits
- *         ql[64h + l + 32(k&1)] (& 15 for k < 2, >> 4 for k >= 2) and high 2 bits
- *         qh[32h+l] >> 2k & 3.  w = d * scales[i/16] * (q - 32).
+ * Block layouts: ggml_blocks.h (a struct per type, with each type's value order and formula).
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
@@ -63,6 +43,7 @@
 #include <arm_neon.h>
 #endif
 
+#include "ggml_blocks.h"
 #include "ggml_matmul.h"
 #include "vec.h"
 
@@ -128,16 +109,8 @@ typedef struct {
 /* (v8f, v8i, ld8f, ld8i: vec.h) */
 SP_INLINE v8f to8f(v8i v) { return __builtin_convertvector(v, v8f); }
 
-/* 4-lane (SSE2 / NEON width) vectors for the activation quantization, which is compiled once
- * for the baseline ISA: 128-bit vectors are what that baseline has. */
-typedef float v4f __attribute__((vector_size(16)));
-typedef int32_t v4i __attribute__((vector_size(16)));
-
-SP_INLINE v4f ld4f(const float *p) {
-  v4f v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
+/* 4-lane (SSE2 / NEON width) vectors (v4f, v4i, ld4f: vec.h) for the activation quantization,
+ * which is compiled once for the baseline ISA: 128-bit vectors are what that baseline has. */
 /* select(m, a, b): a where the comparison mask m is set, else b */
 SP_INLINE v4f select4f(v4i m, v4f a, v4f b) { return (v4f)((m & (v4i)a) | (~m & (v4i)b)); }
 
@@ -256,13 +229,21 @@ SP_INLINE int group32_blocks(const uint8_t *row, int64_t g, int64_t nblk, wtile 
 }
 SP_INLINE const uint8_t *block32(int type, const uint8_t *row, int64_t g, int j, wtile *w, int r,
                                  uint32_t *qh) {
-  static const int bytes[] = {[SP_Q4_0] = 18, [SP_Q4_1] = 20, [SP_Q5_0] = 22, [SP_Q5_1] = 24, [SP_Q8_0] = 34};
+  static const int bytes[] = {[SP_Q4_0] = sizeof(sp_block_q4_0), [SP_Q4_1] = sizeof(sp_block_q4_1),
+                              [SP_Q5_0] = sizeof(sp_block_q5_0), [SP_Q5_1] = sizeof(sp_block_q5_1),
+                              [SP_Q8_0] = sizeof(sp_block_q8_0)};
   const uint8_t *b = row + (8 * g + j) * bytes[type];
-  const int has_m = type == SP_Q4_1 || type == SP_Q5_1, has_h = type == SP_Q5_0 || type == SP_Q5_1;
-  w->d[j][r] = f16_to_f32(b);
-  if (has_m) w->m[j][r] = f16_to_f32(b + 2);
-  if (has_h) *qh = load_u32(b + 2 + 2 * has_m);
-  return b + 2 + 2 * has_m + 4 * has_h;
+  w->d[j][r] = f16_to_f32(b); /* d leads every 32-value block */
+  switch (type) {
+  case SP_Q4_1: w->m[j][r] = f16_to_f32(SP_FIELD(b, sp_block_q4_1, m)); return SP_FIELD(b, sp_block_q4_1, qs);
+  case SP_Q5_0: *qh = load_u32(SP_FIELD(b, sp_block_q5_0, qh)); return SP_FIELD(b, sp_block_q5_0, qs);
+  case SP_Q5_1:
+    w->m[j][r] = f16_to_f32(SP_FIELD(b, sp_block_q5_1, m));
+    *qh = load_u32(SP_FIELD(b, sp_block_q5_1, qh));
+    return SP_FIELD(b, sp_block_q5_1, qs);
+  case SP_Q8_0: return SP_FIELD(b, sp_block_q8_0, qs);
+  default: return SP_FIELD(b, sp_block_q4_0, qs);
+  }
 }
 
 SP_INLINE void unpack_group32(int type, const uint8_t *row, int64_t g, int64_t nblk, wtile *w,
@@ -303,10 +284,10 @@ SP_INLINE void k4_scales(const uint8_t *s, wtile *w, int r) {
 }
 
 SP_INLINE void unpack_q4_k(const uint8_t *b, wtile *w, int r) {
-  w->d[0][r] = f16_to_f32(b);
-  w->d[1][r] = f16_to_f32(b + 2);
-  k4_scales(b + 4, w, r);
-  const uint8_t *restrict qs = b + 16;
+  w->d[0][r] = f16_to_f32(SP_FIELD(b, sp_block_q4_k, d));
+  w->d[1][r] = f16_to_f32(SP_FIELD(b, sp_block_q4_k, dmin));
+  k4_scales(SP_FIELD(b, sp_block_q4_k, scales), w, r);
+  const uint8_t *restrict qs = SP_FIELD(b, sp_block_q4_k, qs);
   uint8_t *restrict q = w->q[r];
   for (int c = 0; c < 4; c++)
     for (int l = 0; l < 32; l++) {
@@ -316,10 +297,10 @@ SP_INLINE void unpack_q4_k(const uint8_t *b, wtile *w, int r) {
 }
 
 SP_INLINE void unpack_q5_k(const uint8_t *b, wtile *w, int r) {
-  w->d[0][r] = f16_to_f32(b);
-  w->d[1][r] = f16_to_f32(b + 2);
-  k4_scales(b + 4, w, r);
-  const uint8_t *restrict qh = b + 16, *restrict qs = b + 48;
+  w->d[0][r] = f16_to_f32(SP_FIELD(b, sp_block_q5_k, d));
+  w->d[1][r] = f16_to_f32(SP_FIELD(b, sp_block_q5_k, dmin));
+  k4_scales(SP_FIELD(b, sp_block_q5_k, scales), w, r);
+  const uint8_t *restrict qh = SP_FIELD(b, sp_block_q5_k, qh), *restrict qs = SP_FIELD(b, sp_block_q5_k, qs);
   uint8_t *restrict q = w->q[r];
   for (int c = 0; c < 4; c++)
     for (int l = 0; l < 32; l++) {
@@ -329,9 +310,9 @@ SP_INLINE void unpack_q5_k(const uint8_t *b, wtile *w, int r) {
 }
 
 SP_INLINE void unpack_q6_k(const uint8_t *b, wtile *w, int r) {
-  const uint8_t *restrict ql = b, *restrict qh = b + 128;
-  memcpy(w->sc[r], b + 192, 16);
-  w->d[0][r] = f16_to_f32(b + 208);
+  const uint8_t *restrict ql = SP_FIELD(b, sp_block_q6_k, ql), *restrict qh = SP_FIELD(b, sp_block_q6_k, qh);
+  memcpy(w->sc[r], SP_FIELD(b, sp_block_q6_k, scales), 16);
+  w->d[0][r] = f16_to_f32(SP_FIELD(b, sp_block_q6_k, d));
   for (int h = 0; h < 2; h++)
     for (int l = 0; l < 32; l++) {
       const uint8_t lo0 = ql[64 * h + l], lo1 = ql[64 * h + l + 32], hi = qh[32 * h + l];
@@ -658,18 +639,18 @@ SP_INLINE SP_VNNI void rows_q4_k(const uint8_t *row, int64_t ngroups, const int8
   const __m512i m4 = _mm512_set1_epi8(15);
   float acc[SP_FEW] = {0};
   for (int64_t g = 0; g < ngroups; g++) {
-    const uint8_t *b = row + 144 * g;
+    const uint8_t *b = row + sizeof(sp_block_q4_k) * g, *qs = SP_FIELD(b, sp_block_q4_k, qs);
     for (int off = 0; off < 192; off += 64) __builtin_prefetch(b + SP_PF_BYTES + off);
     uint64_t sc, mn;
-    k4_scale_words(b + 4, &sc, &mn);
-    const __m512i z0 = LDZ(b + 16), z1 = LDZ(b + 80);
+    k4_scale_words(SP_FIELD(b, sp_block_q4_k, scales), &sc, &mn);
+    const __m512i z0 = LDZ(qs), z1 = LDZ(qs + 64);
     const __m512i w[4] = {_mm512_and_si512(z0, m4), _mm512_and_si512(_mm512_srli_epi16(z0, 4), m4),
                           _mm512_and_si512(z1, m4), _mm512_and_si512(_mm512_srli_epi16(z1, 4), m4)};
     const __m512i s16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
     const __m512i sw[4] = {bcast_lanes_epi16(s16, 0, 0, 2, 2), bcast_lanes_epi16(s16, 1, 1, 3, 3),
                            bcast_lanes_epi16(s16, 4, 4, 6, 6), bcast_lanes_epi16(s16, 5, 5, 7, 7)};
     const __m256i mn32 = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)mn));
-    const float d = f16_to_f32(b), dmin = f16_to_f32(b + 2);
+    const float d = f16_to_f32(SP_FIELD(b, sp_block_q4_k, d)), dmin = f16_to_f32(SP_FIELD(b, sp_block_q4_k, dmin));
     for (int r = 0; r < nt; r++) {
       const int64_t at = g * nt + r;
       const int8_t *x = xk + 256 * at;
@@ -695,15 +676,16 @@ SP_INLINE SP_VNNI void rows_q6_k(const uint8_t *row, int64_t ngroups, const int8
   const __m512i sh_hi = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
   float acc[SP_FEW] = {0};
   for (int64_t g = 0; g < ngroups; g++) {
-    const uint8_t *b = row + 210 * g;
+    const uint8_t *b = row + sizeof(sp_block_q6_k) * g;
+    const uint8_t *ql = SP_FIELD(b, sp_block_q6_k, ql), *qh6 = SP_FIELD(b, sp_block_q6_k, qh);
     for (int off = 0; off < 256; off += 64) __builtin_prefetch(b + SP_PF_BYTES + off);
-    const __m128i sc8 = _mm_loadu_si128((const __m128i *)(b + 192));
+    const __m128i sc8 = _mm_loadu_si128((const __m128i *)SP_FIELD(b, sp_block_q6_k, scales));
     const __m512i s16 = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(sc8));
     const __m512i sc32 = _mm512_cvtepi8_epi32(sc8);
     __m512i v[4], sw[4];
     for (int h = 0; h < 2; h++) {
-      const __m512i l = LDZ(b + 64 * h);
-      const __m256i qh = LD(b + 128 + 32 * h);
+      const __m512i l = LDZ(ql + 64 * h);
+      const __m256i qh = LD(qh6 + 32 * h);
       const __m512i hz = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
       v[2 * h] = _mm512_or_si512(_mm512_and_si512(l, m4),
           _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(hz, sh_lo), m2), 4));
@@ -713,7 +695,7 @@ SP_INLINE SP_VNNI void rows_q6_k(const uint8_t *row, int64_t ngroups, const int8
       sw[2 * h] = bcast_lanes_epi16(s16, j, j + 1, j + 2, j + 3);
       sw[2 * h + 1] = bcast_lanes_epi16(s16, j + 4, j + 5, j + 6, j + 7);
     }
-    const float d = f16_to_f32(b + 208);
+    const float d = f16_to_f32(SP_FIELD(b, sp_block_q6_k, d));
     for (int r = 0; r < nt; r++) {
       const int64_t at = g * nt + r;
       const int8_t *x = xq + 256 * at;
@@ -999,17 +981,61 @@ int sp_type_supported(int type) {
 
 static int block_of(int type, int64_t *bytes) {
   switch (type) {
-  case SP_Q4_0: *bytes = 18; return 32;
-  case SP_Q4_1: *bytes = 20; return 32;
-  case SP_Q5_0: *bytes = 22; return 32;
-  case SP_Q5_1: *bytes = 24; return 32;
-  case SP_Q8_0: *bytes = 34; return 32;
-  case SP_Q4_K: *bytes = 144; return 256;
-  case SP_Q5_K: *bytes = 176; return 256;
-  case SP_Q6_K: *bytes = 210; return 256;
+  case SP_Q4_0: *bytes = sizeof(sp_block_q4_0); return 32;
+  case SP_Q4_1: *bytes = sizeof(sp_block_q4_1); return 32;
+  case SP_Q5_0: *bytes = sizeof(sp_block_q5_0); return 32;
+  case SP_Q5_1: *bytes = sizeof(sp_block_q5_1); return 32;
+  case SP_Q8_0: *bytes = sizeof(sp_block_q8_0); return 32;
+  case SP_Q4_K: *bytes = sizeof(sp_block_q4_k); return 256;
+  case SP_Q5_K: *bytes = sizeof(sp_block_q5_k); return 256;
+  case SP_Q6_K: *bytes = sizeof(sp_block_q6_k); return 256;
   default: return 0;
   }
 }
+
+int sp_row_bytes(int type, int64_t k, int64_t *row_bytes) {
+  int64_t bbytes;
+  const int bs = block_of(type, &bbytes);
+  if (!bs) return SP_ERR_TYPE;
+  if (k < 0 || k % bs || !sp_mul_ok(k / bs, bbytes, row_bytes)) return SP_ERR_SHAPE;
+  return SP_OK;
+}
+
+/* Each block struct's fields as "values bytes name:offset:size ...", for kernels/ggml_types.py's
+ * check of its own table (LAYOUTS) at load; 0, or SP_ERR_TYPE / SP_ERR_SHAPE (cap too small). */
+#define SP_F(block, f) {#f, offsetof(block, f), sizeof(((block *)0)->f)}
+int sp_block_layout(int type, char *buf, int64_t cap) {
+  static const struct {
+    int type, values;
+    size_t size;
+    struct { const char *name; size_t off, size; } f[5];
+  } L[] = {
+      {SP_Q4_0, 32, sizeof(sp_block_q4_0), {SP_F(sp_block_q4_0, d), SP_F(sp_block_q4_0, qs)}},
+      {SP_Q4_1, 32, sizeof(sp_block_q4_1), {SP_F(sp_block_q4_1, d), SP_F(sp_block_q4_1, m), SP_F(sp_block_q4_1, qs)}},
+      {SP_Q5_0, 32, sizeof(sp_block_q5_0), {SP_F(sp_block_q5_0, d), SP_F(sp_block_q5_0, qh), SP_F(sp_block_q5_0, qs)}},
+      {SP_Q5_1, 32, sizeof(sp_block_q5_1),
+       {SP_F(sp_block_q5_1, d), SP_F(sp_block_q5_1, m), SP_F(sp_block_q5_1, qh), SP_F(sp_block_q5_1, qs)}},
+      {SP_Q8_0, 32, sizeof(sp_block_q8_0), {SP_F(sp_block_q8_0, d), SP_F(sp_block_q8_0, qs)}},
+      {SP_Q4_K, 256, sizeof(sp_block_q4_k),
+       {SP_F(sp_block_q4_k, d), SP_F(sp_block_q4_k, dmin), SP_F(sp_block_q4_k, scales), SP_F(sp_block_q4_k, qs)}},
+      {SP_Q5_K, 256, sizeof(sp_block_q5_k),
+       {SP_F(sp_block_q5_k, d), SP_F(sp_block_q5_k, dmin), SP_F(sp_block_q5_k, scales), SP_F(sp_block_q5_k, qh),
+        SP_F(sp_block_q5_k, qs)}},
+      {SP_Q6_K, 256, sizeof(sp_block_q6_k),
+       {SP_F(sp_block_q6_k, ql), SP_F(sp_block_q6_k, qh), SP_F(sp_block_q6_k, scales), SP_F(sp_block_q6_k, d)}},
+  };
+  for (size_t i = 0; i < sizeof L / sizeof L[0]; i++) {
+    if (L[i].type != type) continue;
+    int64_t n = snprintf(buf, cap > 0 ? (size_t)cap : 0, "%d %zu", L[i].values, L[i].size);
+    for (int j = 0; j < 5 && L[i].f[j].name && n >= 0 && n < cap; j++)
+      n += snprintf(buf + n, (size_t)(cap - n), " %s:%zu:%zu", L[i].f[j].name, L[i].f[j].off, L[i].f[j].size);
+    return n >= 0 && n < cap ? SP_OK : SP_ERR_SHAPE;
+  }
+  return SP_ERR_TYPE;
+}
+#undef SP_F
+
+int sp_abi_version(void) { return SP_ABI_VERSION; }
 
 #define TILE_TABLE(isa)                                                                          \
   static tile_fn tile_of_##isa(int type) {                                                       \
@@ -1175,11 +1201,15 @@ static void run_parallel_lanes(lanes_fn fn, const job *jb, const void *xl, int64
 
 int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, int64_t n,
               int64_t row_bytes, float *y, int threads, int isa) {
-  int64_t bbytes;
+  int64_t bbytes, rb, tk, tn;
   const int bs = block_of(type, &bbytes);
-  if (!bs) return SP_ERR_TYPE;
-  if (t < 0 || n < 0 || k < 0 || k % bs != 0) return SP_ERR_SHAPE;
-  if (row_bytes != k / bs * bbytes) return SP_ERR_SHAPE;
+  const int rc = sp_row_bytes(type, k, &rb);
+  if (rc != SP_OK) return rc;
+  /* the scratch below is under 2 * t * kp bytes: sizes checked so that nothing wraps */
+  if (t < 0 || n < 0 || row_bytes != rb || k > INT64_MAX / 4 ||
+      !sp_mul_ok(t, (k + 255) / 256 * 256, &tk) || tk > INT64_MAX / 4 - SP_AMX_PAD ||
+      !sp_mul_ok(t, n, &tn))
+    return SP_ERR_SHAPE;
   if (!sp_isa_supported(isa)) return SP_ERR_ISA;
   const int amx = isa == SP_ISA_AMX; /* otherwise the AVX-512 VNNI path */
   isa = sp_vector_isa(isa);

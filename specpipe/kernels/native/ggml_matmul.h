@@ -14,10 +14,32 @@ static inline int sp_vector_isa(int isa) { return isa == SP_ISA_AMX ? SP_ISA_AVX
 
 enum { SP_OK = 0, SP_ERR_TYPE = 1, SP_ERR_SHAPE = 2, SP_ERR_ISA = 3, SP_ERR_MEMORY = 4 };
 
+/* The version of this interface (the functions, their arguments and the structs below);
+ * kernels/native/__init__.py refuses a library whose sp_abi_version() differs from its own
+ * ABI_VERSION (a library built from older sources), and falls back to the portable path.
+ * Change both together whenever the interface changes. */
+#ifndef SP_ABI_VERSION
+#define SP_ABI_VERSION 2
+#endif
+int sp_abi_version(void);
+
+/* Range checks that cannot wrap: *out = a * b for a, b >= 0, false when it overflows int64 (or
+ * a, b < 0); every size computed from a caller's numbers goes through it. */
+static inline int sp_mul_ok(int64_t a, int64_t b, int64_t *out) {
+  return a >= 0 && b >= 0 && !__builtin_mul_overflow(a, b, out);
+}
+/* [first, first + c) lies within [0, n) (no first + c that could wrap). */
+static inline int sp_range_ok(int64_t first, int64_t c, int64_t n) {
+  return first >= 0 && c >= 0 && n >= 0 && first <= n && c <= n - first;
+}
+
 /* y (t, n) = x (t, k) @ W^T, W = n packed rows of row_bytes bytes of `type`.  All arrays
  * row-major and contiguous.  threads: OpenMP threads for this call (1 = the calling thread). */
 int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, int64_t n,
               int64_t row_bytes, float *y, int threads, int isa);
+/* The most query heads per KV head the attention takes (a thread's scratch holds a block of rows'
+ * scores for all of them). */
+#define SP_MAX_GROUP 64
 /* Attention, each row's sums in an order fixed by that row alone (see attention.c):
  * q (t, hq, d), k and v (c, hkv, d), mask (t, c) bytes or NULL, out (t, hq, d), all float32. */
 int sp_attention(const float *q, int64_t t, int hq, int hkv, int d, const float *k, const float *v,
@@ -60,6 +82,11 @@ int sp_decoder_layer(const sp_layer *L, const float *x, int64_t t, const float *
                      int threads, int isa);
 int sp_silu_mul(const float *g, const float *u, int64_t t, int64_t n, int64_t gstride,
                 int64_t ustride, float *y, int isa);
+/* A row of k values of `type`: its bytes into *row_bytes (SP_ERR_TYPE, or SP_ERR_SHAPE when k is
+ * not a whole number of blocks or the size overflows). */
+int sp_row_bytes(int type, int64_t k, int64_t *row_bytes);
+/* ggml_blocks.h's struct of `type` as text, "values bytes name:offset:size ..." (see there). */
+int sp_block_layout(int type, char *buf, int64_t cap);
 int sp_isa_supported(int isa);
 int sp_best_isa(void);
 int sp_type_supported(int type);

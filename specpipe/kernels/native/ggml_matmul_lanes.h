@@ -153,7 +153,8 @@ SP_INLINE SP_ATTR void SP_K(tiles_lanes)(const job *jb, const xlanes *xl, int64_
                                          const int type) {
   const int is_k = is_kquant(type), q6 = type == SP_Q6_K;
   const int64_t ng = jb->xq.kp / 256, ch = xl->chunks;
-  const int64_t gbytes = type == SP_Q4_K ? 144 : type == SP_Q5_K ? 176 : 210; /* K-quants */
+  const int64_t gbytes = type == SP_Q4_K ? (int64_t)sizeof(sp_block_q4_k)
+                        : type == SP_Q5_K ? (int64_t)sizeof(sp_block_q5_k) : (int64_t)sizeof(sp_block_q6_k); /* K-quants */
   const tile_prefetch pf = tile_prefetch_start(jb, n0, n1);
   wtile wt;
   __m256 acc[8][SP_NR]; /* [chunk][weight row]: 8 activation rows each */

@@ -10,7 +10,8 @@
 SP_INLINE SP_ATTR void SP_K(tiles)(const job *jb, int64_t n0, int64_t n1, const int type) {
   const int is_k = type == SP_Q4_K || type == SP_Q5_K || type == SP_Q6_K;
   const int64_t kp = jb->xq.kp, ngroups = kp / 256;
-  const int64_t gbytes = type == SP_Q4_K ? 144 : type == SP_Q5_K ? 176 : type == SP_Q6_K ? 210
+  const int64_t gbytes = type == SP_Q4_K ? (int64_t)sizeof(sp_block_q4_k) : type == SP_Q5_K ? (int64_t)sizeof(sp_block_q5_k)
+                        : type == SP_Q6_K ? (int64_t)sizeof(sp_block_q6_k)
                         : jb->row_bytes / jb->nblk32 * 8; /* bytes of one group of a row */
   wtile wt;
   float acc[SP_TB][SP_NR];
@@ -29,9 +30,9 @@ SP_INLINE SP_ATTR void SP_K(tiles)(const job *jb, int64_t n0, int64_t n1, const 
         for (int r = 0; r < nr; r++) {
           const uint8_t *row = jb->w + (n + r) * jb->row_bytes;
           if (t0 == 0) tile_prefetch_step(&pf, jb, n, g * SP_NR + r);
-          if (type == SP_Q4_K) unpack_q4_k(row + g * 144, &wt, r);
-          else if (type == SP_Q5_K) unpack_q5_k(row + g * 176, &wt, r);
-          else if (type == SP_Q6_K) unpack_q6_k(row + g * 210, &wt, r);
+          if (type == SP_Q4_K) unpack_q4_k(row + g * sizeof(sp_block_q4_k), &wt, r);
+          else if (type == SP_Q5_K) unpack_q5_k(row + g * sizeof(sp_block_q5_k), &wt, r);
+          else if (type == SP_Q6_K) unpack_q6_k(row + g * sizeof(sp_block_q6_k), &wt, r);
           else SP_K(unpack_group32)(type, row, g, jb->nblk32, &wt, r);
           if (is_k) SP_K(prep_scales)(&wt, r, type == SP_Q6_K ? 16 : 32);
         }

@@ -210,7 +210,7 @@ static void amx_group(const job *jb, const int32_t *xpairs, const wgroup *w, int
 
 SP_INLINE SP_VNNI void wl_tiles(const job *jb, const int32_t *xpairs, int64_t n0, int64_t n1, const int q6,
                                 const int amx) {
-  const int64_t ng = jb->xq.kp / 256, rb = jb->row_bytes, gbytes = q6 ? 210 : 144;
+  const int64_t ng = jb->xq.kp / 256, rb = jb->row_bytes, gbytes = q6 ? sizeof(sp_block_q6_k) : sizeof(sp_block_q4_k);
   const int64_t tile_bytes = SP_WR * rb, share = (tile_bytes + ng - 1) / ng;
   const uint8_t *end = jb->w + jb->n * rb;
   wgroup w;

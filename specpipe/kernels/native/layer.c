@@ -68,7 +68,8 @@ __attribute__((target("avx2"))) static void silu_mul_row_avx2(const float *g, co
 
 int sp_silu_mul(const float *g, const float *u, int64_t t, int64_t n, int64_t gstride,
                 int64_t ustride, float *y, int isa) {
-  if (t < 0 || n < 0) return SP_ERR_SHAPE;
+  int64_t size;
+  if (t < 0 || n < 0 || !sp_mul_ok(t, n, &size)) return SP_ERR_SHAPE;
   silu_fn fn = silu_mul_row_portable;
 #if defined(__x86_64__) || defined(__i386__)
   if (isa == SP_ISA_AVX2 || sp_vector_isa(isa) == SP_ISA_AVX512VNNI) fn = silu_mul_row_avx2; /* 8 lanes: one ymm */
@@ -80,7 +81,7 @@ int sp_silu_mul(const float *g, const float *u, int64_t t, int64_t n, int64_t gs
 
 /* y[:, col .. col + n) (row stride ystride) = x @ W^T (+ bias) for each projection of a group,
  * the group's outputs side by side; tmp holds one projection's (t, n) when it cannot be written
- * in place. */
+ * in place.  The shapes were checked (group_ok) before anything was written. */
 static int project(const sp_proj *p, int32_t count, const float *x, int64_t t, int64_t k, float *y,
                    int64_t ystride, float *tmp, int threads, int isa) {
   int64_t col = 0;
@@ -99,7 +100,19 @@ static int project(const sp_proj *p, int32_t count, const float *x, int64_t t, i
     }
     col += p->n;
   }
-  return col == ystride ? SP_OK : SP_ERR_SHAPE;
+  return SP_OK;
+}
+
+/* A group of `count` projections of k inputs whose outputs, side by side, are n wide: each a
+ * known type with rows of k values (row_bytes agreeing), at least one row, the sum exactly n. */
+static int group_ok(const sp_proj *p, int32_t count, int64_t k, int64_t n) {
+  int64_t total = 0, rb;
+  for (int32_t g = 0; g < count; g++, p++) {
+    if (!p->w || p->n < 1 || p->n > n - total) return 0;
+    if (sp_row_bytes(p->type, k, &rb) != SP_OK || rb != p->row_bytes) return 0;
+    total += p->n;
+  }
+  return total == n;
 }
 
 static int64_t widest(const sp_proj *p, int32_t count) {
@@ -108,42 +121,63 @@ static int64_t widest(const sp_proj *p, int32_t count) {
   return n;
 }
 
+/* Every write slot and read slot within the cache, the segments covering rows [0, t) in order
+ * (range checks that cannot wrap: a first near INT64_MAX is refused, not wrapped negative). */
 static int slots_ok(int64_t t, int64_t num_slots, const int64_t *write_slots,
                     int32_t nseg, const sp_segment *segs) {
+  if (nseg < 0 || (nseg > 0 && !segs) || !write_slots) return 0;
   for (int64_t i = 0; i < t; i++)
-    if (write_slots[i] < 0 || write_slots[i] >= num_slots) return 0;
+    if (!sp_range_ok(write_slots[i], 1, num_slots)) return 0;
   int64_t row = 0;
   for (int32_t s = 0; s < nseg; s++) {
     const sp_segment *sg = segs + s;
-    if (sg->start != row || sg->end < sg->start || sg->c < 1) return 0;
+    if (sg->start != row || sg->end < sg->start || sg->end > t || sg->c < 1) return 0;
     row = sg->end;
     if (sg->slots) {
       for (int64_t j = 0; j < sg->c; j++)
-        if (sg->slots[j] < 0 || sg->slots[j] >= num_slots) return 0;
-    } else if (sg->first < 0 || sg->first + sg->c > num_slots) {
+        if (!sp_range_ok(sg->slots[j], 1, num_slots)) return 0;
+    } else if (!sp_range_ok(sg->first, sg->c, num_slots)) {
       return 0;
     }
   }
   return row == t;
 }
 
+/* rows * hq * c * d >= ATTENTION_THREADED_WORK, a product that may not fit. */
+static int threaded_work(int64_t rows, int64_t hq, int64_t c, int64_t d) {
+  int64_t w;
+  return !(sp_mul_ok(rows, hq, &w) && sp_mul_ok(w, c, &w) && sp_mul_ok(w, d, &w)) ||
+         w >= ATTENTION_THREADED_WORK;
+}
+
 int sp_decoder_layer(const sp_layer *L, const float *x, int64_t t, const float *cos_,
                      const float *sin_, int64_t rot, float *kc, float *vc, int64_t num_slots,
                      const int64_t *write_slots, int32_t nseg, const sp_segment *segs, float *out,
                      int threads, int isa) {
+  /* Every shape is checked here, before anything is written (the scratch, the caches, out). */
+  if (!L || !x || !cos_ || !sin_ || !kc || !vc || !out) return SP_ERR_SHAPE;
   const int64_t hd = L->hidden, inter = L->inter, d = L->d, hq = L->hq, hkv = L->hkv;
-  const int64_t nq = hq * d, nkv = hkv * d, nqkv = nq + 2 * nkv;
-  if (t < 1 || hd < 1 || inter < 1 || d < 1 || hq < 1 || hkv < 1 || hq % hkv || rot < 2 ||
-      rot > d || rot % 2 || L->n_qkv < 1 || L->n_qkv > 3 || L->n_gu < 1 || L->n_gu > 2)
+  if (t < 1 || hd < 1 || inter < 1 || d < 1 || hq < 1 || hkv < 1 || hq % hkv ||
+      hq / hkv > SP_MAX_GROUP || rot < 2 || rot > d || rot % 2 || L->n_qkv < 1 || L->n_qkv > 3 ||
+      L->n_gu < 1 || L->n_gu > 2 || !L->in_norm || !L->post_norm)
+    return SP_ERR_SHAPE;
+  /* hq, hkv, d are int32, so nq and nkv fit; hd and inter are bounded so that no sum wraps */
+  const int64_t nq = hq * d, nkv = hkv * d, nqkv = nq + 2 * nkv, big = INT64_MAX / 16;
+  int64_t cache, scratch;
+  if (hd > big || inter > big || !sp_mul_ok(num_slots, nkv, &cache)) return SP_ERR_SHAPE;
+  if (!group_ok(L->qkv, L->n_qkv, hd, nqkv) || !group_ok(&L->o, 1, nq, hd) ||
+      !group_ok(L->gu, L->n_gu, hd, 2 * inter) || !group_ok(&L->down, 1, inter, hd))
     return SP_ERR_SHAPE;
   if (!slots_ok(t, num_slots, write_slots, nseg, segs)) return SP_ERR_SHAPE;
   if (threads < 1) threads = 1;
+  /* tmp: the widest projection that is not written in place (o and down are: n == hd) */
   int64_t wide = widest(L->qkv, L->n_qkv);
   const int64_t wgu = widest(L->gu, L->n_gu);
   wide = wgu > wide ? wgu : wide;
   /* scratch: h (hd) | qkv (nqkv) | q (nq) | a (nq) | o (hd) | gu (2 inter) | act (inter) | tmp */
   const int64_t per_row = hd + nqkv + 2 * nq + hd + 3 * inter + wide;
-  float *buf = malloc((size_t)(t * per_row) * sizeof(float));
+  if (!sp_mul_ok(t, per_row, &scratch) || scratch > big) return SP_ERR_SHAPE;
+  float *buf = malloc((size_t)scratch * sizeof(float));
   if (!buf) return SP_ERR_MEMORY;
   float *h = buf, *qkv = h + t * hd, *q = qkv + t * nqkv, *a = q + t * nq, *o = a + t * nq,
         *gu = o + t * hd, *act = gu + t * 2 * inter, *tmp = act + t * inter;
@@ -164,7 +198,7 @@ int sp_decoder_layer(const sp_layer *L, const float *x, int64_t t, const float *
     const int64_t rows = S->end - S->start;
     if (rows == 0) continue;
     const int64_t off = S->slots ? 0 : S->first * nkv;
-    const int th = rows * hq * S->c * d >= ATTENTION_THREADED_WORK ? threads : 1;
+    const int th = threaded_work(rows, hq, S->c, d) ? threads : 1;
     rc = sp_attention_slots(q + S->start * nq, rows, (int)hq, (int)hkv, (int)d, kc + off, vc + off,
                             S->slots, S->c, S->mask, L->scale, a + S->start * nq, th, isa);
     if (rc != SP_OK) goto done;

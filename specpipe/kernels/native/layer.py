@@ -42,9 +42,9 @@ _bound = False
 
 
 def available() -> bool:
-    """The library is built and has layer.c's entry points (a library built from older sources
-    lacks them: `python -m specpipe.kernels.native.build` rebuilds it)."""
-    return native.available() and hasattr(native._lib, "sp_decoder_layer") and hasattr(native._lib, "sp_silu_mul")
+    """The library is built and loads (native.open_library checks that it has layer.c's entry
+    points and this ABI version; a stale one is refused there, with its warning)."""
+    return native.available()
 
 
 def _lib() -> ctypes.CDLL:
@@ -79,8 +79,14 @@ class LayerWeights:
                  down: Projection) -> None:
         if not (1 <= len(qkv) <= 3 and 1 <= len(gate_up) <= 2):
             raise ValueError(f"a layer takes 1-3 q/k/v and 1-2 gate/up projections, got {len(qkv)}, {len(gate_up)}")
-        if sum(p.packed.shape[0] for p in qkv) != (hq + 2 * hkv) * d or sum(p.packed.shape[0] for p in gate_up) != 2 * inter:
-            raise ValueError("the projections' outputs do not match the layer's shape")
+        if min(hidden, inter, hq, hkv, d) < 1 or hq % hkv or hq // hkv > native.MAX_GROUP:
+            raise ValueError(f"a layer of hidden {hidden}, inter {inter}, {hq} query / {hkv} KV heads of {d} "
+                             f"(at most {native.MAX_GROUP} query heads per KV head)")
+        # every projection's (inputs, outputs): checked here with a message, and again in C
+        # (layer.c group_ok) before the call writes anything
+        for name, group, k, n in (("q/k/v", qkv, hidden, (hq + 2 * hkv) * d), ("o", (o,), hq * d, hidden),
+                                  ("gate/up", gate_up, hidden, 2 * inter), ("down", (down,), inter, hidden)):
+            _check_group(name, group, k, n)
         for t in (in_norm, post_norm):
             if t.dtype != torch.float32 or not t.is_contiguous() or t.shape != (hidden,):
                 raise ValueError(f"norm weights must be contiguous float32 ({hidden},)")
@@ -95,6 +101,24 @@ class LayerWeights:
             c.gu[i] = _proj(p)
         c.o, c.down = _proj(o), _proj(down)
         self.c, self.hidden, self.hkv, self.d = c, hidden, hkv, d
+
+
+def _check_group(name: str, group: Sequence[Projection], k: int, n: int) -> None:
+    """Projections of k inputs whose outputs, side by side, are n wide (a known type, rows of
+    k values)."""
+    rows = 0
+    for p in group:
+        if p.packed.dtype != torch.uint8 or p.packed.dim() != 2 or not p.packed.is_contiguous():
+            raise ValueError(f"the {name} projection's packed rows must be a contiguous 2-D uint8 tensor")
+        if int(p.type_id) not in native._BLOCKS:
+            raise ValueError(f"the {name} projection's GGML type {p.type_id} is not one the native kernel reads")
+        values, size = native._BLOCKS[int(p.type_id)]
+        if k % values or p.packed.shape[1] != k // values * size:
+            raise ValueError(f"the {name} projection's rows are {p.packed.shape[1]} bytes; {k} inputs of "
+                             f"{native._name(p.type_id)} need {k // values * size} (and a multiple of {values})")
+        rows += p.packed.shape[0]
+    if rows != n:
+        raise ValueError(f"the {name} projections give {rows} outputs; the layer's shape needs {n}")
 
 
 def _proj(p: Projection) -> _Proj:
@@ -114,16 +138,29 @@ class Segments:
         self._keep = []
         self.c = (_Segment * len(segments))()
         for i, seg in enumerate(segments):
+            start, end = int(seg.start), int(seg.end)
+            slots = seg.read_slots
+            # what C cannot see is checked here, per segment (O(1) each; the slots' values are
+            # checked against the cache in C, before anything is written)
+            if not 0 <= start <= end:
+                raise ValueError(f"segment {i}: rows [{start}, {end})")
+            if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int64 or slots.dim() != 1 \
+                    or not slots.is_cpu or slots.numel() < 1:
+                raise TypeError(f"segment {i}: read_slots must be a non-empty 1-D int64 CPU tensor, got "
+                                f"{getattr(slots, 'dtype', type(slots))} {tuple(getattr(slots, 'shape', ()))}")
+            slots = slots.contiguous()
+            c = slots.numel()
+            ranged = seg.read_range is not None
+            if ranged and int(seg.read_range[1]) - int(seg.read_range[0]) != c:
+                raise ValueError(f"segment {i}: read_range {tuple(seg.read_range)} is not its {c} read slots")
             mask = None
             if seg.mask is not None:
-                mask = seg.mask.contiguous().view(torch.uint8)
+                mask = native.mask_bytes(seg.mask, (end - start, c), f"segment {i}'s mask")
                 self._keep.append(mask)
-            slots = seg.read_slots.contiguous()
             self._keep.append(slots)
-            ranged = seg.read_range is not None
-            self.c[i] = _Segment(start=seg.start, end=seg.end, c=slots.numel(),
+            self.c[i] = _Segment(start=start, end=end, c=c,
                                  slots=None if ranged else slots.data_ptr(),
-                                 first=seg.read_range[0] if ranged else 0,
+                                 first=int(seg.read_range[0]) if ranged else 0,
                                  mask=None if mask is None else mask.data_ptr())
         self.count = len(segments)
 
@@ -143,7 +180,7 @@ def decoder_layer(w: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torc
     if x.shape != (t, w.hidden) or cos.numel() != t * rot or sin.numel() != t * rot or write_slots.numel() != t:
         raise ValueError(f"shapes do not match: x {tuple(x.shape)}, cos {tuple(cos.shape)}, "
                          f"write_slots {tuple(write_slots.shape)}")
-    if k_cache.shape != v_cache.shape or tuple(k_cache.shape[1:]) != (w.hkv, w.d):
+    if k_cache.dim() != 3 or k_cache.shape != v_cache.shape or tuple(k_cache.shape[1:]) != (w.hkv, w.d):
         raise ValueError(f"the caches must be (slots, {w.hkv}, {w.d}), got {tuple(k_cache.shape)}")
     out = torch.empty_like(x)
     rc = _lib().sp_decoder_layer(ctypes.byref(w.c), x.data_ptr(), t, cos.data_ptr(), sin.data_ptr(), rot,

@@ -15,7 +15,8 @@
 #include "ggml_matmul.h"
 
 int sp_rmsnorm(const float *x, int64_t t, int64_t n, const float *w, float eps, float *y) {
-  if (t < 0 || n < 1) return SP_ERR_SHAPE;
+  int64_t size;
+  if (t < 0 || n < 1 || !sp_mul_ok(t, n, &size)) return SP_ERR_SHAPE;
   for (int64_t i = 0; i < t; i++) {
     const float *xi = x + i * n;
     float *yi = y + i * n;
@@ -41,7 +42,10 @@ void sp_rope_row(const float *x, int64_t heads, int64_t d, int64_t rot, const fl
 
 int sp_rope(const float *x, int64_t t, int64_t heads, int64_t d, int64_t rot, const float *cos_,
             const float *sin_, float *y) {
-  if (t < 0 || heads < 1 || d < 1 || rot < 2 || rot > d || rot % 2) return SP_ERR_SHAPE;
+  int64_t size;
+  if (t < 0 || heads < 1 || d < 1 || rot < 2 || rot > d || rot % 2 || !sp_mul_ok(heads, d, &size) ||
+      !sp_mul_ok(t, size, &size) || !sp_mul_ok(t, rot, &size))
+    return SP_ERR_SHAPE;
   for (int64_t i = 0; i < t; i++)
     sp_rope_row(x + i * heads * d, heads, d, rot, cos_ + i * rot, sin_ + i * rot, y + i * heads * d);
   return SP_OK;

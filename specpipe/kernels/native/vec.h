@@ -9,18 +9,25 @@
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
+typedef float v16f __attribute__((vector_size(64)));
+/* 4-lane (SSE2 / NEON width) vectors, for code compiled once for the baseline ISA */
+typedef float v4f __attribute__((vector_size(16)));
+typedef int32_t v4i __attribute__((vector_size(16)));
 
-/* unaligned loads */
-SP_INLINE v8f ld8f(const float *p) {
-  v8f v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
-SP_INLINE v8i ld8i(const int32_t *p) {
-  v8i v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
+/* Unaligned loads: name(p) reads a vector of vtype from p (memcpy: no alignment assumed, one
+ * vector load once compiled). */
+#define SP_LOAD(name, vtype, etype)  \
+  SP_INLINE vtype name(const etype *p) { \
+    vtype v;                         \
+    memcpy(&v, p, sizeof v);         \
+    return v;                        \
+  }
+SP_LOAD(ld4f, v4f, float)
+SP_LOAD(ld8f, v8f, float)
+SP_LOAD(ld8i, v8i, int32_t)
+SP_LOAD(ld16f, v16f, float)
+#undef SP_LOAD
+
 /* exp(x) for x <= 0, element-wise (x = score - max): x = n ln2 + r with |r| <= ln2 / 2 (ln2 in
  * two parts, Cody-Waite), e^r by its degree-7 Taylor polynomial (Horner: error below 2 ulp),
  * times 2^n built in the exponent bits.  Below -87 the result is 0 (e^-87 is below float's
