@@ -17,7 +17,7 @@ import os
 import struct
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -139,7 +139,6 @@ def stage_process_main(rank: int, world_size: int, master_addr: str, master_port
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     if threads:
         torch.set_num_threads(threads)
-    t = None
     use_nccl = None
     if device == "cuda":
         # One GPU per stage when there are enough; otherwise stages share and use host copies.
@@ -147,21 +146,37 @@ def stage_process_main(rank: int, world_size: int, master_addr: str, master_port
         device = f"cuda:{cuda_index(rank, count, os.environ.get('LOCAL_RANK'))}"
         use_nccl = count >= world_size - 1 or "LOCAL_RANK" in os.environ
     try:
-        t = Transport(rank, world_size, master_addr, master_port, link, device, use_nccl=use_nccl, key=key)
-        run_stage(t, model_path, spec, num_blocks, block_size, device, dtype, quantization, window_blocks)
+        serve_stage(rank, lambda: Transport(rank, world_size, master_addr, master_port, link, device,
+                                            use_nccl=use_nccl, key=key),
+                    model_path, spec, num_blocks, block_size, device, dtype, quantization, window_blocks)
     except KeyboardInterrupt:
         pass
-    except MalformedMessage as e:  # the peer's fault, but this stage is where it was seen: name it
-        _store_note(t, f"failed/{rank}", str(e))
+    except MalformedMessage as e:  # the peer's fault, but this stage is where it was seen: named in the store
         if not managed:
             print(f"specpipe {e}; exiting", file=sys.stderr)
         sys.exit(1)
-    except LinkError as e:
-        # A consequence, not a cause: tell the driver (if it is still there) not to blame us.
-        _store_note(t, f"lost/{rank}", str(e))
+    except LinkError as e:  # a consequence, not a cause: the store tells the driver not to blame us
         if not managed:
             print(f"specpipe stage {rank}: {short_error(e, 400)}; exiting", file=sys.stderr)
         sys.exit(1)
+
+
+def serve_stage(rank: int, open_transport: Callable[[], Transport], *stage_args, **stage_kw) -> None:
+    """Open stage `rank`'s transport and run the stage on it (`run_stage`'s arguments after the
+    transport), closing it whatever happens; a local or torchrun stage process and a Ray stage
+    actor alike. A failure is noted in the rendezvous before it propagates, so the driver (if it
+    is still there) names the right stage: failed/R for this stage's fault or a malformed message
+    it saw, lost/R for a link that went (a consequence elsewhere, not a cause here)."""
+    t = None
+    try:
+        t = open_transport()
+        run_stage(t, *stage_args, **stage_kw)
+    except MalformedMessage as e:
+        _store_note(t, f"failed/{rank}", str(e))
+        raise
+    except LinkError as e:
+        _store_note(t, f"lost/{rank}", str(e))
+        raise
     except Exception as e:
         _store_note(t, f"failed/{rank}", f"{type(e).__name__}: {e}")
         raise
