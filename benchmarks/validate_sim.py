@@ -13,9 +13,9 @@ Real runs record the stages' spans too, so the script also says how their comput
 compare with the profile and the link. The profile measures a layer on middle stages of 8 layers
 and of the sizes the runs' stages have (`specpipe profile --stage-layers`): on a CPU whose caches
 hold an 8-layer stage's KV but not a whole model's, a long context's layer costs more in the
-larger stage (docs/benchmarks.md §9).
+larger stage.
 
-  python benchmarks/validate_sim.py --out benchmarks/results/validate_sim.json
+  python benchmarks/validate_sim.py --out benchmarks/results/validate_sim_smollm2_epyc_zen5.json   # docs/benchmarks.md, 4.4
 
 Run it on an idle machine: the real runs and the profiles are wall-clock measurements.
 """
