@@ -31,7 +31,7 @@ class Admit:
 
 @dataclass
 class Prune:
-    """Pruning propagation for one request (SPEC §4 phase 2)."""
+    """Pruning propagation for one request (docs/design.md §4, phase 2)."""
 
     request_id: int
     commit: list[int] = field(default_factory=list)  # node ids joining the committed prefix, in order

@@ -19,7 +19,7 @@ class Detokenizer(Protocol):
 
 @dataclass
 class DecodeStats:
-    """Step-level counters; see SPEC §7 for the definitions."""
+    """Step-level counters; see docs/design.md §9 for the definitions."""
 
     pipeline_steps: int = 0  # steps from its first rows entering stage 1 to its last token
     drafted: int = 0  # draft tokens sent into the pipeline (tree nodes)

@@ -1,5 +1,5 @@
 """Cost profiles: what one pipeline stage, the LM head and the draft source cost on one device, as
-a function of the rows computed in a step and the context they attend to (SPEC §8).
+a function of the rows computed in a step and the context they attend to (docs/design.md §10).
 
 A profile is measured (`specpipe profile`, costs/measure.py) or derived from a device's published
 specifications (costs/roofline.py). Both write the same JSON file:
@@ -28,8 +28,7 @@ count or context they are extrapolated from the last two points (compute-bound g
 the last point), below the first they are the first point (a step never costs less than its fixed
 overhead). Where layer_ms_by_stage has tables, a stage's layers cost what its own size reads off
 them, linear between the measured sizes and flat outside them: a stage whose weights and KV
-outgrow the caches streams them from memory, and its layers cost more than a small stage's
-(measured: docs/benchmarks.md §9).
+outgrow the caches streams them from memory, and its layers cost more than a small stage's.
 Files written before contexts were added ({"profile": {"rows", "layer_ms", "head_ms",
 "draft_ms", "context"}}) load as one context.
 """

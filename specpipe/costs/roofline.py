@@ -1,5 +1,5 @@
 """Roofline cost profiles: what one target decoder layer, the LM head and one draft forward would
-cost on a GPU, derived from the device's published specifications and the model's shape (SPEC §8).
+cost on a GPU, derived from the device's published specifications and the model's shape (docs/design.md §10).
 
 Each part of a step (a decoder layer, the LM head, the embedding) of n rows at context c is bound
 by the slower of two resources, plus a fixed cost per kernel:

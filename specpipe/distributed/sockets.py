@@ -4,7 +4,7 @@ Why not gloo: its transport hands every message to an event-loop thread, which b
 message waits for a lock the sending thread holds; where stages share cores (several stages on
 one machine, a laptop) that thread was seen taking as much CPU as the stages' compute and
 doubling pp's time per token (in a noisy spell of a 2-core VM; at parity when it was quiet:
-benchmarks.md §14). Here the thread that sends or receives does the system call
+docs/history.md, Part 2, §14). Here the thread that sends or receives does the system call
 itself, and a waiting receiver sleeps in the kernel.
 
 On the wire each message is a header (tag, payload bytes, due time) and its payload. Messages

@@ -1,4 +1,4 @@
-"""Discrete-event simulation of an S-stage pipeline replaying a recorded trace (SPEC §8).
+"""Discrete-event simulation of an S-stage pipeline replaying a recorded trace (docs/design.md §10).
 
 The trace (sim/trace.py) says what every step computed; a cost profile (costs/profile.py) says how
 long that takes on one device; a link says how long messages travel. The simulator follows the
