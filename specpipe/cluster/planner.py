@@ -28,6 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 from specpipe.config import ConfigError, StageSpec
+from specpipe.loader.partition import partition_layers
 
 LATENCY_MODES = ("pp", "tree")
 GiB = 2**30
@@ -93,8 +94,8 @@ class Plan:
     link_ms: float = 0.0
 
     def specs(self) -> list[StageSpec]:
-        last = len(self.stages) - 1
-        return [StageSpec(s.start, s.end, first=i == 0, last=i == last) for i, s in enumerate(self.stages)]
+        """The stages as every other split is made (loader/partition.py), from the planned counts."""
+        return partition_layers(self.stages[-1].end, len(self.stages), [s.layers for s in self.stages])
 
     @property
     def step_ms(self) -> float:

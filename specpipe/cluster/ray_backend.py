@@ -31,10 +31,11 @@ LOAD_TIMEOUT_S = 600.0
 
 
 class RayBackend:
-    def __init__(self, config: EngineConfig, ckpt: Checkpoint, model_path: Path, reserve: Callable[[int], int],
+    def __init__(self, config: EngineConfig, ckpt: Checkpoint, model_path: Path, blocks: Callable[[int], int],
                  weight_bytes: int, progress: Progress = None) -> None:
-        """`reserve(S)`: the speculative rows one request may hold at a stage with S stages;
-        `weight_bytes`: what the stages hold of the whole model's weights once loaded."""
+        """`blocks(S)`: the KV blocks per stage of S stages (the engine's stage plan sizes them:
+        engine/stage_plan.py cluster_blocks); `weight_bytes`: what the stages hold of the whole
+        model's weights once loaded."""
         import ray
 
         from specpipe.cluster.placement import connect, driver_node_id
@@ -51,11 +52,11 @@ class RayBackend:
         self.state = "starting"
         self._refresh_nodes()
         S_max = config.stages or len(self.reports)
-        self.num_blocks = kv_blocks(config, ckpt.config, reserve(S_max))
+        self.num_blocks = blocks(S_max)
         self.model = model_bytes(ckpt, config, self.num_blocks, weight_bytes)
         counts = config.stage_layers if isinstance(config.stage_layers, list) else None
         self.plan = self._plan(max_stages=config.stages or None, counts=counts)
-        self.num_blocks = kv_blocks(config, ckpt.config, reserve(len(self.plan.stages)))
+        self.num_blocks = blocks(len(self.plan.stages))
         self.config = dataclasses.replace(config, stages=len(self.plan.stages),
                                           stage_layers=[s.layers for s in self.plan.stages])
 
@@ -291,19 +292,6 @@ def _ended(ref) -> str:
 def _dtype_name(config: EngineConfig) -> Optional[str]:
     dtype = config.torch_dtype()
     return None if dtype is None else str(dtype).removeprefix("torch.")
-
-
-def kv_blocks(config: EngineConfig, cfg, reserve: int) -> int:
-    """Blocks per stage: what --max-num-seqs requests of --max-context tokens and their trees
-    can use (or what --kv-memory buys the largest stage: at most that); every layer in one pool."""
-    from specpipe.config import parse_bytes
-    from specpipe.sched.block_manager import blocks_for
-
-    cap = config.max_num_seqs * blocks_for(config.max_context + reserve, config.block_size)
-    if config.kv_memory is None:
-        return cap
-    per_layer_block = 2 * cfg.num_kv_heads * cfg.head_dim * _dtype_bytes(config) * config.block_size
-    return max(1, min(cap, parse_bytes(config.kv_memory) // (per_layer_block * cfg.num_layers)))
 
 
 def _dtype_bytes(config: EngineConfig) -> int:

@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
-from specpipe.config import DEFAULT_DRAFT, MODES, SPECULATIVE_MODES, ConfigError, EngineConfig, StageSpec
-from specpipe.costs.balance import BALANCED, resolve_stage_layers
-from specpipe.costs.profile import CostProfile, load_profile
+from specpipe.config import DEFAULT_DRAFT, MODES, SPECULATIVE_MODES, ConfigError, EngineConfig
+from specpipe.costs.balance import BALANCED
 from specpipe.distributed.ranks import RankEnv
-from specpipe.engine.core import EngineCore, spec_reserve
-from specpipe.engine.kv_pool import held_weight_bytes, pool_blocks
+from specpipe.engine.core import EngineCore
+from specpipe.engine.kv_pool import held_weight_bytes
 from specpipe.engine.prompts import PromptProcessor
+from specpipe.engine.stage_plan import cluster_blocks, cost_profile_of, plan_stages
 from specpipe.engine.start_pipeline import start_pipeline
 from specpipe.loader import open_checkpoint
 from specpipe.loader.default_model import default_model_path
-from specpipe.loader.partition import partition_layers
 from specpipe.messages import Pipeline
 from specpipe.outputs import RequestOutput
 from specpipe.request import Request
@@ -32,11 +31,21 @@ from specpipe.tokenizer.tokenizer import Tokenizer
 from specpipe.worker.stage_worker import StageStats
 
 
+class OnePrompt(NamedTuple):
+    """The one request an engine is started for: prompt, max tokens, chat template or not."""
+
+    prompt: str | Sequence[int]
+    max_tokens: int
+    chat: Optional[bool] = None
+
+
 class Engine:
     """Loads the model once; serves requests through one `EngineCore` per mode."""
 
     def __init__(self, config: EngineConfig, rank_env: Optional[RankEnv] = None,
-                 progress: Optional[Callable[[str], None]] = None) -> None:
+                 progress: Optional[Callable[[str], None]] = None, one_prompt: Optional[OnePrompt] = None) -> None:
+        """`one_prompt`: the one request this engine is started for (specpipe generate), whose need
+        sizes the KV pools instead of --max-num-seqs full contexts (unless --kv-memory is given)."""
         config.validate()
         self.config = config
         self.model_path = Path(config.model) if config.model else default_model_path()
@@ -46,41 +55,35 @@ class Engine:
         self.max_context = min(config.max_context, cfg.max_position)
         self.prompts = PromptProcessor(self.tokenizer, cfg.vocab_size, self.max_context)
         self.cost_profile = cost_profile_of(config)
+        need = None if one_prompt is None else self.prompts.need(*one_prompt)
         self.cluster = None  # --cluster ray: the nodes, the planned split, the stage actors
+        blocks = None
         if config.cluster == "ray":
             from specpipe.cluster.ray_backend import RayBackend
 
             self.cluster = RayBackend(config, self.checkpoint, self.model_path,
-                                      lambda S: spec_reserve(config.mode, config.tree_width, config.tree_depth, S,
-                                                             config.layers_per_step),
+                                      lambda S: cluster_blocks(config, cfg, S, need),
                                       held_weight_bytes(self.checkpoint, config), progress)
             self.config = config = self.cluster.config  # the plan's stages and layer counts
-            self.stage_specs = self.cluster.plan.specs()
-        else:
-            self.stage_specs = stage_specs(config, cfg, self.cost_profile)
+            blocks = self.cluster.num_blocks
+        self.plan = plan_stages(config, self.checkpoint, self.cost_profile, need, cluster_blocks=blocks)
+        self.stage_specs = list(self.plan.specs)
         if config.stage_layers == BALANCED and progress is not None:
-            progress(f"stages balanced by the cost profile: {','.join(str(s.end - s.start) for s in self.stage_specs)} "
-                     "layers")
-        reserve = spec_reserve(config.mode, config.tree_width, config.tree_depth, config.stages,
-                               config.layers_per_step)
-        if self.cluster is not None:  # sized by the plan, which checked every node's memory for it
-            self.num_blocks, self.window_blocks, whole_blocks = self.cluster.num_blocks, 0, self.cluster.num_blocks
-        else:
-            self.num_blocks, self.window_blocks, whole_blocks = pool_blocks(
-                config, cfg, self.stage_specs, reserve, weight_bytes=held_weight_bytes(self.checkpoint, config))
+            progress(f"stages balanced by the cost profile: {','.join(map(str, self.plan.layer_counts))} layers")
+        self.num_blocks, self.window_blocks, whole_blocks = self.plan.pools
         # A draft model holds what a stage holds plus the layers it drafted ahead of the rows sent
         # (up to one speculative reserve per running request): room for that, so it rarely runs out.
         # It keeps whole contexts in one pool: sized as the stages' pool would be without a window
         # pool (with one the stages hold longer contexts than that, and a draft short of room only
         # stops speculating for a while: core._draft_failed), never more memory than before.
-        self.draft_blocks = whole_blocks + config.max_num_seqs * -(-reserve // config.block_size)
+        running = 1 if need is not None else config.max_num_seqs
+        self.draft_blocks = whole_blocks + running * -(-self.plan.reserve // config.block_size)
         self.block_size = config.block_size
         self.source: Optional[TokenSource] = None
         if config.mode in SPECULATIVE_MODES:
             self._source()  # before any process starts, so a bad --draft leaves nothing running
-        self.pipeline: Pipeline = start_pipeline(config, self.checkpoint, self.model_path, self.stage_specs,
-                                                 self.num_blocks, self.window_blocks, rank_env, progress,
-                                                 self.cluster)
+        self.pipeline: Pipeline = start_pipeline(config, self.checkpoint, self.model_path, self.plan, rank_env,
+                                                 progress, self.cluster)
         if rank_env is not None:
             # Each stage sized its pools from its own machine's memory: admit against the smallest.
             self.num_blocks = min([self.num_blocks] + [r["num_blocks"] for r in self.pipeline.ready])
@@ -164,23 +167,6 @@ class Engine:
         self.pipeline.close()
         if self.cluster is not None:
             self.cluster.close()
-
-
-def stage_specs(config: EngineConfig, cfg, profile: Optional[CostProfile]) -> list[StageSpec]:
-    """The stages' layers: --stage-layers' counts, the even split, or counts balanced by the cost
-    profile (costs/balance.py)."""
-    counts = resolve_stage_layers(config.stage_layers, profile, cfg.num_layers, config.stages, config.mode,
-                                  config.tree_width)
-    return partition_layers(cfg.num_layers, config.stages, counts)
-
-
-def cost_profile_of(config: EngineConfig) -> Optional[CostProfile]:
-    if config.cost_profile is None:
-        return None
-    try:
-        return load_profile(config.cost_profile)
-    except ValueError as e:
-        raise ConfigError(f"--cost-profile: {e}") from None
 
 
 def _stage_deltas(before: list[dict], after: list[dict]) -> list[dict]:

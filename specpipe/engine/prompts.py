@@ -38,6 +38,10 @@ class PromptProcessor:
         # The template already holds the special tokens (BOS included where the model has one).
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def need(self, prompt: str | Sequence[int], max_tokens: int, chat: Optional[bool] = None) -> int:
+        """The KV slots a request of this prompt may hold, its tree aside: prompt + max tokens."""
+        return (len(prompt) if not isinstance(prompt, str) else len(self.encode_prompt(prompt, chat))) + max_tokens
+
     def make_request(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
                      chat: Optional[bool] = None, on_text: Optional[Callable[[str], None]] = None,
                      ignore_eos: bool = False) -> Request:

@@ -20,6 +20,7 @@ from specpipe.distributed.remote_pipeline import PipelineError, RemotePipeline
 from specpipe.distributed.transport import Transport
 from specpipe.engine.kv_pool import KVPools
 from specpipe.engine.restart import RestartingPipeline
+from specpipe.engine.stage_plan import StagePlan
 from specpipe.loader import Checkpoint
 from specpipe.messages import Pipeline
 from specpipe.model.stage import build_stage
@@ -30,12 +31,13 @@ from specpipe.worker.stage_worker import StageWorker
 Progress = Optional[Callable[[str], None]]
 
 
-def start_pipeline(config: EngineConfig, ckpt: Checkpoint, model_path: Path, specs: list[StageSpec],
-                   num_blocks: int, window_blocks: int = 0, rank_env: Optional[RankEnv] = None,
-                   progress: Progress = None, cluster=None) -> Pipeline:
-    """The pipeline the config asks for: stage actors on a Ray cluster (`cluster`: its
-    RayBackend), torchrun ranks when this process is rank 0 of a job, local stage processes
+def start_pipeline(config: EngineConfig, ckpt: Checkpoint, model_path: Path, plan: StagePlan,
+                   rank_env: Optional[RankEnv] = None, progress: Progress = None, cluster=None) -> Pipeline:
+    """The pipeline the config asks for, its stages as `plan` says (stage_plan.py): stage actors
+    on a Ray cluster (`cluster`: its RayBackend, which places the plan's stages), torchrun ranks
+    when this process is rank 0 of a job (each rank plans its own stage), local stage processes
     (`--transport processes`, the default when S > 1), else in-process."""
+    specs, (num_blocks, window_blocks, _) = list(plan.specs), plan.pools
     if cluster is not None:
         # Ray places the stages, so the driver can start them again, elsewhere if a node is lost.
         return RestartingPipeline(cluster.start, config.restart_stages, progress) if config.restart_stages \

@@ -163,7 +163,7 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
 def _engine_config(args: argparse.Namespace, **extra):
     """The EngineConfig of the engine flags, validated before any process starts."""
     from specpipe.config import EngineConfig
-    from specpipe.loader.partition import parse_stage_layers
+    from specpipe.engine.stage_plan import parse_stage_layers
 
     stages = args.stages if args.stages is not None else (0 if args.cluster == "ray" else 1)
     config = EngineConfig(model=args.model, mode=args.mode, stages=stages,
@@ -185,19 +185,20 @@ def _engine_config(args: argparse.Namespace, **extra):
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from specpipe.distributed.ranks import RankEnv
-    from specpipe.engine.engine import Engine
+    from specpipe.engine.engine import Engine, OnePrompt
+    from specpipe.engine.stage_plan import serve_stage_rank, torchrun_rank
     from specpipe.sampling import SamplingParams
 
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               seed=args.seed, max_tokens=args.max_tokens)
     config = _engine_config(args)  # bad configuration is reported before any process starts
-    rank_env = RankEnv.from_environ()
+    rank_env = torchrun_rank()
     if rank_env is not None and rank_env.rank > 0:
-        return _serve_stage(config, rank_env)
+        return serve_stage_rank(config, rank_env)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     progress = None if args.quiet else (lambda msg: print(f"specpipe: {msg}", file=sys.stderr))
-    engine = Engine(config, rank_env=rank_env, progress=progress)
+    # One prompt: its KV pools hold that prompt and its tokens, not --max-num-seqs whole contexts.
+    engine = Engine(config, rank_env=rank_env, progress=progress, one_prompt=OnePrompt(prompt, args.max_tokens, args.chat))
     try:
         stream = None if args.json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
         result = engine.generate(prompt, sampling, chat=args.chat, on_text=stream, ignore_eos=args.ignore_eos)
@@ -216,15 +217,15 @@ def _serve(args: argparse.Namespace) -> int:
     import os
 
     from specpipe.config import ConfigError
-    from specpipe.distributed.ranks import RankEnv
+    from specpipe.engine.stage_plan import serve_stage_rank, torchrun_rank
 
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     config = _engine_config(args, max_waiting=args.max_queue, max_waiting_per_client=args.max_queue_per_client)
     options = _server_options(args, os.environ.get("SPECPIPE_API_KEY"))  # refused here, before anything loads
-    rank_env = RankEnv.from_environ()
+    rank_env = torchrun_rank()
     if rank_env is not None and rank_env.rank > 0:
-        return _serve_stage(config, rank_env)
+        return serve_stage_rank(config, rank_env)
     from specpipe.entrypoints.openai.api_server import serve
 
     return serve(config, args.host, args.port, options, args.served_model_name, args.log_level, rank_env)
@@ -250,32 +251,6 @@ def _server_options(args: argparse.Namespace, env_keys: Optional[str]):
         raise ConfigError(f"--max-body-bytes must be a size of at least {MIN_BODY_BYTES} bytes (e.g. 1MiB), "
                           f"got {args.max_body_bytes!r}")
     return ServerOptions(keys, args.metrics_need_key, body, args.max_concurrency)
-
-
-def _serve_stage(config, env) -> int:
-    """A stage rank under torchrun: load its layers and serve until the driver stops."""
-    import os
-
-    from specpipe.engine.core import spec_reserve
-    from specpipe.engine.kv_pool import held_weight_bytes, pool_blocks
-    from specpipe.distributed.ranks import load_cluster_key
-    from specpipe.engine.start_pipeline import torchrun_stage
-    from specpipe.loader import open_checkpoint
-    from specpipe.loader.default_model import default_model_path
-    from specpipe.engine.engine import cost_profile_of, stage_specs
-
-    path = config.model or str(default_model_path())
-    ckpt = open_checkpoint(path)
-    cfg = ckpt.config
-    specs = stage_specs(config, cfg, cost_profile_of(config))
-    # The pool this machine's memory allows (shared with the other ranks on it); the driver admits
-    # requests against the smallest pool that any stage reports.
-    reserve = spec_reserve(config.mode, config.tree_width, config.tree_depth, config.stages, config.layers_per_step)
-    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", len(specs)))
-    pools = pool_blocks(config, cfg, specs, reserve, sharing,
-                        held_weight_bytes(ckpt, config, share=min(1.0, sharing / len(specs))))
-    return torchrun_stage(env, path, specs, pools, config.block_size, config.device, config.torch_dtype(),
-                          config.link(), config.quantization, load_cluster_key(config.cluster_key_file))
 
 
 def _summary(s: dict, n: int) -> str:
