@@ -1,6 +1,6 @@
-"""Checkpoint fuzzing, the long run: every mutation of specpipe/bench/checkpoint_fuzz.py (hostile
-header fields, cuts, N random bit flips per format), each loaded in a child process under a deadline
-and a memory limit, with the count of each outcome.
+"""Checkpoint fuzzing, the long run: every mutation of tests/loader/checkpoint_fuzz.py (hostile
+header fields, cuts, N random bit flips per format), each loaded and run (a prefill and a decode
+row) in a child process under a deadline and a memory limit, with the count of each outcome.
 
     python benchmarks/fuzz_checkpoints.py --flips 500 --seed 0
 
@@ -15,11 +15,13 @@ import argparse
 import collections
 import multiprocessing as mp
 import resource
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from specpipe.bench.checkpoint_fuzz import mutations, try_load
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "loader"))  # a test tool, not the package's
+from checkpoint_fuzz import mutations, try_load  # noqa: E402
 
 
 def _worker(conn, work: str, flips: int, seed: int, limit_bytes: int) -> None:

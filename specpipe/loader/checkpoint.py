@@ -169,3 +169,19 @@ def check_config_against_tensors(ckpt: Checkpoint) -> None:
         if tuple(ckpt.shape(name)) != shape:
             raise CheckpointError(f"{ckpt.path.name}: tensor {name!r} has shape {tuple(ckpt.shape(name))}, "
                                   f"the config's {what} is {shape}")
+
+
+def check_attention_group(ckpt: Checkpoint, max_group: Optional[int]) -> None:
+    """Refuse, before any weight is read, a model with more query heads per KV head than the
+    attention its stage will run takes (`max_group`; None: no limit). The native CPU attention
+    (kernels/native/attention.c, MAX_GROUP) keeps a row's scores for one KV head's whole group of
+    query heads together; a wider group (a multi-query model with 65+ heads) would load and then
+    fail every forward. Refused rather than sent to the torch attention: that one is not batch
+    invariant (model/attention.py attend_torch), so CPU decoding would no longer be lossless."""
+    cfg = ckpt.config
+    group = cfg.num_heads // max(cfg.num_kv_heads, 1)
+    if max_group is not None and group > max_group:
+        raise CheckpointError(
+            f"{ckpt.path.name}: {cfg.num_heads} query heads over {cfg.num_kv_heads} KV heads is {group} query "
+            f"heads per KV head, and SpecPipe's native CPU attention takes at most {max_group} per KV head; "
+            "this model cannot run on the CPU (on a GPU, --device cuda, the torch attention has no such limit)")

@@ -1,8 +1,9 @@
 """GGUF checkpoints (llama.cpp's single-file format), read lazily into canonical names.
 
-The file is memory-mapped once at open; only the metadata (gguf_metadata.py, the reader the
-tokenizer shares) and the tensor directory are parsed then. A tensor's bytes are touched when
-`load` asks for it, so a pipeline stage pays only for its own slice of the model.
+Only the metadata (gguf_metadata.py, the reader the tokenizer shares) and the tensor directory
+(gguf_file.py) are parsed at open. A tensor's bytes are read when `load` asks for it, so a pipeline
+stage pays only for its own slice of the model; gguf_file.py reads them so that a file cut short or
+overwritten after it was opened is a CheckpointError, not a SIGBUS.
 
 Differences from the Hugging Face layout that this module undoes:
   * GGUF lists dimensions fastest-first, so its [in, out] is torch's (out, in).
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import math
 import re
-import struct
 from pathlib import Path
 from typing import Any, Optional
 
@@ -37,6 +37,7 @@ from specpipe.kernels.ggml_types import BLOCKS
 from specpipe.loader import gguf_families as families
 from specpipe.loader.checkpoint import (Checkpoint, CheckpointError, StageBytes, check_config_against_tensors,
                                        fused_parts, merge_ranges, stage_needs)
+from specpipe.loader.gguf_file import GGUFFile, closed_on_error
 from specpipe.loader.gguf_metadata import GGUFMetadataError, read_gguf_metadata
 
 # Architectures whose Q/K rows llama.cpp's converter permutes. llama.cpp itself calls
@@ -59,115 +60,6 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     rows = w.shape[0]
     half = rows // n_head // 2
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-class _Truncated(Exception):
-    def __init__(self, end: int, size: int) -> None:
-        super().__init__(f"needs {end} bytes, file has {size}")
-
-
-class _BoundedReader(gguf.GGUFReader):
-    """GGUFReader whose every read is bounds-checked.
-
-    The stock reader slices the memory map, and slicing past the end silently yields a
-    short array, which then fails somewhere unrelated (a reshape, an index) or, for a
-    tensor, only when its data is finally used. `_get` is the reader's single read
-    primitive, so checking there turns every truncation into one clear error.
-    """
-
-    def _get(self, offset, dtype, count=1, *args, **kwargs):
-        # Checked after the read, not before: this runs once per metadata string (100k+
-        # times for a tokenizer), and a short result is the cheap sign of a read past the end.
-        try:
-            arr = super()._get(offset, dtype, count, *args, **kwargs)
-        except ValueError:  # a short slice that is not a whole number of items
-            arr = None
-        if arr is None or len(arr) != int(count):
-            end = int(offset) + np.dtype(dtype).itemsize * int(count)
-            raise _Truncated(end, self.data.shape[0])
-        return arr
-
-
-    def _build_fields(self, offs: int, count: int) -> int:
-        """Skip the key/value section instead of building a numpy view per array item (the
-        stock reader needs tens of seconds for a 151k-token vocabulary; the loader reads the
-        metadata with loader/gguf_metadata.py). Only general.alignment, which the reader itself
-        needs to find the tensor data, is built as the stock reader would."""
-        order = "<" if self.byte_order == "I" else ">"
-        u32, u64 = struct.Struct(order + "I"), struct.Struct(order + "Q")
-        size = self.data.shape[0]
-
-        def read(fmt: struct.Struct, at: int) -> int:
-            if at + fmt.size > size:
-                raise _Truncated(at + fmt.size, size)
-            return fmt.unpack_from(self.data, at)[0]
-
-        def skip_string(at: int) -> int:
-            end = at + 8 + read(u64, at)
-            if end > size:
-                raise _Truncated(end, size)
-            return end
-
-        def skip_value(vtype: int, at: int, depth: int = 0) -> int:
-            if vtype == 8:  # string
-                return skip_string(at)
-            if vtype in _SCALAR_BYTES:
-                return at + _SCALAR_BYTES[vtype]
-            if vtype != 9 or depth > 8:  # array (nested at most a few levels in any real file)
-                raise ValueError(f"unknown or too deeply nested value type {vtype}")
-            etype, count = read(u32, at), read(u64, at + 4)
-            at += 12
-            if etype in _SCALAR_BYTES:
-                end = at + count * _SCALAR_BYTES[etype]
-                if end > size:
-                    raise _Truncated(end, size)
-                return end
-            for _ in range(count):
-                at = skip_value(etype, at, depth + 1)
-            return at
-
-        for _ in range(int(count)):
-            start = offs
-            key_end = skip_string(offs)
-            key = bytes(self.data[offs + 8:key_end]).decode("utf-8", "replace")
-            offs = skip_value(read(u32, key_end), key_end + 4)
-            if key == "general.alignment":
-                super()._build_fields(start, 1)
-        return offs
-
-
-# GGUF value type -> bytes of one item (8 = string and 9 = array are variable)
-_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-
-def _open_reader(path: Path) -> gguf.GGUFReader:
-    name = path.name
-    if not path.exists():
-        raise CheckpointError(f"model not found: {path}")
-    if not path.is_file():
-        raise CheckpointError(f"{name}: not a file; a GGUF checkpoint is a single .gguf file")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise CheckpointError(f"{name}: not a GGUF file (bad magic {magic!r}, expected b'GGUF')")
-    try:
-        reader = _BoundedReader(path)
-    except _Truncated as e:
-        raise CheckpointError(f"{name}: truncated GGUF file ({e})") from None
-    except Exception as e:  # the reader reports corruption as assorted ValueError/KeyError/...
-        raise CheckpointError(f"{name}: corrupt GGUF file ({type(e).__name__}: {e})") from None
-    if reader.byte_order != "I":
-        raise CheckpointError(f"{name}: big-endian GGUF files are not supported")
-    # Explicit, even though _BoundedReader already checks reads: this one uses only the
-    # reader's public tensor records, so it holds if the reader's internals change.
-    size = reader.data.shape[0]
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise CheckpointError(
-                f"{name}: truncated GGUF file (tensor {t.name} ends at byte "
-                f"{t.data_offset + t.n_bytes}, file has {size})"
-            )
-    return reader
 
 
 _REQUIRED = object()
@@ -337,11 +229,15 @@ class GGUFCheckpoint(Checkpoint):
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self._reader = _open_reader(self.path)
+        self._file = GGUFFile(self.path)
+        with closed_on_error(self._file):
+            self._open()
+
+    def _open(self) -> None:
         try:
-            # After _open_reader: a missing, foreign, cut-off or corrupt file is reported by its
+            # After GGUFFile: a missing, foreign, cut-off or corrupt file is reported by its
             # checks first, which name the tensor or field at fault.
-            meta = read_gguf_metadata(self.path)
+            meta = read_gguf_metadata(self._file.source_path)
         except GGUFMetadataError as e:
             raise CheckpointError(f"{self.path.name}: {e.reason}") from None
         gguf_arch = meta.get("general.architecture")
@@ -352,8 +248,8 @@ class GGUFCheckpoint(Checkpoint):
         self._rows: dict[str, tuple[int, int]] = {}
         extras: dict[str, Any] = {}
         routed: set[int] = set()
-        for t in self._reader.tensors:
-            shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        for t in self._file.tensors:
+            shape = tuple(reversed(t.shape))
             parts = families.canonical_parts(t.name, shape, str(gguf_arch))
             if not parts:
                 extras[t.name] = t
@@ -364,7 +260,7 @@ class GGUFCheckpoint(Checkpoint):
                 if name.endswith(".mlp.gate.weight"):
                     routed.add(int(name.split(".")[1]))
         self.config = _read_config(meta, self._tensors, extras, self.path.name,
-                                   families.has_experts(t.name for t in self._reader.tensors), routed)
+                                   families.has_experts(t.name for t in self._file.tensors), routed)
         for name in [n for n in self._tensors if fused_parts(n, self.config)]:  # Phi-3's fused tensors
             t = self._tensors.pop(name)
             for part, a, b in fused_parts(name, self.config):
@@ -376,7 +272,7 @@ class GGUFCheckpoint(Checkpoint):
         return set(self._tensors)
 
     def _record(self, name: str) -> Any:
-        if self._reader is None:
+        if self._file is None:
             raise CheckpointError(f"{self.path.name}: checkpoint is closed")
         try:
             return self._tensors[name]
@@ -384,7 +280,7 @@ class GGUFCheckpoint(Checkpoint):
             raise CheckpointError(f"{self.path.name}: no tensor {name!r}") from None
 
     def _stored_shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in reversed(self._record(name).shape.tolist()))
+        return tuple(reversed(self._record(name).shape))
 
     def _row_range(self, name: str) -> tuple[int, int, int]:
         """(first row, end row, rows of the stored tensor), counting it as 2-D (out, in)."""
@@ -403,9 +299,6 @@ class GGUFCheckpoint(Checkpoint):
         a, b, _ = self._row_range(name)
         return (b - a, shape[-1])
 
-    def stored_type(self, name: str) -> gguf.GGMLQuantizationType:
-        return self._record(name).tensor_type
-
     def _check_permutable(self, name: str, rows: int) -> Optional[int]:
         """The head count to un-permute `name`'s rows by, or None when it is not permuted."""
         if not (self._permuted and re.search(r"\.(q|k)_proj\.", name)):
@@ -419,10 +312,10 @@ class GGUFCheckpoint(Checkpoint):
     def load_packed(self, name: str) -> tuple[gguf.GGMLQuantizationType, torch.Tensor, tuple[int, ...]]:
         """(type, rows (N, row_bytes) uint8, canonical shape) of a tensor, still in its GGML type.
 
-        The bytes are read from the file into memory this process owns, once, rather than viewed
-        through the memory map: a view would keep the file's pages resident beside any repacked
-        copy a kernel makes, and the permuted Q/K rows need a copy anyway. A GGML block never
-        spans two rows, so un-permuting the rows of packed bytes is un-permuting the weights.
+        The bytes are read from the file into memory this process owns, once (gguf_file.py says
+        why there is no map to view them through); the permuted Q/K rows need a copy anyway. A
+        GGML block never spans two rows, so un-permuting the rows of packed bytes is un-permuting
+        the weights.
         """
         t = self._record(name)
         if t.tensor_type not in BLOCKS:
@@ -431,13 +324,8 @@ class GGUFCheckpoint(Checkpoint):
                 f"compute (supported: {', '.join(q.name for q in BLOCKS)})")
         shape = self.shape(name)
         a, b, total = self._row_range(name)
-        rows, row_bytes = b - a, int(t.n_bytes) // total
-        buf = bytearray(rows * row_bytes)
-        with open(self.path, "rb") as f:
-            f.seek(int(t.data_offset) + a * row_bytes)
-            if f.readinto(buf) != len(buf):
-                raise CheckpointError(f"{self.path.name}: truncated GGUF file (tensor {t.name})")
-        packed = np.frombuffer(buf, dtype=np.uint8).reshape(rows, -1)
+        rows = b - a
+        packed = self._file.read_rows(t, a, b, total).view(np.uint8).reshape(rows, -1)
         n_head = self._check_permutable(name, rows)
         if n_head is not None:
             packed = np.ascontiguousarray(unpermute_rows(packed, n_head))
@@ -450,7 +338,7 @@ class GGUFCheckpoint(Checkpoint):
         a, b, total = self._row_range(name)
         try:
             # Only the name's rows are decoded: one expert of a stacked tensor, one part of a fused one.
-            w = gguf.quants.dequantize(t.data.reshape(total, -1)[a:b], t.tensor_type)
+            w = gguf.quants.dequantize(self._file.read_rows(t, a, b, total), t.tensor_type)
         except NotImplementedError:
             raise CheckpointError(
                 f"{self.path.name}: tensor {t.name} ({name}) has type {t.tensor_type.name}, "
@@ -460,8 +348,8 @@ class GGUFCheckpoint(Checkpoint):
         n_head = self._check_permutable(name, shape[0])
         if n_head is not None:
             w = unpermute_rows(w, n_head)
-        # F32 tensors come back as read-only views of the memory map; copy those (and any
-        # non-contiguous result) so the caller owns ordinary, writable memory.
+        # The rows read are this process's own, writable memory; copy only what dequantize or the
+        # un-permutation left non-contiguous (or not float32).
         if w.dtype != np.float32 or not w.flags.writeable or not w.flags.c_contiguous:
             w = np.array(w, dtype=np.float32, order="C")
         return torch.from_numpy(w) if dtype is None else torch.from_numpy(w).to(dtype)
@@ -471,19 +359,20 @@ class GGUFCheckpoint(Checkpoint):
         tensor's data) and the data of every record the stage needs. A record can back several
         canonical names (fused q/k/v, stacked experts); one that backs none (a RoPE table) is
         needed by every stage, since the config is read from it at open."""
-        if self._reader is None:
+        if self._file is None:
             raise CheckpointError(f"{self.path.name}: checkpoint is closed")
         names, rel = self.names(), self.path.name
         needed: dict[int, bool] = {}  # id(record) -> some canonical name it backs is needed
         for name, t in self._tensors.items():
             needed[id(t)] = needed.get(id(t), False) or stage_needs(name, spec, names)
-        size = int(self._reader.data.shape[0])
-        records = self._reader.tensors
+        size = self._file.size
+        records = self._file.tensors
         ranges = [(rel, 0, min((int(t.data_offset) for t in records), default=size))]
         ranges += [(rel, int(t.data_offset), int(t.n_bytes)) for t in records if needed.get(id(t), True)]
         return StageBytes(name=rel, is_dir=False, files=[(rel, size)], ranges=merge_ranges(ranges))
 
     def close(self) -> None:
-        # The memory map is released once nothing references the reader or its arrays.
-        self._reader = None
+        if self._file is not None:
+            self._file.close()
+        self._file = None
         self._tensors = {}

@@ -25,7 +25,7 @@ from specpipe.kernels import native
 from specpipe.kernels.ggml_types import FLOAT_TYPES
 from specpipe.kernels.qlinear import QuantEmbedding, QuantLinear, StackedLinear
 from specpipe.kernels.registry import choose_kernel, get_kernel, kernels
-from specpipe.loader.checkpoint import Checkpoint, CheckpointError
+from specpipe.loader.checkpoint import Checkpoint, CheckpointError, check_attention_group
 from specpipe.model.fused import fuse_layers
 from specpipe.model.llama import Attention, LlamaStage
 from specpipe.model.moe import MLP
@@ -107,6 +107,8 @@ def build_stage(ckpt: Checkpoint, spec: StageSpec, device: torch.device | str = 
         raise ValueError("requantize needs a quantization to requantize to")
     act = dtype or torch.float32
     cfg = ckpt.config
+    native_attention = act == torch.float32 and torch.device(device).type == "cpu" and native.available()
+    check_attention_group(ckpt, native.MAX_GROUP if native_attention else None)  # attention.attend's choice
     # Built on the meta device, then every weight replaced by a real one: the stage never holds
     # an uninitialised float32 copy of the weights it keeps quantized.
     with torch.device("meta"):

@@ -5,10 +5,12 @@ it one way: a cut (truncation), a flipped bit, or one header field set to a host
 tensor or key count of 2^40, a string or array length of 2^60, a tensor offset past the end or
 "negative" (a u64 near 2^64), an unknown value or tensor type, a dimension of 2^40, a config
 claiming 2^40 layers, tokenizer metadata and files of the wrong type or shape). `try_load` then
-does what serving does with a checkpoint (open it, build the whole model as one stage, load its
-tokenizer, encode, decode and render a chat message) and sorts the result into one outcome:
+does what serving does with a checkpoint (open it, build the whole model as one stage, run a
+prefill and a decode row through it, so the kernels the stage chose compute on what the file
+claims; load its tokenizer, encode, decode and render a chat message) and sorts the result into
+one outcome:
 
-  loaded      it loaded (a flipped bit inside tensor data, a harmless metadata value)
+  loaded      it loaded and ran (a flipped bit inside tensor data, a harmless metadata value)
   refused     one clear error: CheckpointError (the loader's type, ConfigError wrapped in it) or
               TokenizerError
   crash       any other exception: a bug
@@ -17,6 +19,8 @@ tokenizer, encode, decode and render a chat message) and sorts the result into o
 
 A hang cannot be seen from inside; benchmarks/fuzz_checkpoints.py runs trials in a child
 process with a deadline and a memory limit, and the tests rely on the suite's own time.
+A test tool, not part of the package: tests/loader/test_checkpoint_fuzz.py and the benchmark
+import it from here.
 """
 
 from __future__ import annotations
@@ -40,17 +44,17 @@ HOSTILE_U64 = (0, 1, 2**31, 2**32 + 1, 2**40, 2**60, 2**63, 2**64 - 1)
 HOSTILE_U32 = (0, 7, 9, 13, 31, 2**31, 2**32 - 1)
 
 
-def _tensors() -> dict[str, np.ndarray]:
+def _tensors(heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM) -> dict[str, np.ndarray]:
     """Canonical names -> float32 arrays (torch layout), from a fixed seed."""
     rng = np.random.default_rng(0)
     shapes = {"embed_tokens.weight": (VOCAB, HIDDEN), "norm.weight": (HIDDEN,), "lm_head.weight": (VOCAB, HIDDEN)}
     for i in range(LAYERS):
         p = f"layers.{i}."
         shapes.update({p + "input_layernorm.weight": (HIDDEN,), p + "post_attention_layernorm.weight": (HIDDEN,),
-                       p + "self_attn.q_proj.weight": (HEADS * HEAD_DIM, HIDDEN),
-                       p + "self_attn.k_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
-                       p + "self_attn.v_proj.weight": (KV_HEADS * HEAD_DIM, HIDDEN),
-                       p + "self_attn.o_proj.weight": (HIDDEN, HEADS * HEAD_DIM),
+                       p + "self_attn.q_proj.weight": (heads * head_dim, HIDDEN),
+                       p + "self_attn.k_proj.weight": (kv_heads * head_dim, HIDDEN),
+                       p + "self_attn.v_proj.weight": (kv_heads * head_dim, HIDDEN),
+                       p + "self_attn.o_proj.weight": (HIDDEN, heads * head_dim),
                        p + "mlp.gate_proj.weight": (FFN, HIDDEN), p + "mlp.up_proj.weight": (FFN, HIDDEN),
                        p + "mlp.down_proj.weight": (HIDDEN, FFN)})
     return {n: (rng.standard_normal(s) * 0.1).astype(np.float32) for n, s in shapes.items()}
@@ -82,9 +86,10 @@ CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] | upper }}: {{ m['conte
                  "{% if add_generation_prompt %}<s>ASSISTANT:{% endif %}")
 
 
-def write_tiny_gguf(path: Path) -> Path:
+def write_tiny_gguf(path: Path, heads: int = HEADS, kv_heads: int = KV_HEADS, head_dim: int = HEAD_DIM) -> Path:
     """A valid tiny llama GGUF: F32 norms, Q8_0 matrices, a 64-piece SentencePiece tokenizer with a
-    chat template."""
+    chat template; `heads` x `head_dim` need not be the hidden size (heads x head_dim a multiple of
+    Q8_0's 32-value block)."""
     import gguf
 
     wr = gguf.GGUFWriter(path, "llama")
@@ -92,9 +97,11 @@ def write_tiny_gguf(path: Path) -> Path:
     wr.add_context_length(256)
     wr.add_embedding_length(HIDDEN)
     wr.add_feed_forward_length(FFN)
-    wr.add_head_count(HEADS)
-    wr.add_head_count_kv(KV_HEADS)
-    wr.add_rope_dimension_count(HEAD_DIM)
+    wr.add_head_count(heads)
+    wr.add_head_count_kv(kv_heads)
+    wr.add_key_length(head_dim)
+    wr.add_value_length(head_dim)
+    wr.add_rope_dimension_count(head_dim)
     wr.add_layer_norm_rms_eps(1e-5)
     wr.add_tokenizer_model("llama")
     wr.add_token_list(TOKENS)
@@ -104,7 +111,7 @@ def write_tiny_gguf(path: Path) -> Path:
     wr.add_eos_token_id(2)
     wr.add_add_bos_token(True)
     wr.add_chat_template(CHAT_TEMPLATE)
-    for name, w in _tensors().items():
+    for name, w in _tensors(heads, kv_heads, head_dim).items():
         if w.ndim == 2:
             wr.add_tensor(_gguf_name(name), gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0),
                           raw_dtype=gguf.GGMLQuantizationType.Q8_0)
@@ -382,15 +389,30 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir()) if path.is_dir() else path.stat().st_size
 
 
+def forward(model) -> None:
+    """A prefill of 4 rows, then a decode row that reads them from the KV cache: every layer's
+    kernels (the fused native layer where it qualifies, native attention, the packed matmuls) run
+    on the shapes the file claims."""
+    import torch
+
+    from specpipe.model.runner import run_rows
+
+    n = 4
+    kv = model.make_kv_cache(n + 1)
+    tokens = torch.arange(n + 1) % model.cfg.vocab_size
+    run_rows(model, kv, tokens[:n], list(range(n)), list(range(n)), list(range(n)), np.tri(n, dtype=bool))
+    run_rows(model, kv, tokens[n:], [n], [n], list(range(n + 1)), np.ones((1, n + 1), dtype=bool))
+
+
 def _load(path: Path) -> None:
     from specpipe.config import StageSpec
     from specpipe.loader import open_checkpoint
     from specpipe.model.stage import build_stage
-
     from specpipe.tokenizer.tokenizer import Tokenizer
 
     ckpt = open_checkpoint(path)
-    build_stage(ckpt, StageSpec.whole(ckpt.config))
+    forward(build_stage(ckpt, StageSpec.whole(ckpt.config)))
+    ckpt.close()
     tok = Tokenizer.from_path(path)
     tok.decode(tok.encode("ab cd efz"))
     if tok.has_chat_template:

@@ -1,5 +1,5 @@
 """Damaged and hostile checkpoints give one clear CheckpointError: never another exception, a hang,
-or an allocation a header asked for (specpipe/bench/checkpoint_fuzz.py has the mutations; the long
+or an allocation a header asked for (checkpoint_fuzz.py beside this file has the mutations; the long
 run is benchmarks/fuzz_checkpoints.py)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import struct
 
 import pytest
 
-from specpipe.bench.checkpoint_fuzz import (LAYERS, gguf_fields, hf_config, mutations, try_load, write_tiny_gguf,
-                                            write_tiny_hf)
+from checkpoint_fuzz import LAYERS, gguf_fields, hf_config, mutations, try_load, write_tiny_gguf, write_tiny_hf
+
 from specpipe.loader import CheckpointError, open_checkpoint
 
 
@@ -84,23 +84,8 @@ def test_hf_config_values_the_tensors_do_not_bear_out(work, key, value, message)
     ("model.safetensors.index.json", '{"weight_map": 1}', "shard file names in the model directory"),
     ("model.safetensors.index.json", '{"weight_map": {"a": "/etc/passwd"}}', "shard file names"),
     ("model.safetensors.index.json", '{"weight_map": {"a": "../x.safetensors"}}', "shard file names"),
-])
-def test_hf_json_files_of_the_wrong_shape(work, file, text, message):
-    d = write_tiny_hf(work / f"json_{abs(hash((file, text)))}")
-    (d / file).write_text(text)
-    with pytest.raises(CheckpointError, match=message):
-        open_checkpoint(d)
-
-
-def test_the_field_map_covers_the_header(work):
-    data = write_tiny_gguf(work / "map.gguf").read_bytes()
-    roles = {f.role for f in gguf_fields(data)}
-    assert roles >= {"tensor_count", "kv_count", "strlen", "vtype", "etype", "arrlen", "value", "n_dims", "dim",
-                     "ttype", "toffset"}
-
-
-@pytest.mark.parametrize("file, text, message", [
-    # Before: AttributeError / TypeError from deep inside the tokenizer's loading or the template's compiling.
+    # The tokenizer's files (a TokenizerError). Before: AttributeError / TypeError from deep inside
+    # the tokenizer's loading or the template's compiling.
     ("tokenizer_config.json", "[]", "expected a JSON object, got list"),
     ("generation_config.json", "null", "expected a JSON object, got NoneType"),
     ("tokenizer_config.json", '{"bos_token": 5}', "bos_token must be a string"),
@@ -109,13 +94,21 @@ def test_the_field_map_covers_the_header(work):
     ("tokenizer_config.json", '{"chat_template": [{"name": "default", "template": 7}]}',
      "the chat template must be a string"),
 ])
-def test_hf_tokenizer_files_of_the_wrong_shape(work, file, text, message):
+def test_hf_json_files_of_the_wrong_shape(work, file, text, message):
     from specpipe.tokenizer.tokenizer import Tokenizer, TokenizerError
 
-    d = write_tiny_hf(work / f"tok_{abs(hash((file, text)))}")
+    d = write_tiny_hf(work / f"json_{abs(hash((file, text)))}")
     (d / file).write_text(text)
-    with pytest.raises(TokenizerError, match=message):
-        Tokenizer.from_path(d)
+    tokenizer = file.startswith(("tokenizer", "generation_config"))
+    with pytest.raises(TokenizerError if tokenizer else CheckpointError, match=message):
+        Tokenizer.from_path(d) if tokenizer else open_checkpoint(d)
+
+
+def test_the_field_map_covers_the_header(work):
+    data = write_tiny_gguf(work / "map.gguf").read_bytes()
+    roles = {f.role for f in gguf_fields(data)}
+    assert roles >= {"tensor_count", "kv_count", "strlen", "vtype", "etype", "arrlen", "value", "n_dims", "dim",
+                     "ttype", "toffset"}
 
 
 def test_eos_ids_outside_the_vocabulary_are_ignored(work):
@@ -140,3 +133,47 @@ def test_a_packed_type_without_a_kernel_is_refused_by_name(work):
     ckpt = open_checkpoint(work / "q81.gguf")
     with pytest.raises(CheckpointError, match="has type Q8_1, which SpecPipe cannot"):
         build_stage(ckpt, StageSpec.whole(ckpt.config))
+
+
+def _group_of(work, heads: int):
+    """A tiny GGUF with `heads` query heads over one KV head (head size 32)."""
+    return write_tiny_gguf(work / f"group{heads}.gguf", heads=heads, kv_heads=1, head_dim=32)
+
+
+def test_more_query_heads_per_kv_head_than_the_native_attention_takes_are_refused_at_load(work):
+    # Before: the file loaded, then every forward failed in sp_decoder_layer with "bad shape (... a slot
+    # out of range or rows not covered by the segments?)".
+    from specpipe.config import StageSpec
+    from specpipe.kernels import native
+    from specpipe.model.stage import build_stage
+
+    if not native.available():
+        pytest.skip("the native attention is not built: the torch attention has no group limit")
+    ckpt = open_checkpoint(_group_of(work, native.MAX_GROUP + 1))
+    with pytest.raises(CheckpointError, match=f"group{native.MAX_GROUP + 1}.gguf: {native.MAX_GROUP + 1} query heads "
+                                              f"over 1 KV heads .* takes at most {native.MAX_GROUP} per KV head"):
+        build_stage(ckpt, StageSpec.whole(ckpt.config))
+    assert try_load(_group_of(work, native.MAX_GROUP + 1))[0] == "refused"
+    assert try_load(_group_of(work, native.MAX_GROUP)) == ("loaded", "")  # the limit itself runs
+
+
+def test_a_group_past_the_native_limit_runs_where_the_native_attention_does_not(work, monkeypatch):
+    # The limit is the native attention's: a stage that runs the torch attention (no native library,
+    # or a GPU) loads such a model and runs its forward.
+    from specpipe.kernels import native
+
+    monkeypatch.setattr(native, "available", lambda: False)
+    assert try_load(_group_of(work, 65)) == ("loaded", "")
+
+
+def test_the_fuzzer_runs_a_forward_on_what_it_loads(work, monkeypatch):
+    # Before: try_load only built the stage, so a model that builds and then fails every forward (the
+    # group above, without its load check) counted as "loaded".
+    from specpipe.kernels import native
+    from specpipe.model import stage
+
+    if not native.available():
+        pytest.skip("the native attention is not built")
+    monkeypatch.setattr(stage, "check_attention_group", lambda ckpt, max_group: None)
+    outcome, detail = try_load(_group_of(work, native.MAX_GROUP + 1))
+    assert outcome == "crash", detail
