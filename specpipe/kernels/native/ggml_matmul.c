@@ -17,6 +17,12 @@
  *     -ffp-contract=off so that no path fuses a multiply-add the others do not).
  *
  * Block layouts: ggml_blocks.h (a struct per type, with each type's value order and formula).
+ *
+ * Files: the interface ggml_matmul.h; the block structs ggml_blocks.h; the shared vectors vec.h;
+ * and the templates this file includes where their helpers are defined, each saying at its top
+ * what it needs: ggml_matmul_tile.h (the tile loops, once per ISA), ggml_matmul_lanes.h (the row
+ * lanes, once per x86 ISA), ggml_matmul_wlanes.h (the weight lanes, AVX-512 VNNI) and
+ * ggml_matmul_amx.h (their AMX tile multiplies).
  */
 #include <math.h>
 #include <stdint.h>
