@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional, Sequence
+from typing import Optional
 
 from specpipe.config import ConfigError, EngineConfig, StageSpec, parse_bytes
 from specpipe.costs.balance import resolve_stage_layers
