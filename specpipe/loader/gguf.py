@@ -37,7 +37,8 @@ from specpipe.kernels.ggml_types import BLOCKS
 from specpipe.loader import gguf_families as families
 from specpipe.loader.checkpoint import (Checkpoint, CheckpointError, StageBytes, check_config_against_tensors,
                                        fused_parts, merge_ranges, stage_needs)
-from specpipe.loader.gguf_file import GGUFFile, closed_on_error
+from specpipe.loader.checked_file import closed_on_error
+from specpipe.loader.gguf_file import GGUFFile
 from specpipe.loader.gguf_metadata import GGUFMetadataError, read_gguf_metadata
 
 # Architectures whose Q/K rows llama.cpp's converter permutes. llama.cpp itself calls

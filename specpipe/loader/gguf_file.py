@@ -1,37 +1,21 @@
-"""A GGUF file's tensor directory and tensor bytes, read so that a damaged file, or one changed
-while it is open, is a CheckpointError naming it, never a crash.
+"""A GGUF file's tensor directory, and reads of its tensors' bytes that fail cleanly.
 
 At open the header and the tensor directory are parsed through a memory map (gguf-py's reader,
 every read bounds-checked), and the map is dropped as soon as the directory is copied out: what
-stays open is a file descriptor. A tensor's bytes are then read with pread() into memory this
-process owns, checked against the file's size and modification time as they were at open.
-
-Why not keep the map: a page of a shared map whose file was cut short under it raises SIGBUS when
-touched, and a private (copy-on-write) map does not help, since on Linux it too faults on pages past
-the new end and shows other writers' changes in every page this process has not written. A read()
-past the end just comes back short. So:
-  * truncated after open: the size check refuses before the read, and a cut during the read gives
-    a short read; either way a CheckpointError, never a signal;
-  * overwritten in place (same inode): the modification time moves, so the check refuses;
-  * replaced by a new file (rename over it, as a download or a cache does): the descriptor still
-    reads the file that was opened, so the load stays consistent;
-  * a change that does not move the modification time within its granularity (a write through
-    another process's map, flushed late) is not seen: no portable way short of copying the file.
-The reads are the copy a loaded weight needs anyway (docs/quantized_weights.md: the stage owns its
-packed rows rather than viewing the file's pages).
+stays open is a file descriptor (checked_file.py), and a tensor's bytes are read from it, so that a
+file cut short or overwritten after open is a CheckpointError naming it, never a SIGBUS.
 """
 
 from __future__ import annotations
 
-import os
 import struct
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import gguf
 import numpy as np
 
+from specpipe.loader.checked_file import CheckedFile, closed_on_error
 from specpipe.loader.checkpoint import CheckpointError
 
 
@@ -99,14 +83,20 @@ class _BoundedReader(gguf.GGUFReader):
                 at = skip_value(etype, at, depth + 1)
             return at
 
-        for _ in range(int(count)):
-            start = offs
-            key_end = skip_string(offs)
-            key = bytes(self.data[offs + 8:key_end]).decode("utf-8", "replace")
-            offs = skip_value(read(u32, key_end), key_end + 4)
-            if key == "general.alignment":
-                super()._build_fields(start, 1)
-        return offs
+        try:
+            for _ in range(int(count)):
+                start = offs
+                key_end = skip_string(offs)
+                key = bytes(self.data[offs + 8:key_end]).decode("utf-8", "replace")
+                offs = skip_value(read(u32, key_end), key_end + 4)
+                if key == "general.alignment":
+                    super()._build_fields(start, 1)
+            return offs
+        finally:
+            # skip_value refers to itself through its closure, and the cycle holds self (read's
+            # self.data): broken here, the reader and its map go as soon as GGUFFile drops them,
+            # not at the next garbage collection.
+            del skip_value
 
 
 # GGUF value type -> bytes of one item (8 = string and 9 = array are variable)
@@ -142,26 +132,25 @@ class GGUFFile:
             raise CheckpointError(f"model not found: {self.path}")
         if not self.path.is_file():
             raise CheckpointError(f"{name}: not a file; a GGUF checkpoint is a single .gguf file")
-        self._file = open(self.path, "rb", buffering=0)
+        self._file = CheckedFile(self.path)
         with closed_on_error(self._file):
             self._open()
 
     def _open(self) -> None:
         name = self.path.name
-        magic = self._file.read(4)
+        magic = bytes(self._file.read(0, min(4, self._file.size), "the header"))
         if magic != b"GGUF":
             raise CheckpointError(f"{name}: not a GGUF file (bad magic {magic!r}, expected b'GGUF')")
-        self._stat = os.fstat(self._file.fileno())
-        self.size = self._stat.st_size
+        self.size = self._file.size
         try:
-            reader = _BoundedReader(self.source_path)
+            reader = _BoundedReader(self._file.source_path)
         except _Truncated as e:
             raise CheckpointError(f"{name}: truncated GGUF file ({e})") from None
         except Exception as e:  # the reader reports corruption as assorted ValueError/KeyError/...
             raise CheckpointError(f"{name}: corrupt GGUF file ({type(e).__name__}: {e})") from None
         if reader.byte_order != "I":
             raise CheckpointError(f"{name}: big-endian GGUF files are not supported")
-        self._check("the tensor directory")  # the map saw the file as it was at open
+        self._file.check("the tensor directory")  # the map saw the file as it was at open
         # Explicit, even though _BoundedReader already checks reads: this one uses only the
         # reader's public tensor records, so it holds if the reader's internals change.
         for t in reader.tensors:
@@ -180,62 +169,14 @@ class GGUFFile:
 
     @property
     def source_path(self) -> str:
-        """A path to the very file this object holds open (Linux's /proc/self/fd names it even after
-        a rename over the original path); the path it was opened by elsewhere."""
-        fd_path = f"/proc/self/fd/{self._file.fileno()}"
-        return fd_path if os.path.exists(fd_path) else str(self.path)
-
-    def _check(self, what: str) -> None:
-        if self._file.closed:
-            raise CheckpointError(f"{self.path.name}: checkpoint is closed")
-        now = os.fstat(self._file.fileno())
-        if (now.st_size, now.st_mtime_ns) != (self._stat.st_size, self._stat.st_mtime_ns):
-            change = (f"truncated from {self._stat.st_size} to {now.st_size} bytes" if now.st_size < self._stat.st_size
-                      else f"grown from {self._stat.st_size} to {now.st_size} bytes" if now.st_size > self._stat.st_size
-                      else "overwritten")
-            raise CheckpointError(f"{self.path.name}: the file changed after it was opened ({change}) while "
-                                  f"{what} was being read; load it again once nothing writes to it")
+        return self._file.source_path
 
     def read_rows(self, t: TensorRecord, first: int, end: int, rows: int) -> np.ndarray:
         """Rows [first, end) of tensor `t` counted as `rows` rows of equal bytes, as (end - first,
         row items) of its stored dtype, in memory this process owns (writable)."""
         row_bytes = t.n_bytes // rows
-        buf = bytearray((end - first) * row_bytes)
-        self._check(f"tensor {t.name}")
-        got = _pread_into(self._file.fileno(), buf, t.data_offset + first * row_bytes)
-        if got != len(buf):
-            raise CheckpointError(f"{self.path.name}: truncated GGUF file (tensor {t.name}: read {got} of "
-                                  f"{len(buf)} bytes; the file was cut short after it was opened)")
-        self._check(f"tensor {t.name}")  # a write during the read
+        buf = self._file.read(t.data_offset + first * row_bytes, (end - first) * row_bytes, f"tensor {t.name}")
         return np.frombuffer(buf, dtype=t.dtype).reshape(end - first, -1)
 
     def close(self) -> None:
         self._file.close()
-
-
-@contextmanager
-def closed_on_error(f):
-    """`f` (anything with close()) closed if the block raises: a file refused at open leaves no
-    descriptor behind (the fuzzer opens thousands)."""
-    try:
-        yield f
-    except BaseException:
-        f.close()
-        raise
-
-
-def _pread_into(fd: int, buf: bytearray, offset: int) -> int:
-    """Bytes read into `buf` from `offset` (fewer only at the end of the file). pread, not
-    seek + read: a descriptor shared by threads or forked processes has one position."""
-    view, done = memoryview(buf), 0
-    while done < len(buf):
-        if hasattr(os, "preadv"):
-            n = os.preadv(fd, [view[done:]], offset + done)
-        else:
-            chunk = os.pread(fd, min(len(buf) - done, 1 << 30), offset + done)
-            view[done:done + len(chunk)] = chunk
-            n = len(chunk)
-        if n == 0:
-            break
-        done += n
-    return done

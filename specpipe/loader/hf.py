@@ -1,16 +1,23 @@
-"""Hugging Face model directories: config.json + *.safetensors (single file or sharded index)."""
+"""Hugging Face model directories: config.json + *.safetensors (single file or sharded index).
+
+safetensors' own reader checks each shard's header at open; the tensors are then read from the
+descriptors held since open (checked_file.py), not through safetensors' memory map, so that a shard
+cut short or overwritten after open is a CheckpointError naming it, never a SIGBUS.
+"""
 
 from __future__ import annotations
 
 import json
 import re
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from specpipe.config import ConfigError, ModelConfig, StageSpec
+from specpipe.loader.checked_file import CheckedFile, closed_on_error
 from specpipe.loader.hf_config import model_config_from_hf
 from specpipe.loader.checkpoint import (Checkpoint, CheckpointError, StageBytes, check_config_against_tensors,
                                        fused_parts, merge_ranges, stage_needs)
@@ -49,31 +56,50 @@ def _read_json_object(path: Path) -> dict:
     return value
 
 
-def safetensors_spans(shard: Path) -> tuple[int, dict[str, tuple[int, int]]]:
-    """(where the data starts, tensor name -> (offset, length) in the file) from a shard's
-    header: a little-endian u64 length, then that many bytes of JSON whose data_offsets count
-    from the end of the header. Read by hand because safetensors does not expose the offsets."""
-    size = shard.stat().st_size
-    with open(shard, "rb") as f:
-        head = f.read(8)
-        n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
-        if n is None or 8 + n > size:
-            raise CheckpointError(f"{shard.name}: unreadable safetensors file (truncated header)")
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{shard.name}: unreadable safetensors file (header: {e})") from None
-    start, spans = 8 + n, {}
-    for name, entry in (header.items() if isinstance(header, dict) else ()):
-        if name == "__metadata__":
+# safetensors' dtype names -> torch's (those SpecPipe reads; safetensors checks the names at open)
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """One tensor of a shard's header."""
+
+    file: CheckedFile
+    name: str  # its name in the shard
+    dtype: str  # safetensors' name for it
+    shape: tuple[int, ...]
+    offset: int  # where its bytes start in the file
+    length: int
+
+
+def safetensors_header(file: CheckedFile) -> tuple[int, dict[str, _Tensor]]:
+    """(where the data starts, tensor name -> _Tensor) from a shard's header: a little-endian u64
+    length, then that many bytes of JSON whose data_offsets count from the end of the header. Read
+    by hand because safetensors does not expose the offsets; its dtypes and shapes are taken as
+    they are (safe_open has checked them against the offsets)."""
+    name, size = file.path.name, file.size
+    head = file.read(0, min(8, size), "the header")
+    n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+    if n is None or 8 + n > size:
+        raise CheckpointError(f"{name}: unreadable safetensors file (truncated header)")
+    try:
+        header = json.loads(file.read(8, n, "the header"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{name}: unreadable safetensors file (header: {e})") from None
+    start, tensors = 8 + n, {}
+    for key, entry in (header.items() if isinstance(header, dict) else ()):
+        if key == "__metadata__":
             continue
         offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)
                 and 0 <= offsets[0] <= offsets[1] and start + offsets[1] <= size):
-            raise CheckpointError(f"{shard.name}: unreadable safetensors file (tensor {name!r} has data "
+            raise CheckpointError(f"{name}: unreadable safetensors file (tensor {key!r} has data "
                                   f"offsets {offsets!r} outside the file)")
-        spans[name] = (start + offsets[0], offsets[1] - offsets[0])
-    return start, spans
+        tensors[key] = _Tensor(file, key, entry.get("dtype"), tuple(entry.get("shape") or ()), start + offsets[0],
+                               offsets[1] - offsets[0])
+    return start, tensors
 
 
 class HFCheckpoint(Checkpoint):
@@ -86,22 +112,27 @@ class HFCheckpoint(Checkpoint):
             self.config = model_config_from_hf(_read_json_object(cfg_file))
         except ConfigError as e:
             raise CheckpointError(f"{cfg_file}: {e}") from None
-        self._file_of: dict[str, Path] = {}  # canonical name -> shard
-        self._hf_name: dict[str, str] = {}
+        self._tensor: dict[str, _Tensor] = {}  # canonical name -> where it is stored
         self._rows: dict[str, tuple[int, int]] = {}  # canonical name -> its rows of a fused tensor
-        for shard in self._shards():
-            try:
-                with safe_open(shard, framework="pt") as f:
-                    for name in f.keys():
-                        parts = fused_parts(canonical(name), self.config)
-                        for part, a, b in parts or [(canonical(name), None, None)]:
-                            self._file_of[part], self._hf_name[part] = shard, name
-                            if a is not None:
-                                self._rows[part] = (a, b)
-            except Exception as e:  # safetensors raises several types for a damaged header
-                raise CheckpointError(f"{shard.name}: unreadable safetensors file ({e})") from None
-        self._handles: dict[Path, object] = {}
-        check_config_against_tensors(self)
+        self._shard_data: dict[str, tuple[CheckedFile, int, dict[str, _Tensor]]] = {}  # name -> (file, data start, tensors)
+        with closed_on_error(self):
+            for shard in self._shards():
+                file = CheckedFile(shard)
+                self._shard_data[shard.name] = (file, 0, {})
+                try:
+                    with safe_open(file.source_path, framework="pt") as f:  # its checks of the header
+                        keys = list(f.keys())
+                except Exception as e:  # safetensors raises several types for a damaged header
+                    raise CheckpointError(f"{shard.name}: unreadable safetensors file ({e})") from None
+                start, tensors = safetensors_header(file)
+                self._shard_data[shard.name] = (file, start, tensors)
+                for name in keys:
+                    parts = fused_parts(canonical(name), self.config)
+                    for part, a, b in parts or [(canonical(name), None, None)]:
+                        self._tensor[part] = tensors[name]
+                        if a is not None:
+                            self._rows[part] = (a, b)
+            check_config_against_tensors(self)
 
     def _shards(self) -> list[Path]:
         index = self.path / "model.safetensors.index.json"
@@ -127,40 +158,42 @@ class HFCheckpoint(Checkpoint):
                 "because loading them can execute arbitrary code. Convert the model to safetensors.")
         raise CheckpointError(f"{self.path}: no *.safetensors weights found")
 
-    def _handle(self, name: str):
-        shard = self._file_of.get(name)
-        if shard is None:
+    def _stored(self, name: str) -> _Tensor:
+        t = self._tensor.get(name)
+        if t is None:
             raise CheckpointError(f"{self.path.name}: tensor {name!r} is missing from the checkpoint")
-        if shard not in self._handles:
-            self._handles[shard] = safe_open(shard, framework="pt")
-        return self._handles[shard]
+        return t
 
     def names(self) -> set[str]:
-        return set(self._file_of)
+        return set(self._tensor)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        shape = tuple(self._handle(name).get_slice(self._hf_name[name]).get_shape())
+        t = self._stored(name)
         if name in self._rows:
             a, b = self._rows[name]
-            if b > shape[0]:
-                raise CheckpointError(f"{self.path.name}: fused tensor {self._hf_name[name]!r} has {shape[0]} rows, "
+            if not t.shape or b > t.shape[0]:
+                raise CheckpointError(f"{self.path.name}: fused tensor {t.name!r} has {t.shape[:1]} rows, "
                                       f"the model config needs {b}")
-            shape = (b - a,) + shape[1:]
-        return shape
+            return (b - a,) + t.shape[1:]
+        return t.shape
 
     def load(self, name: str, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-        """One tensor, converted to `dtype` (None: as stored, e.g. bfloat16)."""
+        """One tensor, converted to `dtype` (None: as stored, e.g. bfloat16). Only its rows of a
+        fused tensor are read."""
+        t, shape = self._stored(name), self.shape(name)
+        stored = _DTYPES.get(t.dtype)
+        if stored is None:
+            raise CheckpointError(f"{self.path.name}: tensor {t.name!r} has dtype {t.dtype}, which SpecPipe cannot "
+                                  f"read (supported: {', '.join(_DTYPES)})")
+        rows = t.shape[0] if t.shape else 1
+        a, _ = self._rows.get(name, (0, rows))
+        row_bytes = t.length // rows if rows else 0
+        n = shape[0] * row_bytes if shape else t.length
+        buf = t.file.read(t.offset + a * row_bytes, n, f"tensor {t.name}")
         try:
-            if name in self._rows:
-                self.shape(name)  # checks the fused tensor holds the rows
-                a, b = self._rows[name]
-                w = self._handle(name).get_slice(self._hf_name[name])[a:b]
-            else:
-                w = self._handle(name).get_tensor(self._hf_name[name])
+            w = torch.frombuffer(buf, dtype=stored).reshape(shape) if n else torch.empty(shape, dtype=stored)
             return w if dtype is None else w.to(dtype)
-        except CheckpointError:
-            raise
-        except Exception as e:
+        except (RuntimeError, ValueError) as e:
             raise CheckpointError(f"{self.path.name}: cannot read tensor {name!r} ({e})") from None
 
     def stage_ranges(self, spec: StageSpec) -> StageBytes:
@@ -173,15 +206,15 @@ class HFCheckpoint(Checkpoint):
             size = f.stat().st_size
             files.append((f.name, size))
             ranges.append((f.name, 0, size))
-        for shard in self._shards():
-            files.append((shard.name, shard.stat().st_size))
-            start, spans = safetensors_spans(shard)
-            ranges.append((shard.name, 0, start))
-            for hf_name, (offset, length) in spans.items():
+        for rel, (file, start, tensors) in sorted(self._shard_data.items()):
+            files.append((rel, file.size))
+            ranges.append((rel, 0, start))
+            for hf_name, t in tensors.items():
                 parts = fused_parts(canonical(hf_name), self.config) or [(canonical(hf_name), None, None)]
                 if any(stage_needs(part, spec, names) for part, _, _ in parts):
-                    ranges.append((shard.name, offset, length))
+                    ranges.append((rel, t.offset, t.length))
         return StageBytes(name=self.path.name, is_dir=True, files=files, ranges=merge_ranges(ranges))
 
     def close(self) -> None:
-        self._handles.clear()
+        for file, _, _ in self._shard_data.values():
+            file.close()

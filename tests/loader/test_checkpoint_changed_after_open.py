@@ -1,9 +1,10 @@
-"""A GGUF truncated, overwritten or replaced after it was opened: one CheckpointError naming the
-file, never a SIGBUS (loader/gguf_file.py). The risky part runs in a child process, so a signal
-fails the test instead of killing pytest."""
+"""A GGUF or safetensors file truncated, overwritten or replaced after it was opened: one
+CheckpointError naming the file, never a SIGBUS (loader/checked_file.py). The risky part runs in a
+child process, so a signal fails the test instead of killing pytest."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -13,24 +14,27 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from checkpoint_fuzz import write_tiny_gguf
+from checkpoint_fuzz import write_tiny_gguf, write_tiny_hf
 
 from specpipe.loader import CheckpointError, open_checkpoint
 
-# Run in a child: open the file, change it as `change` says, then read every tensor and build the
-# last stage (its norms and LM head are read as floats, once through the memory map).
+# Run in a child: open the checkpoint, change its weights file as `change` says, then read every
+# tensor and build the last stage (before, both read the float tensors through a memory map).
 CHILD = textwrap.dedent("""
-    import os, sys
+    import os, struct, sys
     from pathlib import Path
-    sys.path.insert(0, sys.argv[3])
     from specpipe.config import StageSpec
     from specpipe.loader import CheckpointError, open_checkpoint
     from specpipe.model.stage import build_stage
-    import specpipe.loader.gguf_file as gguf_file
+    import specpipe.loader.checked_file as checked_file
 
-    path, change = Path(sys.argv[1]), sys.argv[2]
-    ckpt = open_checkpoint(path)
-    data_start, size = min(t.data_offset for t in ckpt._file.tensors), path.stat().st_size
+    checkpoint, change = Path(sys.argv[1]), sys.argv[2]
+    ckpt = open_checkpoint(checkpoint)
+    path = checkpoint / "model.safetensors" if checkpoint.is_dir() else checkpoint
+    with open(path, "rb") as f:  # where the tensor data starts: after the safetensors header, or the GGUF's directory
+        data_start = 8 + struct.unpack("<Q", f.read(8))[0] if checkpoint.is_dir() else min(
+            t.data_offset for t in ckpt._file.tensors)
+    size = path.stat().st_size
     if change.startswith("truncate"):
         os.truncate(path, {"truncate_to_directory": data_start, "truncate_mid_data": (data_start + size) // 2,
                            "truncate_to_zero": 0, "truncate_unchecked": data_start + 100}[change])
@@ -42,7 +46,7 @@ CHILD = textwrap.dedent("""
         with open(path, "ab") as f:
             f.write(bytes(4096))
     if change == "truncate_unchecked":  # a cut between the check and the read: the read comes back short
-        gguf_file.GGUFFile._check = lambda self, what: None
+        checked_file.CheckedFile.check = lambda self, what: None
     try:
         for name in sorted(ckpt.names()):
             ckpt.load(name)
@@ -54,19 +58,24 @@ CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.parametrize("fmt", ["gguf", "safetensors"])
 @pytest.mark.parametrize("change", ["truncate_to_directory", "truncate_mid_data", "truncate_to_zero",
                                     "truncate_unchecked", "overwrite", "grow"])
-def test_a_file_changed_after_open_is_a_checkpoint_error_not_a_signal(tmp_path, change):
-    # Before: loading a float tensor touched the memory map's pages past the new end, and the
-    # process died of SIGBUS (exit -7); an overwrite loaded whatever the bytes had become.
-    path = write_tiny_gguf(tmp_path / "changed.gguf")
-    run = subprocess.run([sys.executable, "-c", CHILD, str(path), change, str(Path(__file__).parent)],
-                         capture_output=True, text=True, timeout=300)
+def test_a_file_changed_after_open_is_a_checkpoint_error_not_a_signal(tmp_path, fmt, change):
+    # Before: reading a tensor touched the memory map's pages past the new end (GGUF: the float
+    # tensors; safetensors: every tensor), and the process died of SIGBUS (exit -7); an overwrite
+    # loaded whatever the bytes had become.
+    if fmt == "gguf":
+        checkpoint, file = write_tiny_gguf(tmp_path / "changed.gguf"), "changed.gguf"
+    else:
+        checkpoint, file = write_tiny_hf(tmp_path / "changed_hf"), "model.safetensors"
+    run = subprocess.run([sys.executable, "-c", CHILD, str(checkpoint), change], capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, f"child died (exit {run.returncode}): {run.stderr[-2000:]}"
     out = run.stdout.strip()
-    assert out.startswith("CheckpointError: changed.gguf: "), out
+    assert out.startswith(f"CheckpointError: {file}: "), out
     if change == "truncate_unchecked":
-        assert "truncated GGUF file" in out, out
+        assert "truncated file" in out and "cut short after it was opened" in out, out
     else:
         assert "the file changed after it was opened" in out, out
 
@@ -75,31 +84,41 @@ def _all_tensors(ckpt) -> dict[str, np.ndarray]:
     return {name: ckpt.load(name).numpy() for name in sorted(ckpt.names())}
 
 
-def test_a_file_replaced_after_open_keeps_loading_the_one_opened(tmp_path):
+@pytest.mark.parametrize("fmt", ["gguf", "safetensors"])
+def test_a_file_replaced_after_open_keeps_loading_the_one_opened(tmp_path, fmt):
     # A download or a cache that renames a new file over the path: the open descriptor still reads
     # the file that was opened, so the stage is built from one file, not a mix of two.
-    path = write_tiny_gguf(tmp_path / "m.gguf")
-    expected = _all_tensors(open_checkpoint(path))
-    ckpt = open_checkpoint(path)
+    checkpoint = write_tiny_gguf(tmp_path / "m.gguf") if fmt == "gguf" else write_tiny_hf(tmp_path / "hf")
+    path = checkpoint / "model.safetensors" if fmt == "safetensors" else checkpoint
+    expected = _all_tensors(open_checkpoint(checkpoint))
+    ckpt = open_checkpoint(checkpoint)
     other = bytearray(path.read_bytes())
-    start = min(t.data_offset for t in ckpt._file.tensors)
+    start = len(other) // 2  # inside the tensor data of either format
     other[start:] = bytes(len(other) - start)
-    (tmp_path / "new.gguf").write_bytes(bytes(other))
-    os.replace(tmp_path / "new.gguf", path)
+    (tmp_path / "new").write_bytes(bytes(other))
+    os.replace(tmp_path / "new", path)
     got = _all_tensors(ckpt)
     assert got.keys() == expected.keys()
     assert all(np.array_equal(got[n], expected[n]) for n in got)
+    assert not all(np.array_equal(got[n], t) for n, t in _all_tensors(open_checkpoint(checkpoint)).items())
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc/self/maps")
-def test_no_memory_map_of_the_file_outlives_open(tmp_path):
-    path = write_tiny_gguf(tmp_path / "unmapped.gguf")
-    ckpt = open_checkpoint(path)
-    ckpt.load("norm.weight")
-    ckpt.load_packed("layers.0.self_attn.q_proj.weight")
-    assert str(path) not in Path("/proc/self/maps").read_text()
+@pytest.mark.parametrize("fmt", ["gguf", "safetensors"])
+def test_no_memory_map_of_the_file_outlives_open(tmp_path, fmt):
+    # Without a garbage collection: the map must go with the reader, not when a cycle is collected.
+    checkpoint = write_tiny_gguf(tmp_path / "unmapped.gguf") if fmt == "gguf" else write_tiny_hf(tmp_path / "hf")
+    gc.disable()
+    try:
+        ckpt = open_checkpoint(checkpoint)
+        ckpt.load("norm.weight")
+        ckpt.load_packed("layers.0.self_attn.q_proj.weight")
+        maps = Path("/proc/self/maps").read_text()
+    finally:
+        gc.enable()
+    assert checkpoint.name not in maps and "model.safetensors" not in maps
     ckpt.close()
-    with pytest.raises(CheckpointError, match="unmapped.gguf: checkpoint is closed"):
+    with pytest.raises(CheckpointError, match="checkpoint is closed"):
         ckpt.load("norm.weight")
 
 
@@ -111,3 +130,22 @@ def test_reads_match_gguf_py(tmp_path):
     for t in ckpt._file.tensors:
         assert np.array_equal(t.data, reference[t.name]), t.name
         assert t.data.dtype == reference[t.name].dtype
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_safetensors_reads_match_safetensors(tmp_path, dtype):
+    # The pread path gives what safetensors' own reader gives, dtype kept (load(..., None)).
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from specpipe.loader.hf import canonical
+
+    d = write_tiny_hf(tmp_path / "hf")
+    st = d / "model.safetensors"
+    save_file({n: t.to(getattr(torch, dtype)) for n, t in load_file(st).items()}, st)
+    ckpt = open_checkpoint(d)
+    with safe_open(st, framework="pt") as f:
+        for key in f.keys():
+            got, want = ckpt.load(canonical(key), None), f.get_tensor(key)
+            assert got.dtype == want.dtype and torch.equal(got, want), key
