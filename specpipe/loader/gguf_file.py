@@ -3,7 +3,9 @@
 At open the header and the tensor directory are parsed through a memory map (gguf-py's reader,
 every read bounds-checked), and the map is dropped as soon as the directory is copied out: what
 stays open is a file descriptor (checked_file.py), and a tensor's bytes are read from it, so that a
-file cut short or overwritten after open is a CheckpointError naming it, never a SIGBUS.
+file cut short or overwritten after open is a CheckpointError naming it, never a SIGBUS. (A cut
+during the parse itself, a fraction of a second, can still fault in the map, as can one during
+gguf_metadata.py's walk of the key/value section.)
 """
 
 from __future__ import annotations
