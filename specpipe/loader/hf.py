@@ -114,7 +114,8 @@ class HFCheckpoint(Checkpoint):
             raise CheckpointError(f"{cfg_file}: {e}") from None
         self._tensor: dict[str, _Tensor] = {}  # canonical name -> where it is stored
         self._rows: dict[str, tuple[int, int]] = {}  # canonical name -> its rows of a fused tensor
-        self._shard_data: dict[str, tuple[CheckedFile, int, dict[str, _Tensor]]] = {}  # name -> (file, data start, tensors)
+        # shard name -> (its open file, where its data starts, its tensors by their names in it)
+        self._shard_data: dict[str, tuple[CheckedFile, int, dict[str, _Tensor]]] = {}
         with closed_on_error(self):
             for shard in self._shards():
                 file = CheckedFile(shard)
