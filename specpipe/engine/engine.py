@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
-from typing import Callable, Iterable, NamedTuple, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from specpipe.config import DEFAULT_DRAFT, MODES, SPECULATIVE_MODES, ConfigError, EngineConfig
 from specpipe.costs.balance import BALANCED
@@ -17,7 +17,7 @@ from specpipe.distributed.ranks import RankEnv
 from specpipe.engine.core import EngineCore
 from specpipe.engine.kv_pool import held_weight_bytes
 from specpipe.engine.prompts import PromptProcessor
-from specpipe.engine.stage_plan import cluster_blocks, cost_profile_of, plan_stages
+from specpipe.engine.stage_plan import OnePrompt, cluster_blocks, cost_profile_of, plan_stages
 from specpipe.engine.start_pipeline import start_pipeline
 from specpipe.loader import open_checkpoint
 from specpipe.loader.default_model import default_model_path
@@ -27,16 +27,7 @@ from specpipe.request import Request
 from specpipe.sampling import SamplingParams
 from specpipe.spec_decode.build import build_source
 from specpipe.spec_decode.sources import TokenSource
-from specpipe.tokenizer.tokenizer import Tokenizer
 from specpipe.worker.stage_worker import StageStats
-
-
-class OnePrompt(NamedTuple):
-    """The one request an engine is started for: prompt, max tokens, chat template or not."""
-
-    prompt: str | Sequence[int]
-    max_tokens: int
-    chat: Optional[bool] = None
 
 
 class Engine:
@@ -50,10 +41,9 @@ class Engine:
         self.config = config
         self.model_path = Path(config.model) if config.model else default_model_path()
         self.checkpoint = open_checkpoint(self.model_path)
-        self.tokenizer = Tokenizer.from_path(self.model_path)
         cfg = self.checkpoint.config
-        self.max_context = min(config.max_context, cfg.max_position)
-        self.prompts = PromptProcessor(self.tokenizer, cfg.vocab_size, self.max_context)
+        self.prompts = PromptProcessor.of(self.model_path, cfg, config.max_context)
+        self.tokenizer, self.max_context = self.prompts.tokenizer, self.prompts.max_context
         self.cost_profile = cost_profile_of(config)
         need = None if one_prompt is None else self.prompts.need(*one_prompt)
         self.cluster = None  # --cluster ray: the nodes, the planned split, the stage actors

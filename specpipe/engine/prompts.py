@@ -23,6 +23,11 @@ class PromptProcessor:
         self.tokenizer, self.vocab_size, self.max_context = tokenizer, vocab_size, max_context
         self._ids = itertools.count()
 
+    @classmethod
+    def of(cls, model_path, cfg, max_context: int) -> "PromptProcessor":
+        """The model's tokenizer, its vocabulary, and a context of at most what it was trained for."""
+        return cls(Tokenizer.from_path(model_path), cfg.vocab_size, min(max_context, cfg.max_position))
+
     def encode_prompt(self, prompt: str, chat: Optional[bool] = None) -> list[int]:
         use_chat = self.tokenizer.has_chat_template if chat is None else chat
         if use_chat:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 from specpipe.config import ConfigError, EngineConfig, StageSpec, parse_bytes
 from specpipe.costs.balance import resolve_stage_layers
@@ -30,6 +30,14 @@ from specpipe.loader.checkpoint import Checkpoint
 from specpipe.loader.partition import parse_stage_layers, partition_layers
 from specpipe.sched.block_manager import BlockManager, blocks_for
 from specpipe.sched.scheduler import Scheduler
+
+
+class OnePrompt(NamedTuple):
+    """The one request an engine is started for (specpipe generate): its pools hold it, no more."""
+
+    prompt: str | Sequence[int]
+    max_tokens: int
+    chat: Optional[bool] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,22 +135,25 @@ def torchrun_rank() -> Optional[RankEnv]:
     return RankEnv.from_environ()
 
 
-def serve_stage_rank(config: EngineConfig, env: RankEnv) -> int:
+def serve_stage_rank(config: EngineConfig, env: RankEnv, one_prompt: Optional[OnePrompt] = None) -> int:
     """A stage rank under torchrun: plan the stages as the driver does, load this rank's layers
     and serve until the driver stops. Its pool is what this machine's memory allows (shared with
-    the other ranks on it); the driver admits against the smallest pool any stage reports."""
+    the other ranks on it), or what `one_prompt` needs; the driver admits against the smallest
+    pool any stage reports."""
+    from specpipe.engine.prompts import PromptProcessor
     from specpipe.engine.start_pipeline import torchrun_stage
     from specpipe.loader import open_checkpoint
     from specpipe.loader.default_model import default_model_path
 
     path = config.model or str(default_model_path())
     ckpt = open_checkpoint(path)
+    need = None if one_prompt is None else PromptProcessor.of(path, ckpt.config, config.max_context).need(*one_prompt)
     sharing = int(os.environ.get("LOCAL_WORLD_SIZE", config.stages))
-    plan = plan_stages(config, ckpt, cost_profile_of(config), sharing=sharing)
+    plan = plan_stages(config, ckpt, cost_profile_of(config), need, sharing=sharing)
     return torchrun_stage(env, path, list(plan.specs), plan.pools, config.block_size, config.device,
                           config.torch_dtype(), config.link(), config.quantization,
                           load_cluster_key(config.cluster_key_file))
 
 
-__all__ = ["StagePlan", "split_layers", "plan_stages", "blocks_admitting", "cluster_blocks", "cost_profile_of",
+__all__ = ["OnePrompt", "StagePlan", "split_layers", "plan_stages", "blocks_admitting", "cluster_blocks", "cost_profile_of",
            "torchrun_rank", "serve_stage_rank", "parse_stage_layers"]

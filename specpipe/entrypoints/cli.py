@@ -185,20 +185,23 @@ def _engine_config(args: argparse.Namespace, **extra):
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from specpipe.engine.engine import Engine, OnePrompt
-    from specpipe.engine.stage_plan import serve_stage_rank, torchrun_rank
+    from specpipe.engine.engine import Engine
+    from specpipe.engine.stage_plan import OnePrompt, serve_stage_rank, torchrun_rank
     from specpipe.sampling import SamplingParams
 
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                               seed=args.seed, max_tokens=args.max_tokens)
     config = _engine_config(args)  # bad configuration is reported before any process starts
+    # One prompt: the KV pools hold that prompt and its tokens, not --max-num-seqs whole contexts
+    # (a torchrun stage rank sizes its pool so too, unless the prompt is on the driver's stdin).
     rank_env = torchrun_rank()
     if rank_env is not None and rank_env.rank > 0:
-        return serve_stage_rank(config, rank_env)
+        one = None if args.prompt == "-" else OnePrompt(args.prompt, args.max_tokens, args.chat)
+        return serve_stage_rank(config, rank_env, one)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     progress = None if args.quiet else (lambda msg: print(f"specpipe: {msg}", file=sys.stderr))
-    # One prompt: its KV pools hold that prompt and its tokens, not --max-num-seqs whole contexts.
-    engine = Engine(config, rank_env=rank_env, progress=progress, one_prompt=OnePrompt(prompt, args.max_tokens, args.chat))
+    engine = Engine(config, rank_env=rank_env, progress=progress,
+                    one_prompt=OnePrompt(prompt, args.max_tokens, args.chat))
     try:
         stream = None if args.json else (lambda piece: (sys.stdout.write(piece), sys.stdout.flush()))
         result = engine.generate(prompt, sampling, chat=args.chat, on_text=stream, ignore_eos=args.ignore_eos)

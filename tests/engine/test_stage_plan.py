@@ -9,8 +9,9 @@ from specpipe.cluster.planner import ModelBytes, NodeReport, plan_split
 from specpipe.config import ConfigError, EngineConfig, StageSpec
 from specpipe.engine import stage_plan
 from specpipe.engine.core import spec_reserve
-from specpipe.engine.engine import Engine, OnePrompt
+from specpipe.engine.engine import Engine
 from specpipe.engine.kv_pool import pool_blocks
+from specpipe.engine.stage_plan import OnePrompt
 from specpipe.loader import open_checkpoint
 from specpipe.sampling import SamplingParams
 from specpipe.sched.block_manager import BlockManager
