@@ -57,6 +57,9 @@ class CheckedFile:
         fd_path = f"/proc/self/fd/{self._file.fileno()}"
         return fd_path if os.path.exists(fd_path) else str(self.path)
 
+    def fileno(self) -> int:
+        return self._file.fileno()
+
     def check(self, what: str) -> None:
         """Refuse if the file is closed, or its size or modification time moved since open."""
         if self._file.closed:
@@ -73,7 +76,7 @@ class CheckedFile:
         """`length` bytes from `offset`, in a new (writable) buffer, checked before and after."""
         buf = bytearray(length)
         self.check(what)
-        got = _pread_into(self._file.fileno(), buf, offset)
+        got = pread_into(self._file.fileno(), buf, offset)
         if got != length:
             raise CheckpointError(f"{self.path.name}: truncated file ({what}: read {got} of {length} bytes at "
                                   f"offset {offset}; the file was cut short after it was opened)")
@@ -84,7 +87,7 @@ class CheckedFile:
         self._file.close()
 
 
-def _pread_into(fd: int, buf: bytearray, offset: int) -> int:
+def pread_into(fd: int, buf: bytearray, offset: int) -> int:
     """Bytes read into `buf` from `offset` (fewer only at the end of the file). pread, not
     seek + read: a descriptor shared by threads or forked processes has one position."""
     view, done = memoryview(buf), 0

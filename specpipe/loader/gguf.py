@@ -39,7 +39,6 @@ from specpipe.loader.checkpoint import (Checkpoint, CheckpointError, StageBytes,
                                        fused_parts, merge_ranges, stage_needs)
 from specpipe.loader.checked_file import closed_on_error
 from specpipe.loader.gguf_file import GGUFFile
-from specpipe.loader.gguf_metadata import GGUFMetadataError, read_gguf_metadata
 
 # Architectures whose Q/K rows llama.cpp's converter permutes. llama.cpp itself calls
 # Mistral (and Mixtral) "llama"; a file that says "mistral" came from a llama-style writer too.
@@ -235,12 +234,7 @@ class GGUFCheckpoint(Checkpoint):
             self._open()
 
     def _open(self) -> None:
-        try:
-            # After GGUFFile: a missing, foreign, cut-off or corrupt file is reported by its
-            # checks first, which name the tensor or field at fault.
-            meta = read_gguf_metadata(self._file.source_path)
-        except GGUFMetadataError as e:
-            raise CheckpointError(f"{self.path.name}: {e.reason}") from None
+        meta = self._file.take_metadata()
         gguf_arch = meta.get("general.architecture")
         # Canonical name -> the reader's record, and for stacked or fused tensors the range of
         # its rows (counted as a 2-D tensor) that the name is. Tensors that are not weights

@@ -149,3 +149,30 @@ def test_safetensors_reads_match_safetensors(tmp_path, dtype):
         for key in f.keys():
             got, want = ckpt.load(canonical(key), None), f.get_tensor(key)
             assert got.dtype == want.dtype and torch.equal(got, want), key
+
+
+def test_the_tensor_directory_matches_gguf_py(tmp_path):
+    # gguf_metadata.py reads the directory gguf-py's reader used to: the same records, field by field.
+    from test_gguf import Q, tiny_weights, write_gguf
+
+    from specpipe.loader.gguf_file import GGUFFile
+
+    for qtype in (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q5_1):
+        path = write_gguf(tmp_path / f"{qtype.name}.gguf", tiny_weights(), qtype=qtype)
+        ours, theirs = GGUFFile(path).tensors, gguf.GGUFReader(path).tensors
+        assert [t.name for t in ours] == [t.name for t in theirs]
+        for a, b in zip(ours, theirs):
+            assert (a.shape, a.tensor_type, a.data_offset, a.n_bytes, a.dtype, a.item_shape) == (
+                tuple(b.shape.tolist()), b.tensor_type, b.data_offset, b.n_bytes, b.data.dtype, b.data.shape), a.name
+
+
+def test_a_header_cut_while_it_is_read_is_an_error(tmp_path):
+    # The header is read with pread, not through a map: a file shorter than it was when its size
+    # was taken (cut during the open) gives a short read, hence one error, never a SIGBUS.
+    from specpipe.loader.gguf_metadata import GGUFMetadataError, read_gguf_header
+
+    path = write_tiny_gguf(tmp_path / "h.gguf")
+    size = path.stat().st_size
+    os.truncate(path, 2000)
+    with open(path, "rb") as f, pytest.raises(GGUFMetadataError, match="truncated GGUF file .*file has 2000"):
+        read_gguf_header(f.fileno(), size, path)
