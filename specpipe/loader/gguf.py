@@ -1,9 +1,9 @@
 """GGUF checkpoints (llama.cpp's single-file format), read lazily into canonical names.
 
-Only the metadata (gguf_metadata.py, the reader the tokenizer shares) and the tensor directory
-(gguf_file.py) are parsed at open. A tensor's bytes are read when `load` asks for it, so a pipeline
-stage pays only for its own slice of the model; gguf_file.py reads them so that a file cut short or
-overwritten after it was opened is a CheckpointError, not a SIGBUS.
+Only the header is read at open: the metadata and the tensor directory (gguf_metadata.py, the
+reader the tokenizer shares; gguf_file.py makes the records). A tensor's bytes are read when `load`
+asks for it, so a pipeline stage pays only for its own slice of the model; nothing maps the file, so
+a file cut short or overwritten while it is open is a CheckpointError, not a SIGBUS.
 
 Differences from the Hugging Face layout that this module undoes:
   * GGUF lists dimensions fastest-first, so its [in, out] is torch's (out, in).
