@@ -56,7 +56,7 @@ class Engine:
                                       held_weight_bytes(self.checkpoint, config), progress)
             self.config = config = self.cluster.config  # the plan's stages and layer counts
             blocks = self.cluster.num_blocks
-        self.plan = plan_stages(config, self.checkpoint, self.cost_profile, need, cluster_blocks=blocks)
+        self.plan = plan_stages(config, self.checkpoint, self.cost_profile, need, cluster_pool=blocks)
         self.stage_specs = list(self.plan.specs)
         if config.stage_layers == BALANCED and progress is not None:
             progress(f"stages balanced by the cost profile: {','.join(map(str, self.plan.layer_counts))} layers")

@@ -67,17 +67,17 @@ def reserve_of(config: EngineConfig, stages: Optional[int] = None) -> int:
 
 def plan_stages(config: EngineConfig, ckpt: Checkpoint, profile: Optional[CostProfile] = None,
                 need: Optional[int] = None, sharing: Optional[int] = None,
-                cluster_blocks: Optional[int] = None) -> StagePlan:
+                cluster_pool: Optional[int] = None) -> StagePlan:
     """The plan for `config` (for --cluster ray: the config the cluster plan returned, its counts
-    in stage_layers, and the pool it sized, `cluster_blocks`). `need`: the one request the engine
-    is started for (specpipe generate), whose pool then holds that request and no more unless
-    --kv-memory says otherwise; `sharing`: stages sharing this machine's memory (a torchrun
-    rank: LOCAL_WORLD_SIZE), default all of them."""
+    in stage_layers, and the blocks per stage it sized, `cluster_pool`). `need`: the one request
+    the engine is started for (specpipe generate), whose pool then holds that request and no
+    more unless --kv-memory says otherwise; `sharing`: stages sharing this machine's memory (a
+    torchrun rank: LOCAL_WORLD_SIZE), default all of them."""
     cfg = ckpt.config
     specs = split_layers(cfg.num_layers, config.stages, config.stage_layers, profile, config.mode, config.tree_width)
     reserve = reserve_of(config)
-    if cluster_blocks is not None:  # the cluster plan checked every node's memory for it
-        return StagePlan(tuple(specs), reserve, KVPools(cluster_blocks, 0, cluster_blocks))
+    if cluster_pool is not None:  # the cluster plan checked every node's memory for it
+        return StagePlan(tuple(specs), reserve, KVPools(cluster_pool, 0, cluster_pool))
     share = 1.0 if sharing is None else min(1.0, sharing / len(specs))
     pools = pool_blocks(one_request(config, need, reserve), cfg, specs, reserve, sharing,
                         held_weight_bytes(ckpt, config, share))
@@ -155,5 +155,5 @@ def serve_stage_rank(config: EngineConfig, env: RankEnv, one_prompt: Optional[On
                           load_cluster_key(config.cluster_key_file))
 
 
-__all__ = ["OnePrompt", "StagePlan", "split_layers", "plan_stages", "blocks_admitting", "cluster_blocks", "cost_profile_of",
-           "torchrun_rank", "serve_stage_rank", "parse_stage_layers"]
+__all__ = ["OnePrompt", "StagePlan", "split_layers", "plan_stages", "blocks_admitting", "cluster_blocks",
+           "cost_profile_of", "torchrun_rank", "serve_stage_rank", "parse_stage_layers"]

@@ -63,7 +63,7 @@ def test_plan_of_a_config(tiny_model_dir):
     assert plan.pools == pool_blocks(config, ckpt.config, list(plan.specs), plan.reserve)
     # --cluster ray: the cluster sized the pool, the counts came with the config
     clustered = stage_plan.plan_stages(EngineConfig(model=str(ckpt.path), stages=2, stage_layers=[3, 1]), ckpt,
-                                       cluster_blocks=7)
+                                       cluster_pool=7)
     assert clustered.layer_counts == [3, 1] and tuple(clustered.pools) == (7, 0, 7)
 
 
@@ -95,9 +95,11 @@ def test_one_prompt_pool_holds_that_prompt(tiny_model_dir, mode, stages):
     assert stage_plan.cluster_blocks(config, ckpt.config, stages, need) == plan.pools.blocks
 
 
-@pytest.mark.parametrize("mode", ["pp", "specpipe"])
-def test_generate_for_one_prompt_gives_the_same_tokens(tiny_model_dir, mode):
-    model = str(tiny_model_dir("llama", num_hidden_layers=2))
+@pytest.mark.parametrize("family, mode", [("llama", "pp"), ("llama", "specpipe"), ("gemma3_text", "specpipe-db")])
+def test_generate_for_one_prompt_gives_the_same_tokens(tiny_model_dir, family, mode):
+    """The one prompt's pool gives the tokens of the whole pool (gemma3_text in specpipe-db:
+    with its sliding-window layers' own pool)."""
+    model = str(tiny_model_dir(family, num_hidden_layers=4))
     config = EngineConfig(model=model, mode=mode, stages=2, transport="inproc", tree_width=4, max_context=256)
     prompt, sampling = "the cat sat on the mat, the cat sat", SamplingParams(max_tokens=24)
     outs = []
