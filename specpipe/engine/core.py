@@ -1,4 +1,4 @@
-"""The engine core: one step loop for every mode and every number of requests (SPEC §4b).
+"""The engine core: one step loop for every mode and every number of requests (docs/design.md §5).
 
     add_request / abort                       (any time between steps)
     step():  schedule  ->  draft (tree mode)  ->  send Control + Rows of every request  ->

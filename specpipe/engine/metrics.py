@@ -4,7 +4,7 @@ Request-level figures are observed on the engine thread as tokens are delivered 
 hooks of AsyncEngine); levels (running and waiting requests, KV use, per-stage counters) are read
 when /metrics is scraped, from the step loop's snapshot and the stages' last report (it rides on
 ordinary steps, at most once a second: a scrape costs no step). Definitions as in
-SPEC §7: TTFT from arrival to the first token, ITL per delivered chunk, TBT (time per output token)
+docs/design.md §9: TTFT from arrival to the first token, ITL per delivered chunk, TBT (time per output token)
 per request after the first token.
 """
 

@@ -5,7 +5,7 @@ it may repack but must not keep the packed form beside the repacked one) and mul
 activations by it (`matmul`). Every kernel must be batch-invariant: a row's output may not
 depend on the rows that share its call (tests/kernels/test_batch_invariance.py checks each).
 
-Kernels, in order of preference (benchmarks/bench_qlinear.py measured the order, see
+Kernels, in order of preference (benchmarks/bench_native_kernel.py --registry measured the order, see
 docs/quantized_weights.md):
   native    the C kernel in specpipe/kernels/native (when built): exact float32 activations
   dequant   the reference dequantize per call, then the float matmul with a fixed row tile:

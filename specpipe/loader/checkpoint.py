@@ -174,7 +174,7 @@ def check_config_against_tensors(ckpt: Checkpoint) -> None:
 def check_attention_group(ckpt: Checkpoint, max_group: Optional[int]) -> None:
     """Refuse, before any weight is read, a model with more query heads per KV head than the
     attention its stage will run takes (`max_group`; None: no limit). The native CPU attention
-    (kernels/native/attention.c, MAX_GROUP) keeps a row's scores for one KV head's whole group of
+    (SP_MAX_GROUP in kernels/native/ggml_matmul.h, native.MAX_GROUP) keeps a row's scores for one KV head's whole group of
     query heads together; a wider group (a multi-query model with 65+ heads) would load and then
     fail every forward. Refused rather than sent to the torch attention: that one is not batch
     invariant (model/attention.py attend_torch), so CPU decoding would no longer be lossless."""

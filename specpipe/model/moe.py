@@ -6,7 +6,7 @@ weighted sum of their outputs. Rows are grouped per expert, so each expert runs 
 exactly the rows that chose it, whatever mix of committed tokens, prompt chunks and tree nodes of
 several requests the call packs.
 
-Batch invariance (the lossless property, SPEC 5b): a row's routing is a function of its own
+Batch invariance (the lossless property, docs/design.md §7): a row's routing is a function of its own
 router logits; each expert is a linear layer on the quantized-linear seam (FloatLinear /
 QuantLinear), whose rows do not depend on the rows sharing the call; and a row sums its experts'
 outputs in ascending expert order whatever else is in the batch. So a row computed alone equals

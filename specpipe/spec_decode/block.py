@@ -1,5 +1,5 @@
-"""Choosing the block of tree nodes that enters stage 1 in one pipeline step (SPEC §4, "lifting
-the cap"): up to `depth` layers below the deepest layer already in the pipeline.
+"""Choosing the block of tree nodes that enters stage 1 in one pipeline step (docs/design.md §4,
+"Several layers per step"): up to `depth` layers below the deepest layer already in the pipeline.
 
 Best-first by cumulative draft score: candidates are the children the source proposed for nodes
 already in the pipeline (or already chosen for this block), so a parent always comes before its

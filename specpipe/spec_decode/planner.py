@@ -1,5 +1,5 @@
 """`--layers-per-step auto`: how deep and how wide the next block of a request's tree should be
-(SPEC §4, "lifting the cap"), from what the target has accepted so far and what rows cost.
+(docs/design.md §4, "Several layers per step"), from what the target has accepted so far and what rows cost.
 
 A block of d layers of w nodes enters stage 1 each step. With a hit rate h (the share of the
 target's tokens the tree held), a step that verifies a block commits tokens until the first miss:

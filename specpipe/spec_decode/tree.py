@@ -1,4 +1,4 @@
-"""The dynamic speculative token tree of one request (SPEC.md §3-§4), kept by the driver.
+"""The dynamic speculative token tree of one request (docs/design.md §3-§4), kept by the driver.
 
 Pure Python: no torch, no model, no processes. (Each stage builds its tree attention mask itself,
 in kv/slot_table.py, from the parent ids the rows carry.)

@@ -293,7 +293,7 @@ def smol():
     ckpt = open_checkpoint(SMOL)
     # The reference kernel computes with exactly the file's dequantized weights, as transformers
     # does: this checks the model (loading, RoPE, attention, norms), not the int8-activation
-    # kernel, whose agreement with llama.cpp is measured in benchmarks/llamacpp_agreement.py.
+    # kernel, whose agreement with llama.cpp is measured in benchmarks/bench_vs_llamacpp.py --agreement.
     ours = build_stage(ckpt, StageSpec.whole(ckpt.config), kernel="dequant")
     try:
         ref = AutoModelForCausalLM.from_pretrained(SMOL_DIR, gguf_file=SMOL_NAME, dtype=torch.float32).eval()

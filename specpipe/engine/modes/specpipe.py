@@ -1,4 +1,4 @@
-"""Modes `specpipe` and `specpipe-db` (SPEC §4-5): every pipeline step a block of the request's
+"""Modes `specpipe` and `specpipe-db` (docs/design.md §4-§6): every pipeline step a block of the request's
 dynamic token tree enters stage 1, and what left the last stage is verified.
 
 The block is d layers deep (`--layers-per-step d`; d = 1 is the paper's method, one layer per
