@@ -6,6 +6,7 @@
     specpipe bench serve [options]         load-test an OpenAI-compatible server
     specpipe profile --out FILE [options]  measure (or derive from a roofline) a cost profile
     specpipe sim --trace T --profile P     replay recorded traces on a cost profile
+    specpipe download                      fetch the default model now (else on first use)
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_arguments(sub.add_parser(
         "profile", help="measure a stage's and the draft's cost on this device (or derive it from a roofline)"))
     sim_cli.add_arguments(sub.add_parser("sim", help="simulate recorded traces on a cost profile and a link"))
+    sub.add_parser("download", help="fetch the embedded default model now (generate fetches it on first use); "
+                   "prints its path")
     return p
 
 
@@ -308,6 +311,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from specpipe.sim import cli as sim_cli
 
             return sim_cli.main(args)
+        if args.command == "download":
+            from specpipe.loader.default_model import default_model_path
+
+            print(default_model_path())
+            return 0
     return status.code
 
 
