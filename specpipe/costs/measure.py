@@ -89,11 +89,13 @@ def measure_checkpoint(model, draft, rows: list[int], contexts: list[int], devic
                        draft_quantization: str | None = None, stage_layers: list[int] | None = None):
     """The cost profile of a checkpoint (the target, and the draft if given, its LM head over
     `draft_vocab` tokens and its weights requantized to `draft_quantization` if given, as
-    --draft-vocab and --draft-quantization serve it); `model` None is the embedded default model."""
+    --draft-vocab and --draft-quantization serve it); `model` None is the embedded default model,
+    and a Checkpoint object is used as it is (costs/synthetic.py: random weights of a real shape)."""
     import torch
 
     from specpipe.config import EngineConfig, StageSpec
     from specpipe.loader import open_checkpoint
+    from specpipe.loader.checkpoint import Checkpoint
     from specpipe.loader.default_model import default_model_path
     from specpipe.model.stage import build_stage
 
@@ -102,7 +104,7 @@ def measure_checkpoint(model, draft, rows: list[int], contexts: list[int], devic
     torch_dtype = EngineConfig(device=device, dtype=dtype).torch_dtype()
     dev = torch.device(device)
     target = model or default_model_path()
-    ckpt = open_checkpoint(target)
+    ckpt = model if isinstance(model, Checkpoint) else open_checkpoint(target)
     middle_stage_sizes(ckpt.config.num_layers, stage_layers)  # a bad size fails before the loading
     draft_model, draft_meta = None, None
     if draft:
@@ -120,7 +122,7 @@ def measure_checkpoint(model, draft, rows: list[int], contexts: list[int], devic
             draft_meta["vocab"] = len(ids)
     prof = profile_stages(lambda spec: build_stage(ckpt, spec, dev, torch_dtype), ckpt.config, rows, contexts,
                           repeats, dev, torch_dtype, draft_model, stage_layers)
-    prof.model["path"], prof.draft = str(target), draft_meta
+    prof.model["path"], prof.draft = str(ckpt.path if isinstance(model, Checkpoint) else target), draft_meta
     return prof
 
 

@@ -152,6 +152,9 @@ LINKS = {
     # 10 Gb/s = 1.25 GB/s (TCP goodput ~94% of it). 50 us: a kernel-TCP hop is 15-30 us one way
     # (half a netperf TCP_RR round trip) and torch.distributed's send/recv over sockets adds as much.
     "10gbe": Link("10gbe", 0.05, 1.25),
+    # 1 Gb/s = 0.125 GB/s (the same ~94% goodput rounds to it). 100 us: home and office NICs
+    # coalesce interrupts and a switch stores and forwards each frame (12 us per 1500 bytes).
+    "1gbe": Link("1gbe", 0.1, 0.125),
     # InfiniBand EDR / HDR100, 100 Gb/s = 12.5 GB/s. The wire is ~1 us; NCCL's send/recv through
     # its network proxy thread dominates: 20 us as in Calculon.
     "ib-100g": Link("ib-100g", 0.02, 12.5),

@@ -5,6 +5,10 @@ link probe runs the engine (one request in pp), which is why this command lives 
 
     specpipe profile --out cpu.json [--model M] [--draft D] [--rows 1,2,...] [--contexts 256,...]
     specpipe profile --roofline h100-80gb --target-shape llama-3.1-70b --draft-shape llama-3.2-1b --out h100.json
+    specpipe profile --synthetic llama-3.1-70b [--type-mix q4_k_m] --rows 1,2,...,64 --out cpu_70b.json
+
+`--synthetic` measures a model that is not here: its stages built from random weights in the
+block types its GGUF file would hold (costs/synthetic.py), through the same code as a real file.
 """
 
 from __future__ import annotations
@@ -48,6 +52,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-links", type=_ints, default=[],
                    help="also measure the link between local stage processes for these stage counts, "
                         "e.g. 1,2: idle (saved as loopback-sS) and while the stages compute (loopback-sS-busy)")
+    p.add_argument("--synthetic", metavar="NAME", default=None,
+                   help="measure random weights of a model's shapes instead of a file: a preset "
+                        "(qwen2.5-32b, llama-3.1-70b, qwen3-30b-a3b, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b) "
+                        "or a Hugging Face config.json")
+    p.add_argument("--type-mix", default="q4_k_m",
+                   help="with --synthetic: the weights' GGML types, q4_k_m (llama.cpp's rule) or one type (q8_0, ...)")
     p.add_argument("--roofline", metavar="DEVICE", default=None,
                    help="derive the profile from a device's published specifications instead of measuring")
     p.add_argument("--target-shape", default="llama-3.1-70b", help="with --roofline: the target's shape preset")
@@ -70,9 +80,16 @@ def main(args: argparse.Namespace) -> int:
     else:
         from specpipe.costs.measure import measure_checkpoint
 
-        prof = measure_checkpoint(args.model, args.draft, args.rows, args.contexts, args.device, args.dtype,
+        model = args.model
+        if args.synthetic:
+            if args.model or args.probe_links:
+                raise ConfigError("--synthetic measures a model of its own: no --model or --probe-links with it")
+            model = synthetic_checkpoint(args.synthetic, args.type_mix)
+        prof = measure_checkpoint(model, args.draft, args.rows, args.contexts, args.device, args.dtype,
                                   args.threads, args.repeats, args.draft_vocab, args.draft_quantization,
                                   args.stage_layers)
+        if args.synthetic:
+            describe_synthetic(prof, model)
         for S in args.probe_links:
             for link in probe_link(args.model, S, args.device, args.threads):
                 prof.links[link.name] = asdict(link)
@@ -80,6 +97,30 @@ def main(args: argparse.Namespace) -> int:
     prof.save(args.out)
     print(f"wrote {args.out} ({prof.method}, {prof.device})", file=sys.stderr)
     return 0
+
+
+def synthetic_checkpoint(name: str, mix: str):
+    from specpipe.config import ConfigError
+    from specpipe.costs import synthetic
+
+    short, cfg = synthetic.model_config(name)
+    try:
+        return synthetic.SyntheticCheckpoint(short, cfg, mix)
+    except ValueError as e:
+        raise ConfigError(f"--type-mix: {e}") from None
+
+
+def describe_synthetic(prof, ckpt) -> None:
+    """What the profile's model is, in the profile: its name, type mix, the types of the layers
+    the layer cost was measured on and the bytes a token reads (costs/synthetic.py)."""
+    from specpipe.costs import synthetic
+
+    measured = range(1, prof.stage_layers)  # the slope of the middle stages (costs/measure.py)
+    prof.model.update(name=ckpt.path.name, type_mix=ckpt.mix,
+                      measured_layer_types=synthetic.type_counts(ckpt, measured),
+                      **synthetic.weight_bytes(ckpt, ckpt.nbytes))
+    prof.assumptions.insert(0, f"synthetic: random weights of {ckpt.path.name}'s shapes in {ckpt.mix}'s GGML types "
+                               f"(costs/synthetic.py), built and timed like a real file's")
 
 
 def probe_link(model, num_stages: int, device: str = "cpu", threads: int = 0, steps: int = 300):

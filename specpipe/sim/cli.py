@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", required=True,
                    help="a cost profile (`specpipe profile`), or the name of a shipped one (e.g. h100-80gb)")
     p.add_argument("--link", default="none",
-                   help="link between stages: none, a preset (10gbe, ib-100g, nvlink3, nvlink4), a link measured "
+                   help="link between stages: none, a preset (1gbe, 10gbe, ib-100g, nvlink3, nvlink4), a link measured "
                         "with the profile (loopback-s2) or LATENCY_MS:GBPS")
     p.add_argument("--stage-layers", default=None,
                    help="layers per stage, e.g. 10,10,..., or balanced: by the profile, for the rows a step of the "
