@@ -86,6 +86,7 @@ class Engine:
         self._pids = itertools.count()  # shared by every core: the stages see one id space
         self._cores: dict[tuple, EngineCore] = {}
         self._stage_before: list[dict] = []  # the stages' counters when the last generate() began
+        self._kernels: Optional[dict] = None
 
     def _source(self) -> TokenSource:
         if self.source is None:
@@ -138,8 +139,17 @@ class Engine:
         self._stage_before = core.stage_stats or []
         stats = req.summary(self.pipeline.num_stages)
         stats.update(mode=core.mode, draft=core.source.name if core.source is not None else None,
-                     seed=req.sampling.seed, stages=stages)
+                     seed=req.sampling.seed, stages=stages, kernels=self.kernel_report())
         return RequestOutput.of(req, stats, prompt if isinstance(prompt, str) else None)
+
+    def kernel_report(self) -> dict:
+        """What the stages compute with, as this (the driver's) process sees it: the kernel per
+        weight type and the native library's ISA path. Local stages load the same library by the
+        same choice; a stage on another machine (torchrun, --cluster ray) chooses on its own and
+        may differ (seen_by says whose view this is)."""
+        if self._kernels is None:
+            self._kernels = kernel_report(self.checkpoint, self.config.device, self.config.quantization)
+        return self._kernels
 
     def placement(self) -> list[dict]:
         """Each stage's node, layers, state and the stages' restarts (for /health and /metrics)."""
@@ -174,3 +184,14 @@ def _stage_deltas(before: list[dict], after: list[dict]) -> list[dict]:
         d["occupancy"] = d["rows_committed"] / d["rows_computed"] if d["rows_computed"] else None
         out.append(d)
     return out
+
+
+def kernel_report(ckpt, device: str, quantization: Optional[str]) -> dict:
+    """{"weights": {weight type: kernel}, "native_isa": the native library's path or None,
+    "native_library": "loaded" or why not, "seen_by": "driver"} (Engine.kernel_report)."""
+    from specpipe.kernels import native
+    from specpipe.model.stage import weight_kernels
+
+    lib = native.describe()
+    return {"weights": weight_kernels(ckpt, device, quantization), "native_isa": lib["isa"],
+            "native_library": "loaded" if lib["loaded"] else lib["problem"], "seen_by": "driver"}

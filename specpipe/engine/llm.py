@@ -41,6 +41,10 @@ class LLM:
         config = EngineConfig(model=model, draft=draft, stages=stages, mode=mode, tree_width=tree_width,
                               tree_depth=tree_depth, **options)
         progress = None if quiet else (lambda msg: print(f"specpipe: {msg}", file=sys.stderr))
+        if config.device == "cpu":
+            from specpipe.kernels import native
+
+            native.report_unavailable()  # a RuntimeWarning, once per process: quiet does not hide it
         self.engine = Engine(config, progress=progress)
         # Stage processes end with this object, even when it is only garbage-collected.
         self._finalizer = weakref.finalize(self, self.engine.close)

@@ -63,6 +63,7 @@ class EngineMetrics:
         self._out_tokens = self._out_steps = self._verified = self._accepted = 0
         self.stages: Optional[list[dict]] = None  # the latest stage report
         self.placement: list[dict] = []  # each stage's node, state and restarts (Engine.placement)
+        self.kernels: Optional[dict] = None  # the kernel per weight type (Engine.kernel_report)
         self._stages_before: Optional[list[dict]] = None  # the one before (for step time)
         r.register(_LevelCollector(self, snapshot, healthy))
 
@@ -132,8 +133,21 @@ class _LevelCollector:
                     snap.kv_blocks_used / snap.kv_blocks if snap.kv_blocks else None)
         yield from self._stages()
 
+    def _kernels(self) -> Iterator[Metric]:
+        k = self.m.kernels
+        if not k:
+            return
+        info = GaugeMetricFamily("specpipe:kernel_info", "1 for each weight type: the kernel its matmuls run "
+                                 "on (native, dequant = the portable torch kernel, float32) and the native "
+                                 "library's ISA path (none when it is not in use), as the driver sees them.",
+                                 labels=["model_name", "weight_type", "kernel", "isa"])
+        for qtype, kernel in k["weights"].items():
+            info.add_metric([self.m._model, qtype, kernel, k["native_isa"] or "none"], 1.0)
+        yield info
+
     def _placement(self) -> Iterator[Metric]:
         m = self.m
+        yield from self._kernels()
         if not m.placement:
             return
         info = GaugeMetricFamily("specpipe:stage_info", "1 for each stage: the node it runs on and its state "

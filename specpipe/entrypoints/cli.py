@@ -6,6 +6,7 @@
     specpipe bench serve [options]         load-test an OpenAI-compatible server
     specpipe profile --out FILE [options]  measure (or derive from a roofline) a cost profile
     specpipe sim --trace T --profile P     replay recorded traces on a cost profile
+    specpipe env [--json]                  torch, the native kernels, the kernel per weight type
     specpipe download                      fetch the default model now (else on first use)
 """
 
@@ -97,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_arguments(sub.add_parser(
         "profile", help="measure a stage's and the draft's cost on this device (or derive it from a roofline)"))
     sim_cli.add_arguments(sub.add_parser("sim", help="simulate recorded traces on a cost profile and a link"))
+    from specpipe.entrypoints import env
+
+    env.add_arguments(sub.add_parser("env", help="what this installation computes with (torch, the native "
+                                     "kernels, the kernel per weight type) and what to do about each problem"))
     sub.add_parser("download", help="fetch the embedded default model now (generate fetches it on first use); "
                    "prints its path")
     return p
@@ -203,6 +208,7 @@ def _generate(args: argparse.Namespace) -> int:
         return serve_stage_rank(config, rank_env, one)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     progress = None if args.quiet else (lambda msg: print(f"specpipe: {msg}", file=sys.stderr))
+    _warn_native(config)  # even with --quiet: it explains a slower run
     engine = Engine(config, rank_env=rank_env, progress=progress,
                     one_prompt=OnePrompt(prompt, args.max_tokens, args.chat))
     try:
@@ -217,6 +223,14 @@ def _generate(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(_summary(result.stats, len(result.token_ids)), file=sys.stderr)
     return 0
+
+
+def _warn_native(config) -> None:
+    """One line on stderr when the native kernels cannot be used on this CPU (once per process)."""
+    if config.device == "cpu":
+        from specpipe.kernels import native
+
+        native.report_unavailable(lambda msg: print(f"specpipe: warning: {msg}", file=sys.stderr, flush=True))
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -307,6 +321,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from specpipe.sim import calibrate
 
             return calibrate.main(args)
+        if args.command == "env":
+            from specpipe.entrypoints import env
+
+            return env.main(args)
         if args.command == "sim":
             from specpipe.sim import cli as sim_cli
 

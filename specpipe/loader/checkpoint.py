@@ -130,6 +130,11 @@ class Checkpoint(ABC):
         quantized blocks (GGUF); None for formats that store plain floats."""
         return None
 
+    def stored_type(self, name: str):
+        """The GGML type a tensor is stored in (GGUF), without reading it; None for formats that
+        store plain floats."""
+        return None
+
     def stage_ranges(self, spec: StageSpec) -> StageBytes:
         """The files of this checkpoint and the byte ranges of them that `spec`'s stage reads:
         every preamble (headers, metadata, tensor directory) and the data of each tensor the

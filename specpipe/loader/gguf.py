@@ -304,6 +304,9 @@ class GGUFCheckpoint(Checkpoint):
                 f"{self.path.name}: {self._record(name).name} has {rows} rows, not a multiple of 2 x {n_head} heads")
         return n_head
 
+    def stored_type(self, name: str) -> gguf.GGMLQuantizationType:
+        return self._record(name).tensor_type
+
     def load_packed(self, name: str) -> tuple[gguf.GGMLQuantizationType, torch.Tensor, tuple[int, ...]]:
         """(type, rows (N, row_bytes) uint8, canonical shape) of a tensor, still in its GGML type.
 

@@ -66,16 +66,44 @@ def _packed(ckpt: Checkpoint, src: str, quantization: Optional[str], kernel: Opt
 
 
 def default_kernel(device: torch.device | str, quantization: Optional[str]) -> Optional[str]:
-    """SPECPIPE_KERNEL when set; else None (the registry's choice per type: the native kernel
-    where it is built, on CPU) when a packed weight can be multiplied fast here; otherwise
-    "float32", SpecPipe's old way, since the portable dequantize-per-call kernel is several times
-    slower than float32 weights. --quantization always keeps its blocks: it was asked for to
-    save memory."""
+    """SPECPIPE_KERNEL when set; else None, the registry's choice per type, which keeps the
+    file's blocks packed on a CPU: the native kernel where it is built, otherwise the portable
+    `dequant` kernel (a tile of rows dequantized per call: the file's size in memory, slower than
+    native; docs/quantized_weights.md). On a GPU, "float32": GGUF weights dequantized at load, as
+    before. --quantization always keeps its blocks: it was asked for to save memory."""
     if os.environ.get("SPECPIPE_KERNEL"):
         return os.environ["SPECPIPE_KERNEL"]
-    if quantization is not None or (torch.device(device).type == "cpu" and native.available()):
+    if quantization is not None or torch.device(device).type == "cpu":
         return None
     return "float32"
+
+
+def weight_kernels(ckpt: Checkpoint, device: torch.device | str = "cpu", quantization: Optional[str] = None,
+                   kernel: Optional[str] = None) -> dict[str, str]:
+    """The kernel each weight type of `ckpt`'s matrices (projections, LM head) runs on when
+    build_stage loads it here, by build_stage's own choice, e.g. {"Q4_1": "native", "Q8_0":
+    "native"}; "float32" = float weights (as stored, or dequantized at load), "dequant" = the
+    portable kernel. What a stage on another machine chooses can differ (its library, its CPU)."""
+    if kernel is None:
+        kernel = default_kernel(device, quantization)
+    names = ckpt.names()
+    matrices = [n for n in names if n.endswith(".weight") and n.split(".")[-2] in PROJECTIONS]
+    if "lm_head.weight" not in names and "embed_tokens.weight" in names:
+        matrices.append("embed_tokens.weight")  # a tied LM head reads the embedding
+    found: dict[str, str] = {}
+    for name in sorted(matrices):
+        qtype = ckpt.stored_type(name)
+        if qtype is None or qtype in FLOAT_TYPES:
+            if quantization is None or kernel == "float32":
+                found[qtype.name if qtype is not None else "float"] = "float32"
+                continue
+            qtype = QUANTIZATIONS[quantization]
+        if kernel == "float32":
+            found[qtype.name] = "float32"
+        elif qtype.name not in found:
+            k = choose_kernel(qtype, device, kernel).name
+            found[qtype.name] = "dequant" if k == "int4pack" and name == "embed_tokens.weight" else k
+    return found
 
 
 def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:

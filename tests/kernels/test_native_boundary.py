@@ -290,7 +290,8 @@ def all_functions(version: int, layout: str | None = None) -> str:
 def fresh_loader(monkeypatch):
     """The loader as in a new process, restored afterwards."""
     for name, value in (("_lib", None), ("_load_error", None), ("_process_isa", None),
-                        ("_best_isa", 0), ("_supported_isa_codes", frozenset())):
+                        ("_best_isa", 0), ("_supported_isa_codes", frozenset()),
+                        ("_refused", False), ("_reported", False)):
         monkeypatch.setattr(native, name, value)
     return monkeypatch
 

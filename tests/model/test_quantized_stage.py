@@ -89,14 +89,12 @@ def test_hf_quantized_at_load(tiny_llama_dir, quantization, qtype, bound):
     assert torch.isfinite(forward(model, ids)).all()
 
 
-def test_default_kernel_keeps_gguf_packed_where_native_is_built(smollm2, monkeypatch):
+def test_default_kernel_keeps_gguf_packed(smollm2, monkeypatch):
     monkeypatch.delenv("SPECPIPE_KERNEL", raising=False)
     model = build_stage(smollm2, StageSpec(0, 1, True, False), stack=False)
     proj = model.layers["0"].mlp.up_proj
-    if native.available():
-        assert isinstance(proj, QuantLinear) and proj.kernel == "native"
-    else:  # the portable kernel would be slower than float32 weights
-        assert isinstance(proj, FloatLinear) and proj.weight.dtype == torch.float32
+    # packed on a CPU either way: the native kernel where it is built, else the portable one
+    assert isinstance(proj, QuantLinear) and proj.kernel == ("native" if native.available() else "dequant")
     monkeypatch.setenv("SPECPIPE_KERNEL", "float32")
     assert isinstance(build_stage(smollm2, StageSpec(0, 1, True, False)).layers["0"].mlp.up_proj, FloatLinear)
     monkeypatch.setenv("SPECPIPE_KERNEL", "fastest")

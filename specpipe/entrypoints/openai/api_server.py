@@ -123,8 +123,9 @@ def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, mode
         problem = await aengine.check(HEALTH_TIMEOUT_S)
         stages = engine.placement()
         if problem is not None:
-            return JSONResponse({"status": "unhealthy", "error": problem, "stages": stages}, status_code=503)
-        return {"status": "ok", "stages": stages}
+            return JSONResponse({"status": "unhealthy", "error": problem, "stages": stages,
+                                 "kernels": engine.kernel_report()}, status_code=503)
+        return {"status": "ok", "stages": stages, "kernels": engine.kernel_report()}
 
     @app.get("/version")
     async def version():
@@ -137,6 +138,7 @@ def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, mode
         # The stages' last report (refreshed on ordinary steps): a scrape never costs a step.
         metrics.set_stages(aengine.latest_stage_stats)
         metrics.placement = engine.placement()
+        metrics.kernels = engine.kernel_report()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models", responses=_errors(*key_errors))
@@ -262,6 +264,10 @@ def serve(config, host: str, port: int, options: ServerOptions, model_name: Opti
 
     sock = _bind(host, port)  # before the (slow) model load: a taken port fails at once
     say = lambda msg: print(f"specpipe: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    if config.device == "cpu":
+        from specpipe.kernels import native
+
+        native.report_unavailable(lambda msg: say(f"warning: {msg}"))
     engine = Engine(config, rank_env=rank_env, progress=say)
     name = model_name or _default_name(engine.model_path)
     aengine: Optional[AsyncEngine] = None

@@ -264,3 +264,4 @@ class HealthResponse(BaseModel):
     status: Literal["ok", "unhealthy"]
     error: Optional[str] = None  # why it cannot serve (unhealthy only)
     stages: Optional[list[dict]] = None  # each stage's node, layers, state and restarts
+    kernels: Optional[dict] = None  # the kernel per weight type and the native ISA (Engine.kernel_report)

@@ -109,26 +109,78 @@ def open_library(path: Path) -> tuple[ctypes.CDLL | None, str | None]:
 
 
 def _load() -> ctypes.CDLL | None:
-    global _lib, _load_error, _best_isa, _supported_isa_codes
+    global _lib, _load_error, _best_isa, _supported_isa_codes, _refused
     if _lib is not None:  # the per-call path: no lock
         return _lib
     with _lock:
-        if _lib is not None or _load_error is not None:
-            return _lib
-        path = library_path()
-        if not path.exists():
-            _load_error = f"{path.name} is not built (run {REBUILD})"
+        if _lib is None and _load_error is None:
+            path = library_path()
+            if not path.exists():
+                _load_error = f"{path} is not built"
+            else:
+                lib, why = open_library(path)
+                if lib is None:
+                    _load_error, _refused = f"{why}; rebuild it", True
+                else:
+                    _best_isa = lib.sp_best_isa()
+                    _supported_isa_codes = frozenset(c for c in _ISA_CODES.values() if lib.sp_isa_supported(c))
+                    _lib = lib
+    if _refused and not _reported:  # a library that is there but refused: every process that looks says so
+        _report(None)
+    return _lib
+
+
+_refused = False  # the library is there but does not match these bindings
+_reported = False  # this process has said why the library is not used
+
+
+def _message() -> str:
+    return (f"specpipe's native CPU kernels are not in use ({_load_error}): GGUF weights stay packed in "
+            f"memory but every matmul dequantizes them with torch (the portable kernel), several times "
+            f"slower than the native kernel (docs/quantized_weights.md). To build it: reinstall with a C "
+            f"compiler (gcc or clang) present (pip install), or run {REBUILD}. `specpipe env` shows what "
+            f"is in use.")
+
+
+def unavailable_message() -> str | None:
+    """What a user reads when the library cannot be used: why, what it costs, what to do (None
+    when it is used)."""
+    return None if _load() is not None else _message()
+
+
+def _report(emit) -> str | None:
+    global _reported
+    with _lock:
+        if _reported or _lib is not None or _load_error is None:
             return None
-        lib, why = open_library(path)
-        if lib is None:
-            _load_error = f"{why}; rebuild it: {REBUILD}"
-            warnings.warn(f"specpipe native kernels disabled (the portable torch path runs): {_load_error}",
-                          RuntimeWarning, stacklevel=3)
-            return None
-        _best_isa = lib.sp_best_isa()
-        _supported_isa_codes = frozenset(c for c in _ISA_CODES.values() if lib.sp_isa_supported(c))
-        _lib = lib
-        return lib
+        _reported = True
+    message = _message()
+    if emit is None:
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+    else:
+        emit(message)
+    return message
+
+
+def report_unavailable(emit=None) -> str | None:
+    """Once per process: when the library cannot be used, hand unavailable_message() to `emit`
+    (default: a RuntimeWarning) and return it; None when it is used or was already reported.
+    The CLI, the server and LLM(...) call it at start; a refused (stale) library reports itself
+    whoever loads it."""
+    _load()
+    return _report(emit)
+
+
+def describe() -> dict:
+    """The library as this process sees it (specpipe env, /health): its path, whether it is
+    built and loads (ABI and block layouts checked), why not, the ISA path and OpenMP."""
+    lib = _load()
+    path = library_path()
+    return {"path": str(path), "built": path.exists(), "loaded": lib is not None, "problem": _load_error,
+            "isa": isa() if lib is not None else None,
+            "isas_supported": supported_isas() if lib is not None else [],
+            "openmp": bool(lib.sp_has_openmp()) if lib is not None else None,
+            "abi_version": ABI_VERSION}
 
 
 def available() -> bool:
@@ -355,6 +407,6 @@ def _name(type_id: int) -> str:
     return gguf.GGMLQuantizationType(type_id).name
 
 
-__all__ = ["available", "unavailable_reason", "library_path", "open_library", "ABI_VERSION", "MAX_GROUP", "supported_types", "supported_isas", "isa",
+__all__ = ["available", "unavailable_reason", "unavailable_message", "report_unavailable", "describe", "library_path", "open_library", "ABI_VERSION", "MAX_GROUP", "supported_types", "supported_isas", "isa",
            "reload_isa_code",
            "matmul", "matmul_checked_packed", "attention", "rmsnorm", "rope", "has_openmp", "LIBRARY"]
