@@ -4,7 +4,8 @@ Compiles ggml_matmul.c, attention.c, norm_rope.c and layer.c with the system C c
 ``libspecpipe_native.so`` next to this file (one library for every CPU: the SIMD paths carry
 their own target attributes and are chosen at run time).  OpenMP is used when the compiler
 accepts ``-fopenmp``.  Never fails: without a working compiler it prints one warning line and
-exits 0, and SpecPipe runs without the native kernels.
+exits 0, and SpecPipe runs without the native kernels.  The package build (setup.py: ``pip
+install .``, ``pip install -e .``, a wheel) compiles the library with this module's ``build()``.
 
 ``--sanitize address`` builds an AddressSanitizer variant (by default
 ``$TMPDIR/specpipe-asan/libspecpipe_native_asan.so``, never replacing the library); run it with
