@@ -7,6 +7,7 @@ One wheel build (about 15 s of CPU: the C compile) serves the module's tests.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -36,13 +37,13 @@ def _clean_copy(dest: Path) -> Path:
 
 
 def _build_isolation_args() -> list[str]:
-    """Build with this Python's setuptools when it is new enough (no download), else isolated."""
+    """Build with this Python's setuptools when it is new enough (no download), else isolated.
+    Its version is read from its metadata: importing setuptools here would fight distutils."""
     try:
-        import setuptools
-        from setuptools.command import bdist_wheel  # noqa: F401  (70.1+)
-    except ImportError:
+        major, minor = (int(x) for x in importlib.metadata.version("setuptools").split(".")[:2])
+    except (importlib.metadata.PackageNotFoundError, ValueError):
         return []
-    return ["--no-build-isolation"] if int(setuptools.__version__.split(".")[0]) >= 70 else []
+    return ["--no-build-isolation"] if (major, minor) >= (70, 1) else []
 
 
 @pytest.fixture(scope="module")
