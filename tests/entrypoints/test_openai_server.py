@@ -27,6 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proc_helpers import Run, kill_session, stage_pids
 from specpipe.config import EngineConfig
 from specpipe.engine.engine import Engine
+from specpipe.kernels import native
 from specpipe.sampling import SamplingParams
 
 KEY = "test-key"
@@ -109,6 +110,13 @@ def test_models_and_health(server):
     health = server.get("/health").json()  # no key needed
     assert health["status"] == "ok" and [st["state"] for st in health["stages"]] == ["running"] * len(health["stages"])
     assert all(st["restarts"] == 0 and len(st["layers"]) == 2 for st in health["stages"])
+    # what the stages compute with, as the driver sees it (a float model: float32 matmuls)
+    isa = native.isa() if native.available() else None
+    assert health["kernels"] == {"weights": {"float": "float32"}, "native_isa": isa,
+                                 "native_library": "loaded" if isa else native.unavailable_reason(),
+                                 "seen_by": "driver"}
+    info = [(labels, v) for (name, labels), v in server.metrics().items() if name == "specpipe:kernel_info"]
+    assert info == [((("isa", isa or "none"), ("kernel", "float32"), ("weight_type", "float")), 1.0)]
     models = server.client().models.list()
     assert [m.id for m in models.data] == [NAME]
 

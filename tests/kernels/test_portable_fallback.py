@@ -159,3 +159,44 @@ def test_float_weights_give_the_same_tokens_with_and_without_the_library(tiny_ll
     a, b = (json.loads(p.stdout.splitlines()[-1]) for p in (with_lib, without))
     assert a["stats"]["kernels"]["native_isa"] and b["stats"]["kernels"]["native_isa"] is None
     assert a["token_ids"] == b["token_ids"]
+
+
+def test_without_the_library_the_server_logs_it_once_and_reports_the_kernels(smollm2):
+    """`specpipe serve` on the default model: one warning line in its log, and /health and
+    /metrics name the portable kernel for both weight types."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from proc_helpers import Run, kill_session
+
+    run = Run(["serve", "--port", "0", "--stages", "2", "--kv-memory", "16MiB", "--log-level", "warning"],
+              env=clean_env(**NO_LIBRARY))
+    try:
+        run.wait_for_stderr("serving ", 1, timeout_s=300)
+        url = next(ln for ln in run.err_lines if "serving " in ln).split(" on ")[-1].strip()
+        kernels = httpx.get(f"{url}/health", timeout=60).json()["kernels"]
+        assert kernels["weights"] == {"Q4_1": "dequant", "Q8_0": "dequant"} and kernels["native_isa"] is None
+        info = {tuple(sorted(s.labels.items())) for fam in text_string_to_metric_families(
+                httpx.get(f"{url}/metrics", timeout=60).text) for s in fam.samples if s.name == "specpipe:kernel_info"}
+        assert {dict(labels)["weight_type"]: dict(labels)["kernel"] for labels in info} == kernels["weights"]
+        assert all(dict(labels)["isa"] == "none" for labels in info)
+    finally:
+        kill_session(run.proc)
+    warned = [ln for ln in run.err_lines if "native CPU kernels are not in use" in ln]
+    assert len(warned) == 1 and warned[0].startswith("specpipe: warning:"), run.stderr
+
+
+def test_without_the_library_llm_warns_once(tiny_llama_dir):
+    script = f"""
+import warnings
+warnings.simplefilter("always")
+from specpipe import LLM
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(2):
+        LLM({str(tiny_llama_dir)!r}, kv_memory="16MiB").close()
+print(sum("native CPU kernels are not in use" in str(w.message) for w in caught))
+"""
+    p = _run([sys.executable, "-c", script], **NO_LIBRARY)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split()[-1] == "1"
