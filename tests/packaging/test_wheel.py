@@ -1,8 +1,8 @@
-"""The package as a user gets it: a wheel built from a clean copy of the tree carries the native
-library, and installed into a fresh virtual environment it runs the native path with no C compiler
-on PATH; the sdist carries the sources and setup.py, not a built library.
+"""The package as a user gets it: an sdist of a clean copy of the tree carries the sources and
+setup.py, never a built library; the wheel built from it carries the native library, and installed
+into a fresh virtual environment it runs the native path with no C compiler on PATH.
 
-One wheel build (about 15 s of CPU: the C compile) serves the module's tests.
+One build (about 15 s of CPU: the C compile) serves the module's tests.
 """
 
 from __future__ import annotations
@@ -46,15 +46,31 @@ def _build_isolation_args() -> list[str]:
     return ["--no-build-isolation"] if (major, minor) >= (70, 1) else []
 
 
+STALE = b"a library an editable install left in the tree: never shipped"
+
+
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
+def dists(tmp_path_factory) -> tuple[Path, Path]:
+    """(sdist, wheel) as `python -m build` makes them: the sdist from a clean copy of the tree, the
+    wheel from the sdist (so the sdist is shown to build, with a compiler)."""
     tree = _clean_copy(tmp_path_factory.mktemp("tree"))
-    out = tmp_path_factory.mktemp("wheelhouse")
+    (tree / LIB).write_bytes(STALE)
+    out = tmp_path_factory.mktemp("dist")
+    code = "import sys; from setuptools import build_meta as b; print(b.build_sdist(sys.argv[1]))"
+    res = subprocess.run([sys.executable, "-c", code, str(out)], cwd=tree, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    sdist = out / res.stdout.split()[-1]
     res = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", *_build_isolation_args(),
-                          "--wheel-dir", str(out), str(tree)], capture_output=True, text=True, timeout=600)
+                          "--wheel-dir", str(out), str(sdist)], capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     (whl,) = out.glob("specpipe-*.whl")
-    return whl
+    return sdist, whl
+
+
+@pytest.fixture(scope="module")
+def wheel(dists) -> Path:
+    return dists[1]
 
 
 def test_wheel_carries_the_library_for_every_python_of_its_platform(wheel):
@@ -63,8 +79,8 @@ def test_wheel_carries_the_library_for_every_python_of_its_platform(wheel):
     assert not wheel.name.endswith("-any.whl")
     with zipfile.ZipFile(wheel) as z:
         names = set(z.namelist())
-        info = z.getinfo(LIB)
-    assert info.file_size > 100_000
+        library = z.read(LIB)
+    assert len(library) > 100_000 and library.startswith(b"\x7fELF")  # built, not the tree's stale file
     assert "specpipe/kernels/native/ggml_matmul.c" in names  # rebuildable: build.py's sources ship too
     assert not [n for n in names if n.endswith(".so") and n != LIB]
 
@@ -121,16 +137,10 @@ def test_first_generate_from_the_wheel_on_the_default_model(venv, tmp_path):
     assert weight_bytes <= 1.3 * model.stat().st_size, (weight_bytes, model.stat().st_size)
 
 
-def test_sdist_carries_the_sources_not_a_built_library(tmp_path):
-    tree = _clean_copy(tmp_path / "tree")
-    (tree / LIB).write_bytes(b"a stale library that must not ship")  # as an editable install leaves it
-    code = "import sys; from setuptools import build_meta as b; print(b.build_sdist(sys.argv[1]))"
-    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "dist")], cwd=tree, capture_output=True,
-                         text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
+def test_sdist_carries_the_sources_not_a_built_library(dists):
     import tarfile
 
-    with tarfile.open(tmp_path / "dist" / res.stdout.split()[-1]) as t:
+    with tarfile.open(dists[0]) as t:
         names = {n.split("/", 1)[1] for n in t.getnames() if "/" in n}
     assert {"setup.py", "pyproject.toml", "specpipe/kernels/native/build.py",
             "specpipe/kernels/native/ggml_matmul.c", "specpipe/kernels/native/ggml_matmul.h"} <= names
