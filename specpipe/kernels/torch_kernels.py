@@ -104,23 +104,31 @@ _LOW_NIBBLES = 0x0F0F0F0F
 
 def dequantize_into(rows: torch.Tensor, qtype: Q, out: torch.Tensor) -> torch.Tensor:
     """ggml_types.dequantize(rows, qtype) written into out (N, K) float32, bit for bit: the same
-    float32 operations (each product of an f16 scale and a small integer is exact), done on
-    whole contiguous tensors instead of per-field slices, about 3x faster for Q4_0 / Q4_1 / Q8_0."""
-    if qtype not in (Q.Q4_0, Q.Q4_1, Q.Q8_0):
+    float32 operations (each product of an f16 scale and a small integer is exact). For Q4_0 /
+    Q4_1 / Q8_0 the fields are read through views of the rows as 16- and 32-bit words (every
+    block's size is even, Q4_1's a multiple of 4) instead of copied out byte slice by byte slice,
+    and the nibbles are split four bytes at a time: about 3x the reference's speed."""
+    if qtype not in (Q.Q4_0, Q.Q4_1, Q.Q8_0) or not rows.is_contiguous():
         return out.copy_(dequantize(rows, qtype))
-    size = 34 if qtype == Q.Q8_0 else (18 if qtype == Q.Q4_0 else 20)
-    b = rows.reshape(-1, size)  # (B, block bytes)
-    o = out.view(-1, 32)  # (B, 32)
-    d = b[:, 0:2].contiguous().view(torch.float16).float()  # (B, 1)
-    if qtype == Q.Q8_0:
-        return o.copy_(b[:, 2:].contiguous().view(torch.int8)).mul_(d).view_as(out)
-    # qs: byte j holds element j (low nibble) and j + 16 (high): four bytes at a time as int32
-    qs = b[:, size - 16:].contiguous().view(torch.int32)  # (B, 4)
-    nib = torch.cat(((qs & _LOW_NIBBLES).view(torch.uint8), ((qs >> 4) & _LOW_NIBBLES).view(torch.uint8)), 1)
-    o.copy_(nib)  # (B, 32) 0..15
-    if qtype == Q.Q4_0:
+    o = out.view(-1, 32)  # (B, 32): one block per row
+    if qtype == Q.Q8_0:  # d f16 | 32 x int8
+        d = rows.view(torch.float16).reshape(-1, 17)[:, 0:1].float()  # (B, 1)
+        return o.copy_(rows.view(torch.int8).reshape(-1, 34)[:, 2:]).mul_(d).view_as(out)
+    if qtype == Q.Q4_1:  # d f16 | m f16 | qs 16 bytes = 4 int32 words
+        h = rows.view(torch.float16).reshape(-1, 10)
+        d, m = h[:, 0:1].float(), h[:, 1:2].float()
+        qs = rows.view(torch.int32).reshape(-1, 5)[:, 1:]  # (B, 4)
+    else:  # Q4_0: d f16 | qs 16 bytes = 8 int16 words
+        w = rows.view(torch.int16).reshape(-1, 9)
+        d, m = w[:, 0:1].view(torch.float16).float(), None
+        qs = w[:, 1:]  # (B, 8)
+    # byte j holds element j (low nibble) and element j + 16 (high nibble); the arithmetic shift's
+    # sign bits land above each word's top nibble, which the mask drops
+    mask = _LOW_NIBBLES if qs.dtype == torch.int32 else 0x0F0F
+    o.copy_(torch.cat(((qs & mask).view(torch.uint8), ((qs >> 4) & mask).view(torch.uint8)), 1))  # 0..15
+    if m is None:
         return o.sub_(8).mul_(d).view_as(out)  # d * (q - 8)
-    return o.mul_(d).add_(b[:, 2:4].contiguous().view(torch.float16).float()).view_as(out)  # d * q + m
+    return o.mul_(d).add_(m).view_as(out)  # d * q + m
 
 
 def q4_groups(packed: torch.Tensor, qtype: Q) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
