@@ -29,15 +29,18 @@ from setuptools.command.build_ext import build_ext
 from setuptools.errors import CompileError
 
 ROOT = Path(__file__).resolve().parent
-NATIVE = "specpipe/kernels/native"
 LIB_MODULE = "specpipe.kernels.native.libspecpipe_native"
 
 
-def _native_build():
-    spec = importlib.util.spec_from_file_location("_specpipe_native_build", ROOT / NATIVE / "build.py")
+def _load_native_build():
+    """specpipe/kernels/native/build.py, by file path (it needs nothing but the standard library)."""
+    spec = importlib.util.spec_from_file_location("_specpipe_native_build", ROOT / "specpipe/kernels/native/build.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+native_build = _load_native_build()
 
 
 class BuildNative(build_ext):
@@ -45,16 +48,16 @@ class BuildNative(build_ext):
         # called with the full dotted name and with its last part alone
         *package, name = fullname.split(".")
         if name == LIB_MODULE.rsplit(".", 1)[1]:
-            return os.path.join(*package, _native_build().LIB_NAME)
+            return os.path.join(*package, native_build.LIB_NAME)
         return super().get_ext_filename(fullname)
 
     def build_extension(self, ext: Extension) -> None:
         if ext.name != LIB_MODULE:
             return super().build_extension(ext)
         out = Path(self.get_ext_fullpath(ext.name))
-        if _native_build().build(out=out) is None:
-            # optional=True makes setuptools go on without it; say what that means, once
-            print("specpipe: WARNING the native kernels were not built (no working C compiler); "
+        if native_build.build(out=out) is None:  # it printed why
+            # optional=True makes setuptools go on without it; say what that means
+            print("specpipe: WARNING the native kernels were not built (see the line above); "
                   "SpecPipe will run on the portable torch path. Install a C compiler (e.g. gcc) and "
                   "reinstall, or run `python3 -m specpipe.kernels.native.build`.", file=sys.stderr)
             raise CompileError("native kernels not built")
@@ -90,8 +93,8 @@ class PlatformWheel(bdist_wheel):
 setup(
     ext_modules=[Extension(
         LIB_MODULE,
-        sources=[f"{NATIVE}/{name}" for name in ("ggml_matmul.c", "attention.c", "norm_rope.c", "layer.c")],
-        depends=[str(p.relative_to(ROOT)) for p in sorted((ROOT / NATIVE).glob("*.h"))],
+        sources=[str(p.relative_to(ROOT)) for p in native_build.SOURCES],  # what build() compiles
+        depends=[str(p.relative_to(ROOT)) for p in sorted(native_build.HERE.glob("*.h"))],
         optional=True,
     )],
     cmdclass={"build_ext": BuildNative, "bdist_wheel": PlatformWheel},
