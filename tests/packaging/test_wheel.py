@@ -120,8 +120,8 @@ def test_installed_wheel_runs_the_native_path_without_a_compiler(venv, tmp_path)
 
 
 def test_first_generate_from_the_wheel_on_the_default_model(venv, tmp_path):
-    """The issue's goal: the first `specpipe generate` of a fresh install, no extra step, keeps the
-    GGUF's blocks packed (the native kernel's weights: at most 1.3x the file)."""
+    """The issue's goal: the first `specpipe generate` of a fresh install, no extra step, runs the
+    native kernel on every weight type and keeps the GGUF's blocks packed (at most 1.3x the file)."""
     from specpipe.loader.default_model import DefaultModelMissing, default_model_path
 
     try:  # what the venv will find (it sees the same site-packages and cache); never fetched here
@@ -133,6 +133,8 @@ def test_first_generate_from_the_wheel_on_the_default_model(venv, tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     stats = json.loads(res.stdout.splitlines()[-1])["stats"]
+    assert stats["kernels"]["native_library"] == "loaded", stats["kernels"]
+    assert set(stats["kernels"]["weights"].values()) == {"native"}, stats["kernels"]
     weight_bytes = sum(st["weight_bytes"] for st in stats["stages"])
     assert weight_bytes <= 1.3 * model.stat().st_size, (weight_bytes, model.stat().st_size)
 
