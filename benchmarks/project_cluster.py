@@ -116,8 +116,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--driver-ms", type=float, default=0.3)
     ap.add_argument("--lower", type=float, default=0.2, help="share of the draft's expansions made wrong")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for the references and the draft")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)  # step counts do not depend on it; a shared machine's speed does
     t0 = time.perf_counter()
     stage_counts = [int(s) for s in args.stages.split(",")]
     links = [LINKS[name] for name in args.links.split(",")]
@@ -132,11 +136,9 @@ def main() -> None:
     engine = Engine(offline._config(ns, 1, runs, transport="inproc"))
     sampling = SamplingParams(max_tokens=args.max_tokens)
 
-    class Bar:
-        def update(self, _n):
-            pass
+    from tqdm import tqdm
 
-    refs = offline._references(engine, prompts, sampling, Bar())
+    refs = offline._references(engine, prompts, sampling, tqdm(disable=True))
     vocab = engine.checkpoint.config.vocab_size
     sources = {"draft": engine.source, f"draft, {args.lower:.0%} of expansions wrong":
                Weakened(engine.source, args.lower, vocab), "ngram": NgramSource()}
