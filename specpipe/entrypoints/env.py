@@ -53,8 +53,9 @@ def collect(model: Optional[str] = None, device: str = "cpu") -> dict:
     lib = native.describe()
     if not lib["loaded"]:
         problems.append({"problem": f"native kernels not in use: {lib['problem']}",
-                         "cost": "GGUF matmuls run on the portable torch kernel (dequantized per call), several "
-                                 "times slower; memory stays about the file's size",
+                         "cost": "GGUF matmuls run on the portable torch kernel (a tile of rows dequantized per "
+                                 "call): memory stays about the file's size, decode is about 10-15x slower than "
+                                 "native (SPECPIPE_KERNEL=float32: 2-3x faster than that, 5.5x the memory)",
                          "do": f"reinstall with a C compiler (gcc or clang) present (pip install), or run "
                                f"{native.REBUILD}"})
     elif not lib["openmp"]:
