@@ -8,8 +8,10 @@ depend on the rows that share its call (tests/kernels/test_batch_invariance.py c
 Kernels, in order of preference (benchmarks/bench_native_kernel.py --registry measured the order, see
 docs/quantized_weights.md):
   native    the C kernel in specpipe/kernels/native (when built): exact float32 activations
-  dequant   the reference dequantize per call, then the float matmul with a fixed row tile:
-            any type, exactly the dequantized weights, slow
+  dequant   the portable kernel: a tile of weight rows dequantized per call (the reference's
+            values) into a reused buffer, then the float matmul with a fixed row tile: any
+            type, float32 activations, memory the file's size; 2-3x slower than float32
+            weights, 10-15x the native kernel (docs/quantized_weights.md)
   int4pack  torch's int4 CPU matmul for Q4_0 / Q4_1 / Q4_K (repacked once; bf16 activations,
             scales and outputs): fast but not the file's weights to float32 precision, so it is
             used only when asked for (`prefer`)
