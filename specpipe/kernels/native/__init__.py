@@ -8,7 +8,8 @@ ggml_matmul.c).  Row i of the result is bitwise the same whatever the other rows
 count, and every SIMD path (``isa()``) gives the portable C path's bits.
 
 The library is built by ``python -m specpipe.kernels.native.build`` (install.sh does it); without
-it, ``available()`` is False and ``matmul`` raises.  ``SPECPIPE_NATIVE_LIBRARY=<path>`` loads
+it, ``available()`` is False and ``matmul`` raises; the CLI, the server and ``LLM(...)`` then say
+once per process what that costs and what to do (``report_unavailable``).  ``SPECPIPE_NATIVE_LIBRARY=<path>`` loads
 another build (the sanitizer build, a test's).  A library that is there but does not match
 these bindings -- built from older sources (its ``sp_abi_version()`` is not ``ABI_VERSION``, or a
 function is missing) or with other block layouts than kernels/ggml_types.py's -- is refused
