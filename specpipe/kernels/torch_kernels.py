@@ -108,7 +108,7 @@ def dequantize_into(rows: torch.Tensor, qtype: Q, out: torch.Tensor) -> torch.Te
     Q4_1 / Q8_0 the fields are read through views of the rows as 16- and 32-bit words (every
     block's size is even, Q4_1's a multiple of 4) instead of copied out byte slice by byte slice,
     and the nibbles are split four bytes at a time: about 3x the reference's speed."""
-    if qtype not in (Q.Q4_0, Q.Q4_1, Q.Q8_0) or not rows.is_contiguous():
+    if qtype not in (Q.Q4_0, Q.Q4_1, Q.Q8_0) or not rows.is_contiguous() or rows.storage_offset() % 4:
         return out.copy_(dequantize(rows, qtype))
     o = out.view(-1, 32)  # (B, 32): one block per row
     if qtype == Q.Q8_0:  # d f16 | 32 x int8
