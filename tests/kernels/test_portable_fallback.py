@@ -36,6 +36,10 @@ def test_fast_dequantize_is_the_reference(qtype):
     packed = _quantized(70, 256, qtype)
     out = torch.empty(70, 256)
     assert torch.equal(dequantize_into(packed, qtype, out), dequantize(packed, qtype))
+    # a tile of rows, and rows at an odd byte offset in their buffer (read through the reference)
+    assert torch.equal(dequantize_into(packed[3:9], qtype, out[:6]), dequantize(packed[3:9], qtype))
+    shifted = torch.zeros(packed.numel() + 1, dtype=torch.uint8)[1:].view(packed.shape).copy_(packed)
+    assert torch.equal(dequantize_into(shifted, qtype, out), dequantize(packed, qtype))
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_1, Q.Q8_0])
