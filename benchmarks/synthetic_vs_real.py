@@ -1,10 +1,11 @@
 """Is a synthetic profile (random weights in the real block types, costs/synthetic.py) the real
 file's? Profiles the real GGUF file and the synthetic checkpoint of its shapes alternately in one
-process (`specpipe profile`'s method, costs/measure.py profile_stages), `--rounds` times each, and
-prints per row count the median layer and head times of both and their ratio.
+process (`specpipe profile`'s stages and arithmetic, costs/measure.py), row count by row count,
+`--rounds` times, and prints per row count the layer and head times of both and their ratio (from
+the fastest round of each stage, and from the medians).
 
   PYTHONPATH=. python benchmarks/synthetic_vs_real.py --model TARGET --synthetic qwen2.5-coder-1.5b \
-      --threads 2 --rounds 3 --out benchmarks/results/synthetic_vs_real_qwen1.5b_xeon.json
+      --threads 1 --rounds 7 --out benchmarks/results/synthetic_vs_real_qwen1.5b_t1_xeon.json
 """
 
 from __future__ import annotations
@@ -19,15 +20,14 @@ import time
 import torch
 
 from specpipe.costs import synthetic
-from specpipe.costs.measure import profile_stages
+from specpipe.config import StageSpec
+from specpipe.costs.measure import StageTimer
 from specpipe.loader import open_checkpoint
 from specpipe.model.stage import build_stage
 
 
 def structure(ckpt) -> list[str]:
     """The module types of a 2-layer middle stage (the fused native layer must be in both)."""
-    from specpipe.config import StageSpec
-
     model = build_stage(ckpt, StageSpec(0, 2, False, False))
     return sorted({type(m).__name__ for m in model.modules()})
 
@@ -38,12 +38,14 @@ def main() -> None:
     ap.add_argument("--synthetic", required=True, help="the preset (or config.json) of its shapes")
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")
     ap.add_argument("--contexts", default="256")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--stage-layers", type=int, default=8, help="K: the middle stage a layer is measured on")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
     rows = [int(x) for x in args.rows.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
     real = open_checkpoint(args.model)
@@ -53,38 +55,55 @@ def main() -> None:
     modules = {"real": structure(real), "synthetic": structure(synth)}
     print(f"types the same as the file's: {same_types}; stage modules the same: "
           f"{modules['real'] == modules['synthetic']} ({', '.join(modules['real'])})", flush=True)
-    runs: dict[str, list] = {"real": [], "synthetic": []}
-    t0 = time.perf_counter()
+    # Each model's stages as `specpipe profile` times them (costs/measure.py): a middle stage of
+    # 1 and of K layers (a layer is the difference over K - 1) and a last stage of 1 layer (the
+    # head is its difference from the 1-layer stage). Built once; then, row count by row count,
+    # the two models' stages are timed alternately, `--rounds` times, so that both see the same
+    # load. The fastest round of each stage is the least disturbed (this machine is shared).
+    K, L = args.stage_layers, cfg.num_layers
+    dev = torch.device("cpu")
+    timers = {}
+    for key, ckpt in (("real", real), ("synthetic", synth)):
+        timers[key] = {k: StageTimer(build_stage(ckpt, StageSpec(a, b, False, last)), contexts, rows, dev,
+                                     torch.float32, lambda: None, 1)
+                       for k, (a, b, last) in {"one": (0, 1, False), "many": (0, K, False),
+                                               "tail": (L - 1, L, True)}.items()}
+    print(f"built both models' stages (1, {K} and 1 + head layers) in {time.perf_counter() - t0:.0f} s", flush=True)
+    raw = {key: {(ctx, n, k): [] for ctx in contexts for n in rows for k in ("one", "many", "tail")} for key in timers}
     for r in range(args.rounds):
-        for key, ckpt in (("real", real), ("synthetic", synth)) if r % 2 == 0 else (("synthetic", synth), ("real", real)):
-            prof = profile_stages(lambda spec, c=ckpt: build_stage(c, spec), ckpt.config, rows, contexts, args.repeats,
-                                  torch.device("cpu"), torch.float32)
-            runs[key].append(prof)
-            print(f"round {r + 1} {key}: layer ms {[round(x, 3) for x in prof.layer_ms[0]]}, "
-                  f"head ms {[round(x, 2) for x in prof.head_ms]}", flush=True)
+        for ctx in contexts:
+            for n in rows:
+                for key in (("real", "synthetic") if r % 2 == 0 else ("synthetic", "real")):
+                    for k, timer in timers[key].items():
+                        raw[key][ctx, n, k].append(timer.ms(n, ctx, args.repeats))
+        print(f"round {r + 1}/{args.rounds} ({time.perf_counter() - t0:.0f} s)", flush=True)
     table = []
-    for ci, ctx in enumerate(contexts):
-        for i, n in enumerate(rows):
+    for ctx in contexts:
+        for n in rows:
             line = {"context": ctx, "rows": n}
-            for key in runs:
-                line[f"{key}_layer_ms"] = statistics.median(p.layer_ms[ci][i] for p in runs[key])
-                line[f"{key}_head_ms"] = statistics.median(p.head_ms[i] for p in runs[key])
-                line[f"{key}_overhead_ms"] = statistics.median(p.overhead_ms[i] for p in runs[key])
-                line[f"{key}_stage8_ms"] = statistics.median(p.stage(8, False, n, ctx) for p in runs[key])
-            for what in ("layer", "head", "stage8"):
-                line[f"{what}_ratio"] = line[f"synthetic_{what}_ms"] / line[f"real_{what}_ms"]
+            for key in raw:
+                for stat, f in (("min", min), ("median", statistics.median)):
+                    one, many, tail = (f(raw[key][ctx, n, k]) for k in ("one", "many", "tail"))
+                    line[f"{key}_layer_ms_{stat}"] = (many - one) / (K - 1)
+                    line[f"{key}_head_ms_{stat}"] = tail - one
+                    line[f"{key}_stage{K}_ms_{stat}"] = many
+            for what in ("layer", "head", f"stage{K}"):
+                for stat in ("min", "median"):
+                    line[f"{what}_ratio_{stat}"] = line[f"synthetic_{what}_ms_{stat}"] / line[f"real_{what}_ms_{stat}"]
             table.append(line)
-            print(f"ctx {ctx:5d} rows {n:3d}: layer real {line['real_layer_ms']:.3f} synthetic "
-                  f"{line['synthetic_layer_ms']:.3f} ({line['layer_ratio'] - 1:+.1%}); head {line['real_head_ms']:.2f} / "
-                  f"{line['synthetic_head_ms']:.2f} ({line['head_ratio'] - 1:+.1%}); 8-layer stage "
-                  f"{line['stage8_ratio'] - 1:+.1%}", flush=True)
+            print(f"ctx {ctx:5d} rows {n:3d}: layer real {line['real_layer_ms_min']:.3f} synthetic "
+                  f"{line['synthetic_layer_ms_min']:.3f} ms ({line['layer_ratio_min'] - 1:+.1%}; medians "
+                  f"{line['layer_ratio_median'] - 1:+.1%}); head {line['real_head_ms_min']:.2f} / "
+                  f"{line['synthetic_head_ms_min']:.2f} ms ({line['head_ratio_min'] - 1:+.1%}; "
+                  f"{line['head_ratio_median'] - 1:+.1%}); {K}-layer stage {line[f'stage{K}_ratio_min'] - 1:+.1%} "
+                  f"({line[f'stage{K}_ratio_median'] - 1:+.1%})", flush=True)
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model_name = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), "?")
     out = {"what": "synthetic (random weights, real block types) vs real file profile, interleaved in one process",
            "model": args.model, "synthetic": args.synthetic, "cpu": model_name, "machine": platform.machine(),
            "threads": args.threads, "repeats": args.repeats, "rounds": args.rounds, "types_same": same_types,
-           "modules": modules, "table": table, "seconds": round(time.perf_counter() - t0, 1),
-           "profiles": {k: [p.to_json() for p in v] for k, v in runs.items()}}
+           "stage_layers": K, "modules": modules, "table": table, "seconds": round(time.perf_counter() - t0, 1),
+           "raw_ms": {key: {f"{ctx},{n},{k}": v for (ctx, n, k), v in d.items()} for key, d in raw.items()}}
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
         f.write("\n")
