@@ -149,7 +149,13 @@ def random_blocks(qtype: Q, rows: int, in_features: int, rng: np.random.Generato
     layer's spread (std ~ 1/sqrt(in_features)) and mean ~0; every scale a normal f16."""
     layout = LAYOUTS[qtype]
     nblocks = rows * in_features // layout.values
-    blocks = np.frombuffer(rng.bytes(nblocks * layout.size), np.uint8).reshape(nblocks, layout.size).copy()
+    # In a bytearray, as the GGUF loader reads a tensor (loader/checked_file.py): where the
+    # weights live matters. numpy's own arrays of this size get transparent huge pages (numpy
+    # asks for them), a bytearray does not, and a one-row step streaming a 191 MB head from huge
+    # pages was 13-18% faster (docs/benchmarks.md, section 8).
+    buf = bytearray(nblocks * layout.size)
+    blocks = np.frombuffer(buf, np.uint8).reshape(nblocks, layout.size)
+    blocks[:] = np.frombuffer(rng.bytes(len(buf)), np.uint8).reshape(nblocks, layout.size)
     want = in_features ** -0.5
 
     def put(field: str, value) -> None:
