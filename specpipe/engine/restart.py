@@ -19,7 +19,8 @@ from specpipe.distributed.remote_pipeline import PipelineError
 from specpipe.messages import Control, Pipeline, Results, Rows, StagesRestarted
 
 HEALTHY_STEPS = 100  # steps after a restart that make the next failure count as a first one again
-BACKOFF_S = 0.5  # the first wait before starting again; doubled on each restart in a row
+BACKOFF_S = 0.5  # the first wait before starting again; doubled on each restart in a row ...
+BACKOFF_MAX_S = 4.0  # ... up to this: a stage killed again and again must not wait minutes
 
 
 class RestartingPipeline:
@@ -92,7 +93,7 @@ class RestartingPipeline:
         why = str(cause)
         while self._in_a_row < self.restarts:
             self._in_a_row += 1
-            time.sleep(BACKOFF_S * 2 ** (self._in_a_row - 1))
+            time.sleep(backoff_s(self._in_a_row))
             if self._progress:
                 self._progress(f"{why}; starting the stages again ({self._in_a_row}/{self.restarts})")
             try:
@@ -108,3 +109,8 @@ class RestartingPipeline:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def backoff_s(in_a_row: int) -> float:
+    """The wait before the `in_a_row`-th restart in a row (1, 2, ...): 0.5, 1, 2, 4, 4, ... s."""
+    return min(BACKOFF_S * 2 ** (in_a_row - 1), BACKOFF_MAX_S)

@@ -128,3 +128,10 @@ def test_streams_through_the_async_engine_survive_a_killed_stage(model, undistur
         engine.close()
     assert [ids for ids, _ in outs] == undisturbed and health is None
     assert engine.core().stage_restarts == 1
+
+
+def test_the_backoff_doubles_up_to_a_cap():
+    from specpipe.engine.restart import BACKOFF_MAX_S, backoff_s
+
+    waits = [backoff_s(n) for n in range(1, 12)]
+    assert waits[:4] == [0.5, 1.0, 2.0, 4.0] and max(waits) == BACKOFF_MAX_S == waits[-1]
