@@ -60,6 +60,9 @@ from specpipe.kernels.ggml_types import dequantize
 from specpipe.kernels.registry import kernels
 from specpipe.kernels.torch_kernels import invariant_linear
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import cpu_name  # noqa: E402
+
 Q = gguf.GGMLQuantizationType
 SHAPES = {  # name: (N, K) of y = x @ W^T
     "qwen": [("qwen q/o 1536x1536", 1536, 1536), ("qwen k/v 256x1536", 256, 1536),
@@ -273,7 +276,7 @@ def main() -> int:
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
         "isa": native.isa() if native.available() else None,
         "openmp": native.has_openmp() if native.available() else None, "torch": torch.__version__,
-        "machine": platform.machine(), "cpu": _cpu_name(), "cpus": os.cpu_count(),
+        "machine": platform.machine(), "cpu": cpu_name(), "cpus": os.cpu_count(),
         "load_avg_start": load_start,
     }
     try:
@@ -284,16 +287,6 @@ def main() -> int:
     args.out.write_text(json.dumps({"meta": meta, "records": records, "goals": goals}, indent=1))
     print(f"\nsaved {args.out}")
     return 0
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """What several benchmark scripts share: the model a `--model` names, a prompt's ids for both
-engines, and the JSON summary they print and save."""
+engines, the CPU's name, and the JSON results they print and save."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 from specpipe.loader.default_model import default_model_path
 from specpipe.tokenizer.tokenizer import Tokenizer
@@ -34,3 +35,22 @@ def report(summary: dict, out: str | None) -> None:
     if out:
         with open(out, "w") as f:
             json.dump(summary, f, indent=1)
+
+
+def cpu_name() -> str:
+    """The CPU's model name, as lscpu prints it ("unknown" where /proc/cpuinfo has none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def write_json(path: str, data: dict) -> None:
+    """Save a result file (indented, newline-terminated) and say where."""
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    print(f"wrote {path}")

@@ -18,10 +18,10 @@ measured: 1.0 = at the memory's pace). For each cost profile given (`specpipe pr
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import time
+import sys
+from pathlib import Path
 
 import torch
 
@@ -32,6 +32,9 @@ from specpipe.costs.measure import StageTimer
 from specpipe.costs.profile import load_profile
 from specpipe.loader import open_checkpoint
 from specpipe.model.stage import build_stage, weight_nbytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import cpu_name, write_json  # noqa: E402
 
 BUFFER_BYTES = 1 << 30  # 1 GiB: many times any L3 here
 
@@ -117,14 +120,10 @@ def main() -> None:
               f"{line['head_floor_ms']:.2f} / {line['head_ms']:.2f} ms; S={args.stages} {counts}: slowest stage "
               f"{slowest + 1} reads {stage_reads[slowest] / 1e6:.0f} MB, floor {line['slowest_floor_ms']:.1f} ms, "
               f"measured {line['slowest_ms']:.1f} ms ({line['slowest_fraction']:.2f})")
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    cpu = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), "?")
+    cpu = cpu_name()
     out = {"what": "read bandwidth and the decode step as a fraction of its memory floor (real run)", "cpu": cpu,
            "threads": args.threads, "rounds": rounds, "qwen1.5b": summary, "models": models}
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, out)
 
 
 if __name__ == "__main__":

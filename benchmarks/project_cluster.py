@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 from specpipe.bench import offline
@@ -37,6 +37,9 @@ from specpipe.sim.events import simulate
 from specpipe.sim.oracle_pipeline import OraclePipeline
 from specpipe.sim.trace import StepTracer
 from specpipe.spec_decode.sources import NgramSource, TokenSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import write_json  # noqa: E402
 
 RUNS = {"pp": ("pp", 8, 4, 1), "tree": ("tree", 8, 7, 1), "specpipe": ("specpipe", 8, 4, 1),
         "auto": ("specpipe", 16, 4, "auto")}  # name -> (mode, width, depth, layers): §4.1's runs
@@ -192,10 +195,7 @@ def main() -> None:
            "driver_ms": args.driver_ms, "links": {l.name: [l.latency_ms, l.gbytes_per_s] for l in links},
            "profiles": list(profiles), "lower": args.lower, "rows": rows,
            "seconds": round(time.perf_counter() - t0, 1)}
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, out)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,11 @@ the fastest round of each stage, and from the medians).
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
-import subprocess
 import time
+import sys
+from pathlib import Path
 
 import torch
 
@@ -24,6 +24,9 @@ from specpipe.config import StageSpec
 from specpipe.costs.measure import StageTimer
 from specpipe.loader import open_checkpoint
 from specpipe.model.stage import build_stage
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import cpu_name, write_json  # noqa: E402
 
 
 def structure(ckpt) -> list[str]:
@@ -97,17 +100,13 @@ def main() -> None:
                   f"{line['synthetic_head_ms_min']:.2f} ms ({line['head_ratio_min'] - 1:+.1%}; "
                   f"{line['head_ratio_median'] - 1:+.1%}); {K}-layer stage {line[f'stage{K}_ratio_min'] - 1:+.1%} "
                   f"({line[f'stage{K}_ratio_median'] - 1:+.1%})", flush=True)
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model_name = next((ln.split(":", 1)[1].strip() for ln in lscpu.splitlines() if ln.startswith("Model name")), "?")
+    model_name = cpu_name()
     out = {"what": "synthetic (random weights, real block types) vs real file profile, interleaved in one process",
            "model": args.model, "synthetic": args.synthetic, "cpu": model_name, "machine": platform.machine(),
            "threads": args.threads, "repeats": args.repeats, "rounds": args.rounds, "types_same": same_types,
            "stage_layers": K, "modules": modules, "table": table, "seconds": round(time.perf_counter() - t0, 1),
            "raw_ms": {key: {f"{ctx},{n},{k}": v for (ctx, n, k), v in d.items()} for key, d in raw.items()}}
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-        f.write("\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, out)
 
 
 if __name__ == "__main__":
