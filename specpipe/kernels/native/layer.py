@@ -122,8 +122,7 @@ def _check_group(name: str, group: Sequence[Projection], k: int, n: int) -> None
 
 
 def _proj(p: Projection) -> _Proj:
-    if p.packed.dtype != torch.uint8 or p.packed.dim() != 2 or not p.packed.is_contiguous():
-        raise ValueError("a projection's packed rows must be a contiguous 2-D uint8 tensor")
+    """The C view of a projection whose packed rows _check_group has accepted."""
     n, row_bytes = p.packed.shape
     if p.bias is not None and (p.bias.dtype != torch.float32 or p.bias.shape != (n,) or not p.bias.is_contiguous()):
         raise ValueError(f"a projection's bias must be contiguous float32 ({n},)")
