@@ -107,8 +107,11 @@ class SpecPipeState(ModeState):
         if self.prefill.left():
             if not g.must:
                 return None
+            start = self.prefill.sent
             chunk = self.prefill.take(g.must)
-            self._chunk = source_rows(chunk)
+            # The source computes its own KV: with a cached prefix its first chunk starts at 0.
+            self._chunk = source_rows(self.prefill.rows(0 if start == self.prefill.cached else start,
+                                                        self.prefill.sent))
             if not self.prefill.left():
                 self.sent.add(tree.root_id)
             return self._sent(chunk)
