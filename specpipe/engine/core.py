@@ -199,6 +199,10 @@ class EngineCore:
         plan = self.scheduler.schedule(self._want)
         for rid in plan.preempted:
             self._restart(rid)
+        if self.prefix_caching:
+            for rid in plan.admitted:
+                st = self.states[rid]
+                self.scheduler.blocks.cache.count_query(len(st.prefill.tokens), st.req.stats.cached_tokens)
         self._ended = []  # requests a fault of their own ended during this step
         running = [self.states[rid] for rid in self.scheduler.running]
         for st in running:

@@ -27,6 +27,7 @@ from specpipe.outputs import RequestOutput
 from specpipe.request import Request
 from specpipe.sampling import SamplingParams
 from specpipe.spec_decode.build import build_source
+from specpipe.spec_decode.draft_model import DraftModelSource
 from specpipe.spec_decode.sources import TokenSource
 from specpipe.worker.stage_worker import StageStats
 
@@ -101,6 +102,10 @@ class Engine:
             self.source = build_source(c.draft or DEFAULT_DRAFT, self.checkpoint, self.tokenizer,
                                        self.draft_blocks, self.block_size, c.device, c.torch_dtype(),
                                        c.quantization, c.draft_vocab, c.draft_quantization)
+            if c.enable_prefix_caching:  # the draft model keeps prompt prefixes too
+                for s in getattr(self.source, "sources", [self.source]):
+                    if isinstance(s, DraftModelSource):
+                        s.enable_prefix_cache()
         return self.source
 
     def core(self, mode: Optional[str] = None, tree_width: Optional[int] = None,
@@ -125,6 +130,12 @@ class Engine:
                 window_pool=(self.checkpoint.config.sliding_window, self.window_blocks) if self.window_blocks else None,
                 prefix_cache=self.prefix_cache)
         return self._cores[key]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix nobody reads now (the stages free their blocks with the next
+        step), e.g. so that one benchmark run does not start from another's cache."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.evict(len(self.prefix_cache))
 
     def run(self, requests: Iterable[Request], core: Optional[EngineCore] = None,
             on_finish: Optional[Callable[[Request], None]] = None) -> None:

@@ -174,15 +174,30 @@ class SlotTable:
         if missing or (cached and self.window is not None):
             raise KVStateError(f"request {request_id} admitted with cached blocks {missing or cached} "
                                "this table does not hold")
-        r = self.requests[request_id] = RequestSlots(cached=list(cached))
+        self.requests[request_id] = RequestSlots()
+        self._read_cached(self.requests[request_id], cached)
+        if self.window is not None:
+            self.window.admit(request_id)
+        return True
+
+    def adopt(self, request_id: int, cached: list[int]) -> None:
+        """A request admitted already, with nothing placed yet, starts with these cached blocks
+        (a draft model learns its prompt only when the rows come): their positions leave the
+        commits it was told of."""
+        r = self.requests[request_id]
+        if r.failed or r.committed or r.spec or self.window is not None:
+            raise KVStateError(f"request {request_id}: cached blocks adopted after its rows")
+        self._read_cached(r, cached)
+        for _ in range(min(len(r.committed), len(r.pending))):
+            r.pending.popleft()
+
+    def _read_cached(self, r: RequestSlots, cached: list[int]) -> None:
         bs = self.block_size
         for c in cached:
             self.readers[c] += 1
             b = self.cached[c]
             r.committed.extend(range(b * bs, (b + 1) * bs))
-        if self.window is not None:
-            self.window.admit(request_id)
-        return True
+        r.cached = list(cached)
 
     def release(self, request_id: int) -> None:
         r = self.requests.pop(request_id, None)

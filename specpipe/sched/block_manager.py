@@ -93,7 +93,6 @@ class BlockManager:
         self.pool = _Pool(num_blocks, block_size, self.cache)
         self._chain: dict[int, list[CachedBlock]] = {}  # request -> the cached block of each of its first blocks
         self._refs: dict[int, list[CachedBlock]] = {}  # request -> the cached blocks it reads (holds a reference)
-        self._evicted: list[int] = []  # evicted block ids the stages have not been told of
         self.window = window if window_blocks else None
         self.window_pool = _Pool(window_blocks, block_size) if self.window else None
         self._floor: dict[int, int] = {}  # request -> committed positions every stage has settled
@@ -161,7 +160,7 @@ class BlockManager:
         for p, t in zip(self.pools(), self._tokens(request_id, tokens)):
             extra = p.extra_for(request_id, t)
             if extra > p.num_free():
-                self._evicted += self.cache.evict(extra - p.num_free())
+                self.cache.evict(extra - p.num_free())
             p.held[request_id] = p.held.get(request_id, 0) + extra
 
     def free(self, request_id: int) -> None:
@@ -183,7 +182,6 @@ class BlockManager:
             return []
         self.free(request_id)  # an earlier lookup for it, if it then waited
         hit = self.cache.match(tokens, len(tokens) - 1)
-        self.cache.count_query(len(tokens), len(hit) * self.block_size)
         self.cache.acquire(hit)
         self._chain[request_id] = list(hit)
         self._refs[request_id] = list(hit)
@@ -209,11 +207,10 @@ class BlockManager:
         return block.block_id
 
     def take_evicted(self) -> list[int]:
-        out, self._evicted = self._evicted, []
-        return out
+        """Cached blocks evicted since the last call: the stages free them with the next step."""
+        return self.cache.take_evicted() if self.cache is not None else []
 
     def clear_cache(self) -> None:
         """The stages hold no cached block any more (started afresh). Call with no request running."""
         if self.cache is not None:
             self.cache.clear()
-        self._evicted = []

@@ -45,6 +45,7 @@ class PrefixCache:
     blocks: dict[tuple, CachedBlock] = field(default_factory=dict)  # key -> block
     lru: "OrderedDict[int, CachedBlock]" = field(default_factory=OrderedDict)  # unreferenced, oldest first
     stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    evicted: list[int] = field(default_factory=list)  # ids evicted that the stages have not been told of
     _ids: itertools.count = field(default_factory=itertools.count)
 
     def __len__(self) -> int:
@@ -98,17 +99,22 @@ class PrefixCache:
         self.blocks[key] = block
         return block, True
 
-    def evict(self, n: int) -> list[int]:
-        """Forget up to `n` unreferenced blocks, least recently used first; their ids."""
-        out = []
-        while self.lru and len(out) < n:
+    def evict(self, n: int) -> None:
+        """Forget up to `n` unreferenced blocks, least recently used first. Their ids wait in
+        `evicted` for the next step (of whichever engine core runs the stages next)."""
+        while self.lru and n > 0:
             _, b = self.lru.popitem(last=False)
             del self.blocks[b.key]
-            out.append(b.block_id)
-        self.stats.evictions += len(out)
+            self.evicted.append(b.block_id)
+            self.stats.evictions += 1
+            n -= 1
+
+    def take_evicted(self) -> list[int]:
+        out, self.evicted = self.evicted, []
         return out
 
     def clear(self) -> None:
         """Forget everything (the stages were started afresh and hold none of it)."""
         self.blocks.clear()
         self.lru.clear()
+        self.evicted = []

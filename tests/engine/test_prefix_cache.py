@@ -56,7 +56,7 @@ def pipeline(ckpt, num_stages: int, blocks: int) -> CheckedPipeline:
                             for s in partition_layers(ckpt.config.num_layers, num_stages)])
 
 
-def source_for(ckpt, mode: str):
+def source_for(ckpt, mode: str, cached: bool):
     if mode not in SPECULATIVE_MODES:
         return None
     if mode == "specpipe-db":
@@ -64,8 +64,11 @@ def source_for(ckpt, mode: str):
     # The target itself as the draft: every guess hits, so accepted tree nodes sit in scattered
     # slots, which the stages copy into whole blocks when the request's blocks join the cache.
     layers = ckpt.config.num_layers
-    return DraftModelSource(build_stage(ckpt, StageSpec(0, layers, first=True, last=True)), 256, BLOCK_SIZE,
-                            f"self:{layers}")
+    draft = DraftModelSource(build_stage(ckpt, StageSpec(0, layers, first=True, last=True)), 64, BLOCK_SIZE,
+                             f"self:{layers}")
+    if cached:  # its own KV too, in a pool small enough that it must evict
+        draft.enable_prefix_cache()
+    return draft
 
 
 class Served:
@@ -75,7 +78,7 @@ class Served:
         self.pipe = pipeline(ckpt, num_stages, blocks)
         cache = PrefixCache(BLOCK_SIZE) if cached else None
         self.pipe.cache = cache
-        self.core = EngineCore(self.pipe, mode, source_for(ckpt, mode), width=3, depth=2, kv_blocks=blocks,
+        self.core = EngineCore(self.pipe, mode, source_for(ckpt, mode, cached), width=3, depth=2, kv_blocks=blocks,
                                block_size=BLOCK_SIZE, max_num_seqs=8, step_rows=step_rows, prefix_cache=cache)
         self.ids = 0
 
@@ -87,6 +90,10 @@ class Served:
         self.core.run(reqs)
         for w in self.pipe.workers:  # only the cache's blocks remain
             assert not w.slots.requests
+        draft = self.core.source
+        if getattr(draft, "prefix", None) is not None:
+            assert not draft.slots.requests and not draft.prefix.requests
+            assert set(draft.slots.cached) == {b.block_id for b in draft.prefix.index.blocks.values()}
         return reqs
 
 
