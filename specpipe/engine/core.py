@@ -308,13 +308,19 @@ class EngineCore:
 
     def _share_blocks(self, st: ModeState, out: list[Share], final: bool) -> None:
         """Prefix caching: the request's full blocks of committed positions that every stage has
-        settled (below its floor) join the cache. While it runs, only blocks its rows filled in
-        order (its prefill; everything in the modes without speculation); at its release, the
-        rest too (the stages copy what a tree scattered into one block first)."""
+        settled join the cache, told with the next Control (`final`: its release's) or this
+        step's (after its `floors` entry for this step). A Control reaches every stage in the step
+        it is sent, before the rows that stage computes then, and rows sent at step t leave the
+        last stage at step t + S - 1: so what the request had sent S steps before the Control is
+        settled everywhere. While it runs, only blocks its rows filled in order (its prefill;
+        everything in the modes without speculation); at its release, the rest too (the stages
+        copy what a tree scattered into one block first)."""
         if not self.prefix_caching or not st.started:
             return
         blocks, rid = self.scheduler.blocks, st.req.request_id
-        bs, limit = blocks.block_size, self._floor(st)
+        steps_ago = self.pipe.num_stages - (1 if final else 0)  # before the last `floors` entry
+        limit = st.floors[-1 - steps_ago] if len(st.floors) > steps_ago else 0
+        bs = blocks.block_size
         if not final and self.mode in SPECULATIVE_MODES:
             limit = min(limit, len(st.prefill.tokens))
         first = blocks.cached_blocks(rid)
