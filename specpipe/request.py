@@ -165,6 +165,7 @@ class Request:
             "ttft_ms": (self.token_times[0] - self.arrival) * 1e3 if n else None,
             "tbt_ms": sum(gaps) / len(gaps) * 1e3 if gaps else None,
             "draft_ms": s.draft_s * 1e3 if s.draft_s else None,
+            "cached_tokens": s.cached_tokens,
             "preemptions": s.preemptions,
             "stage_restarts": s.stage_restarts,
             "draft_failures": s.draft_failures,
