@@ -318,7 +318,7 @@ class AsyncEngine:
         sched = self.core.scheduler
         cache = sched.blocks.cache
         self.snapshot = EngineSnapshot(len(sched.running), len(sched.waiting), self.core.steps,
-                                       sched.blocks.num_blocks - sched.blocks.num_free(), sched.blocks.num_blocks,
+                                       sched.blocks.num_blocks - sched.blocks.pool.available(), sched.blocks.num_blocks,
                                        cache.stats.queries if cache else 0, cache.stats.hits if cache else 0,
                                        cache is not None)
         self._answer_reports()  # every waiter asked before this step, so the step carried the report

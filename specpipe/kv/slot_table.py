@@ -456,8 +456,10 @@ class SlotTable:
         return sum(r.num_slots() for r in self.requests.values())
 
     def blocks_in_use(self) -> int:
-        """Blocks held by requests or by the prefix cache."""
-        return self.pool.num_blocks - self.pool.num_free()
+        """Blocks requests hold or read; cached blocks nobody reads count as free, as in vLLM
+        (the driver evicts them as soon as a request needs the room)."""
+        idle = sum(1 for c in self.cached if self.readers[c] <= 0)
+        return self.pool.num_blocks - self.pool.num_free() - idle
 
 
 def _is_chain(node_ids: list[int], parent_ids: list[int]) -> bool:

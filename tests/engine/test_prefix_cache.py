@@ -42,7 +42,7 @@ class CheckedPipeline(LocalPipeline):
             for w in self.workers:
                 assert set(w.slots.cached) == ids
                 owned = sum(len(r.blocks) for r in w.slots.requests.values())
-                assert w.slots.blocks_in_use() == owned + len(ids)
+                assert w.slots.pool.num_blocks - w.slots.pool.num_free() == owned + len(ids)
         return out
 
 
