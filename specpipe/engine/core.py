@@ -29,6 +29,7 @@ from specpipe.engine.modes.base import AFTER, BEFORE, DURING, ModeState
 from specpipe.engine.modes.rounds import RoundsState
 from specpipe.engine.modes.specpipe import AUTO, AutoPlan, SpecPipeState, block_rows
 from specpipe.engine.observer import NO_OBSERVER, StepObserver
+from specpipe.engine.prefix_sharing import PrefixSharing
 from specpipe.messages import Control, Pipeline, Share, StagesRestarted
 from specpipe.request import Request
 from specpipe.sched.block_manager import BlockManager, window_need
@@ -66,7 +67,7 @@ class EngineCore:
         `window_pool`: (window, blocks) of the stages' sliding-window KV pool, when they keep one.
         `prefix_cache`: reuse the KV of full blocks of committed tokens across requests, indexed
         here (one for every core of the same stages; ignored with a sliding-window pool, which
-        forgets them: `prefix_caching` says whether it is on)."""
+        forgets them: `prefix` is None where it is off)."""
         if mode in SPECULATIVE_MODES and source is None:
             raise ConfigError(f"mode {mode} needs a speculative source")
         self.pipe, self.mode, self.source = pipeline, mode, source
@@ -78,11 +79,11 @@ class EngineCore:
             self.auto_plan = AutoPlan(HitProfile(width), pipeline.num_stages, cost)
         self.step_rows = step_rows if mode in BUDGETED_MODES else None
         window, window_blocks = window_pool or (None, 0)
-        self.prefix_caching = prefix_cache is not None and not window_blocks
-        blocks = BlockManager(kv_blocks, block_size, window, window_blocks,
-                              cache=prefix_cache if self.prefix_caching else None)
+        caching = prefix_cache is not None and not window_blocks
+        blocks = BlockManager(kv_blocks, block_size, window, window_blocks, cache=prefix_cache if caching else None)
         self.scheduler = Scheduler(blocks, max_num_seqs, self.step_rows, max_waiting,
                                    max_waiting_per_client=max_waiting_per_client)
+        self.prefix = PrefixSharing(blocks, mode, pipeline.num_stages) if caching else None
         self.requests: dict[int, Request] = {}
         self.states: dict[int, ModeState] = {}  # request id -> its current state machine
         self._pids = pids if pids is not None else itertools.count()
@@ -199,10 +200,9 @@ class EngineCore:
         plan = self.scheduler.schedule(self._want)
         for rid in plan.preempted:
             self._restart(rid)
-        if self.prefix_caching:
+        if self.prefix is not None:
             for rid in plan.admitted:
-                st = self.states[rid]
-                self.scheduler.blocks.cache.count_query(len(st.prefill.tokens), st.req.stats.cached_tokens)
+                self.prefix.admitted(self.states[rid])
         self._ended = []  # requests a fault of their own ended during this step
         running = [self.states[rid] for rid in self.scheduler.running]
         for st in running:
@@ -220,7 +220,8 @@ class EngineCore:
             if prune is not None:
                 control.prune.append(prune)
             st.floors.append(st.committed_sent())
-            self._share_blocks(st, control.share, final=False)
+            if self.prefix is not None:
+                self.prefix.share(st, control.share, final=False)
         self._release, self._report = [], False
 
         self.observer.submitted(self.pipe.steps + 1, control, rows, running)
@@ -287,54 +288,15 @@ class EngineCore:
 
     # -- internals ----------------------------------------------------------------------------------------
     def _want(self, rid: int) -> Want:
-        """What the request would send, with its floor for the sliding-window pool (`_floor`).
-        Before its first rows, its longest cached prefix is looked up (again each time it waits:
-        the cache changes meanwhile) and its prefill starts after it."""
+        """What the request would send, with its floor for the sliding-window pool: the committed
+        positions it had sent S + 2 steps ago, which every stage has computed and settled since
+        (a row sent at step t reaches the last stage at t + S - 1; sched/block_manager.py).
+        Before its first rows, its cached prefix (engine/prefix_sharing.py)."""
         st = self.states[rid]
-        blocks = self.scheduler.blocks
-        blocks.set_floor(rid, self._floor(st))
-        if self.prefix_caching and not st.started and rid not in self.scheduler.running:
-            ids = blocks.lookup(rid, st.prefill.tokens) if not st.req.no_prefix_cache else []
-            st.use_cached(ids, blocks.block_size)
-            st.req.stats.cached_tokens = len(ids) * blocks.block_size
+        self.scheduler.blocks.set_floor(rid, st.floors[0] if len(st.floors) == st.floors.maxlen else 0)
+        if self.prefix is not None and not st.started and rid not in self.scheduler.running:
+            self.prefix.lookup(st)
         return st.want()
-
-    @staticmethod
-    def _floor(st: ModeState) -> int:
-        """The committed positions the request had sent S + 2 steps ago, which every stage has
-        computed and settled since (a row sent at step t reaches the last stage at t + S - 1, and
-        a Control reaches every stage in the step it is sent; sched/block_manager.py)."""
-        return st.floors[0] if len(st.floors) == st.floors.maxlen else 0
-
-    def _share_blocks(self, st: ModeState, out: list[Share], final: bool) -> None:
-        """Prefix caching: the request's full blocks of committed positions that every stage has
-        settled join the cache, told with the next Control (`final`: its release's) or this
-        step's (after its `floors` entry for this step). A Control reaches every stage in the step
-        it is sent, before the rows that stage computes then, and rows sent at step t leave the
-        last stage at step t + S - 1: so what the request had sent S steps before the Control is
-        settled everywhere. While it runs, only blocks its rows filled in order (its prefill;
-        everything in the modes without speculation); at its release, the rest too (the stages
-        copy what a tree scattered into one block first)."""
-        if not self.prefix_caching or not st.started:
-            return
-        blocks, rid = self.scheduler.blocks, st.req.request_id
-        steps_ago = self.pipe.num_stages - (1 if final else 0)  # before the last `floors` entry
-        limit = st.floors[-1 - steps_ago] if len(st.floors) > steps_ago else 0
-        bs = blocks.block_size
-        if not final and self.mode in SPECULATIVE_MODES:
-            limit = min(limit, len(st.prefill.tokens))
-        first = blocks.cached_blocks(rid)
-        if first >= limit // bs:
-            return
-        tokens = st.prefill.tokens if limit <= len(st.prefill.tokens) else st.req.prompt_ids + st.req.output_ids
-        share = Share(st.pid)
-        for k in range(first, limit // bs):
-            block_id = blocks.share(rid, tokens[k * bs:(k + 1) * bs])
-            if block_id is not None:
-                share.blocks.append(k)
-                share.ids.append(block_id)
-        if share.blocks:
-            out.append(share)
 
     def _new_state(self, req: Request) -> ModeState:
         pid = next(self._pids)
@@ -411,8 +373,8 @@ class EngineCore:
 
     def _retire(self, request_id: int) -> None:
         st = self.states.get(request_id)
-        if st is not None and request_id in self.scheduler.running:
-            self._share_blocks(st, self._share, final=True)  # sent with its release
+        if st is not None and self.prefix is not None and request_id in self.scheduler.running:
+            self.prefix.share(st, self._share, final=True)  # sent with its release
         self.scheduler.remove(request_id)
         self.requests.pop(request_id, None)
         st = self.states.pop(request_id, None)
