@@ -105,7 +105,7 @@ class Engine:
             if c.enable_prefix_caching:  # the draft model keeps prompt prefixes too
                 for s in getattr(self.source, "sources", [self.source]):
                     if isinstance(s, DraftModelSource):
-                        s.enable_prefix_cache()
+                        s.enable_prefix_cache(PrefixCache(self.block_size))
         return self.source
 
     def core(self, mode: Optional[str] = None, tree_width: Optional[int] = None,

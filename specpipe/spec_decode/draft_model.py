@@ -48,9 +48,10 @@ class DraftModelSource(TokenSource):
         self._failed: list[int] = []
         self.prefix: Optional[DraftPrefixCache] = None
 
-    def enable_prefix_cache(self) -> None:
-        """Keep the KV of prompt prefixes for later requests (spec_decode/draft_prefix.py)."""
-        self.prefix = DraftPrefixCache(self.slots, self.kv.move)
+    def enable_prefix_cache(self, index) -> None:
+        """Keep the KV of prompt prefixes for later requests (spec_decode/draft_prefix.py), in
+        `index` (an empty sched.prefix_cache.PrefixCache of this source's block size)."""
+        self.prefix = DraftPrefixCache(self.slots, self.kv.move, index)
 
     def start(self, request_id: int) -> None:
         self.slots.admit(request_id)

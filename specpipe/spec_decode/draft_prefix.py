@@ -1,5 +1,6 @@
 """The draft model's prefix cache: the stages' scheme (sched/prefix_cache.py, kv/slot_table.py),
-driven in place, since the draft runs in the driver's process and computes its rows at once.
+driven in place, since the draft runs in the driver's process and computes its rows at once. The
+index is the driver's kind, handed in by the engine (this room sits below sched/).
 
 A request's first rows (its prompt, from position 0) skip the blocks the index holds; its full
 blocks of committed tokens join the cache as they settle where its rows filled them in order, and
@@ -10,10 +11,9 @@ of blocks for a step's rows, the least recently used unreferenced blocks go firs
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from specpipe.kv.slot_table import KVStateError, SlotTable
-from specpipe.sched.prefix_cache import CachedBlock, PrefixCache
 from specpipe.spec_decode.sources import SourceRows
 
 
@@ -21,16 +21,16 @@ from specpipe.spec_decode.sources import SourceRows
 class _Request:
     commits: list[int] = field(default_factory=list)  # committed node ids, in position order
     tokens: dict[int, int] = field(default_factory=dict)  # node id -> token, for rows fed
-    chain: list[CachedBlock] = field(default_factory=list)  # the cached block of each of its first blocks
-    refs: list[CachedBlock] = field(default_factory=list)  # those it holds a reference to
+    chain: list[Any] = field(default_factory=list)  # the index's block for each of its first blocks
+    refs: list[Any] = field(default_factory=list)  # those it holds a reference to
     scattered: bool = False  # a block its rows did not fill in order: the rest waits for its end
 
 
 class DraftPrefixCache:
-    def __init__(self, slots: SlotTable, move: Callable[[list[tuple[int, int]]], None]) -> None:
-        """`move`: copies KV slots (from, to) in the draft's KV tensors."""
-        self.slots, self.move = slots, move
-        self.index = PrefixCache(slots.block_size)
+    def __init__(self, slots: SlotTable, move: Callable[[list[tuple[int, int]]], None], index) -> None:
+        """`move`: copies KV slots (from, to) in the draft's KV tensors; `index`: an empty
+        sched.prefix_cache.PrefixCache of the table's block size."""
+        self.slots, self.move, self.index = slots, move, index
         self.requests: dict[int, _Request] = {}
 
     def observe(self, pid: int, commit: Sequence[int], drop: Sequence[int]) -> None:

@@ -67,7 +67,7 @@ def source_for(ckpt, mode: str, cached: bool):
     draft = DraftModelSource(build_stage(ckpt, StageSpec(0, layers, first=True, last=True)), 64, BLOCK_SIZE,
                              f"self:{layers}")
     if cached:  # its own KV too, in a pool small enough that it must evict
-        draft.enable_prefix_cache()
+        draft.enable_prefix_cache(PrefixCache(BLOCK_SIZE))
     return draft
 
 
