@@ -30,7 +30,14 @@ from typing import Optional
 
 from specpipe.bench.metrics import percentile
 
-MODE_OPTIONS = {"width": int, "depth": int, "layers": lambda v: v if v == "auto" else int(v)}
+def _draft_timing(value: str) -> str:
+    if value not in ("sync", "async"):
+        raise ValueError(value)
+    return value
+
+
+MODE_OPTIONS = {"width": int, "depth": int, "layers": lambda v: v if v == "auto" else int(v),
+                "draft": _draft_timing}  # draft=async: --draft-async for this run
 
 
 @dataclass(frozen=True)
@@ -223,7 +230,8 @@ def _config(args, S: int, runs: list[RunSpec], **extra):
 
 
 def _core_args(args, run: RunSpec) -> tuple:
-    return (run.mode, run.get("width", args.tree_width), run.get("depth", args.tree_depth), run.get("layers", 1))
+    return (run.mode, run.get("width", args.tree_width), run.get("depth", args.tree_depth), run.get("layers", 1),
+            run.get("draft", "async" if getattr(args, "draft_async", False) else "sync") == "async")
 
 
 def _outcome(group: str, req, real: bool) -> Outcome:
@@ -279,7 +287,9 @@ def _oracle(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
     from specpipe.engine.observer import NO_OBSERVER
     from specpipe.loader.partition import parse_stage_layers, partition_layers
     from specpipe.sampling import SamplingParams
+    from specpipe.sim.draft_clock import DraftClock
     from specpipe.sim.oracle_pipeline import OraclePipeline
+    from specpipe.spec_decode.async_draft import AsyncDraft
 
     engine = Engine(_config(args, 1, runs, transport="inproc"))
     L, wanted = engine.checkpoint.config.num_layers, parse_stage_layers(args.stage_layers)
@@ -292,11 +302,17 @@ def _oracle(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
                 reqs = [engine.prompts.make_request(p["text"], sampling) for p in prompts]
                 seqs = {r.request_id: r.prompt_ids + ref for r, ref in zip(reqs, refs)}
                 by_pid: dict[int, list[int]] = {}
-                mode, width, depth, layers = _core_args(args, run)
+                mode, width, depth, layers, draft_async = _core_args(args, run)
                 source = engine.source if mode in SPECULATIVE_MODES else None
                 counts = [s.end - s.start for s in partition_layers(
                     L, S, resolve_stage_layers(wanted, engine.cost_profile, L, S, mode, width))]
-                core = EngineCore(OraclePipeline(S, lambda pid: by_pid.get(pid, [])), mode, source, width=width,
+                pipe = OraclePipeline(S, lambda pid: by_pid.get(pid, []))
+                if draft_async and source is not None:  # ready when a modeled clock says so (sim/draft_clock.py)
+                    if engine.cost_profile is None:
+                        raise ValueError("draft=async under --oracle needs --cost-profile: it says when a "
+                                         "draft forward would have finished")
+                    source = AsyncDraft(source, clock=DraftClock(engine.cost_profile, counts, pipe))
+                core = EngineCore(pipe, mode, source, width=width,
                                   depth=depth, layers=layers, max_num_seqs=max(1, args.concurrency),
                                   step_rows=args.max_step_rows, max_waiting=max(1, len(reqs)),
                                   cost_profile=engine.cost_profile, stage_layers=counts)

@@ -26,6 +26,7 @@ import queue
 import threading
 from typing import Callable, Optional, Protocol, Sequence
 
+from specpipe.config import ConfigError
 from specpipe.spec_decode.sources import ProposeCall, TokenSource
 
 
@@ -69,7 +70,7 @@ class AsyncDraft(TokenSource):
 
     def __init__(self, inner: TokenSource, clock: Optional[Clock] = None) -> None:
         if not inner.runs_model or getattr(inner, "reads_tree", False):
-            raise ValueError(f"--draft-async needs a draft model as the source, not {inner.name} "
+            raise ConfigError(f"--draft-async needs a draft model as the source, not {inner.name} "
                              "(a source that costs nothing gains nothing from it)")
         self.inner, self.clock = inner, clock
         self.name, self.runs_model = inner.name, True

@@ -1,6 +1,6 @@
 """`--draft-async`: the draft runs off the critical path (spec_decode/async_draft.py,
 engine/async_drafting.py) and every mode it applies to still commits exactly pp's tokens, greedy
-and seeded, at S = 1, 2, 4; with the draft's answers arriving 0, 1 or 3 steps late (a modeled
+and seeded, at S = 1, 2, 4; with the draft's answers arriving 0 or 3 steps late (a modeled
 clock, deterministic) and on a real thread behind a slow draft; and requests that finish or are
 aborted while a forward is in flight leave no draft KV behind, and shutdown does not hang.
 """
@@ -84,7 +84,7 @@ def serve(pipe, mode, requests, source: AsyncDraft, layers=1, width=4):
     return core
 
 
-RUNS = [("tree", 1), ("specpipe", 1), ("specpipe", 2), ("specpipe-db", 1), ("specpipe", "auto")]
+RUNS = [("tree", 1), ("specpipe", 1), ("specpipe-db", 1), ("specpipe", "auto")]
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
@@ -97,7 +97,7 @@ def test_async_draft_equals_pp(tiny8, num_stages, sampling):
     serve_pp.run([reference])
     pipe = make_pipeline(target, num_stages, 4 * 8, max_committed)
     lagged = 0
-    for (mode, layers), lag in [(r, lag) for r in RUNS for lag in (0, 1, 3)]:
+    for (mode, layers), lag in [(r, lag) for r in RUNS for lag in (0, 3)]:
         source = AsyncDraft(self_draft(target, 2), clock=LagClock(pipe, lag))
         req = Request(0, TINY_PROMPT, sampling, frozenset())
         serve(pipe, mode, [req], source, layers)
