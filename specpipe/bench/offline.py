@@ -132,6 +132,8 @@ class Outcome:
     ttft_ms: Optional[float] = None
     tbt_ms: Optional[float] = None
     block_shapes: dict[str, int] = field(default_factory=dict)  # specpipe: "d x w" -> steps
+    draft_bound_steps: int = 0  # steps whose drafting outlasted the stages' compute (real runs)
+    draft_calls: int = 0  # source calls (one batched draft forward each)
 
 
 @dataclass
@@ -237,7 +239,7 @@ def _core_args(args, run: RunSpec) -> tuple:
 def _outcome(group: str, req, real: bool) -> Outcome:
     s = req.stats
     o = Outcome(group, len(req.output_ids), s.pipeline_steps, s.hits, s.verifications, s.rounds,
-                block_shapes=dict(s.block_shapes))
+                block_shapes=dict(s.block_shapes), draft_bound_steps=s.draft_bound_steps, draft_calls=s.draft_calls)
     if real:
         summary = req.summary(0)
         o.ttft_ms, o.tbt_ms = summary["ttft_ms"], summary["tbt_ms"]
@@ -376,6 +378,8 @@ def metrics(outcomes: list[Outcome], seconds: float) -> dict:
             "tbt_ms_median": statistics.median(tbt) if tbt else None,
             "tbt_ms_p90": percentile(tbt, 90) if tbt else None,
             "throughput_tok_s": tokens / seconds if seconds else None,
+            "draft_bound_steps": sum(o.draft_bound_steps for o in outcomes),
+            "draft_calls": sum(o.draft_calls for o in outcomes),
             "block_shapes": dict(sorted(sum((collections.Counter(o.block_shapes) for o in outcomes),
                                             collections.Counter()).items())) or None}
 
