@@ -119,7 +119,7 @@ class Engine:
         busy = [k for k, core in self._cores.items() if k != key and core.has_work()]
         if busy:
             raise RuntimeError(f"the engine is still serving requests in mode {busy[0][0]}")
-        if self.async_source is not None:  # the draft is the caller's again only once its queue has run
+        if self.async_source is not None and not key[4]:  # the draft is a sync core's only once its queue has run
             self.async_source.drain()
         if key not in self._cores:
             source = None
