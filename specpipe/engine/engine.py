@@ -142,12 +142,12 @@ class Engine:
                  chat: Optional[bool] = None, on_text: Optional[Callable[[str], None]] = None,
                  mode: Optional[str] = None, tree_width: Optional[int] = None,
                  tree_depth: Optional[int] = None, layers_per_step: Optional[int] = None,
-                 ignore_eos: bool = False) -> RequestOutput:
+                 ignore_eos: bool = False, draft_async: Optional[bool] = None) -> RequestOutput:
         """Decode one request. `mode`, `tree_width`, `tree_depth` and `layers_per_step` override the
         config for this request (so one set of stage processes can serve every mode, e.g. in
-        benchmarks); `ignore_eos` decodes up to max_tokens whatever the model says."""
+        benchmarks), as `draft_async` does --draft-async; `ignore_eos` decodes up to max_tokens whatever the model says."""
         req = self.prompts.make_request(prompt, sampling, chat, on_text, ignore_eos)
-        core = self.core(mode, tree_width, tree_depth, layers_per_step)
+        core = self.core(mode, tree_width, tree_depth, layers_per_step, draft_async)
         # The stages' counters ride on the step that delivers the release: no extra step.
         self.run([req], core, on_finish=lambda _req: core.request_stage_stats())
         stages = _stage_deltas(self._stage_before, core.stage_stats or [])

@@ -163,3 +163,30 @@ def test_finish_and_abort_while_a_forward_is_in_flight(tiny8):
 def test_a_source_that_reads_the_tree_is_refused():
     with pytest.raises(ValueError, match="draft model"):
         AsyncDraft(NgramSource())
+
+
+def test_engine_flag_serves_pp_tokens_and_refuses_ngram(tiny_model_dir):
+    """`--draft-async` through EngineConfig / Engine: pp's tokens, one worker thread for the
+    draft, stopped by close(); refused where it cannot apply (n-gram, a mode without a source)."""
+    from specpipe.config import ConfigError, EngineConfig
+    from specpipe.engine.engine import Engine
+
+    model = str(tiny_model_dir("llama", num_hidden_layers=4))
+    common = dict(model=model, transport="inproc", kv_memory="8MiB", max_context=128, stages=2)
+    sampling = SamplingParams(temperature=0.0, max_tokens=12)
+    pp = Engine(EngineConfig(mode="pp", **common))
+    try:
+        want = pp.generate(TINY_PROMPT, sampling).token_ids
+    finally:
+        pp.close()
+    engine = Engine(EngineConfig(mode="specpipe", draft="self:2", draft_async=True, **common))
+    try:
+        assert engine.generate(TINY_PROMPT, sampling).token_ids == want
+        assert engine.generate(TINY_PROMPT, sampling, draft_async=False).token_ids == want
+    finally:
+        engine.close()
+    assert not engine.async_source._thread.is_alive()
+    with pytest.raises(ConfigError, match="draft model"):
+        Engine(EngineConfig(mode="specpipe", draft="ngram", draft_async=True, **common))
+    with pytest.raises(ConfigError, match="draft-async"):
+        EngineConfig(mode="pp", draft_async=True, **common).validate()
