@@ -211,6 +211,7 @@ class EngineConfig:
     block_size: int = 16  # KV slots per block
     kv_memory: Optional[str] = None  # KV cache per stage, e.g. "2GiB"; None = kv_memory_fraction of free memory
     kv_memory_fraction: float = 0.25
+    enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes computed before (--no-prefix-caching)
 
     def link(self) -> LinkOptions:
         return LinkOptions(self.link_delay_ms, self.link_bandwidth_mbps, self.stage_timeout_s)

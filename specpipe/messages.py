@@ -3,7 +3,8 @@
 Exactly three kinds travel, one of each per link per pipeline step (an empty one when there is
 nothing to say), which keeps every link in lock-step and the pipeline free of deadlocks:
 
-  Control   driver -> every stage   what to commit, prune, admit or release before computing
+  Control   driver -> every stage   what to commit, prune, admit or release before computing, and
+                                     which blocks join or leave the prefix cache
   Rows      driver -> stage 1, stage s -> stage s+1 (and stage S -> driver as `Results`)
   Results   stage S -> driver        the target's token for each surviving row
 
@@ -27,6 +28,17 @@ class Admit:
 
     request_id: int
     sampling: SamplingParams
+    cached: list[int] = field(default_factory=list)  # cache ids of the blocks holding its first positions
+
+
+@dataclass
+class Share:
+    """Prefix caching: one request's block-aligned runs of committed positions join the cache,
+    run blocks[i] (positions blocks[i]*B ..) under cache id ids[i] (kv/slot_table.py, `share`)."""
+
+    request_id: int
+    blocks: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -43,6 +55,8 @@ class Control:
     admit: list[Admit] = field(default_factory=list)
     prune: list[Prune] = field(default_factory=list)
     release: list[int] = field(default_factory=list)  # finished request ids: free all their KV
+    share: list[Share] = field(default_factory=list)  # blocks that join the prefix cache (before release)
+    evict: list[int] = field(default_factory=list)  # cache ids to forget (after release, before admit)
     report: bool = False  # every stage sends its cumulative StageStats to the driver
     shutdown: bool = False
 

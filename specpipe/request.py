@@ -37,6 +37,7 @@ class DecodeStats:
     stage_restarts: int = 0  # of those, times the stages died and were started again
     draft_failures: int = 0  # times the draft model's KV pool ran out for it (it was recomputed)
     draft_bound_steps: int = 0  # steps whose drafting outlasted the stages (the draft set the pace)
+    cached_tokens: int = 0  # prompt tokens the prefix cache held (not computed) at its last admission
 
 
 class RequestText:
@@ -107,6 +108,7 @@ class Request:
     finish_reason: Optional[str] = None  # stop | length | abort | error
     error: Optional[str] = None
     stats: DecodeStats = field(default_factory=DecodeStats)
+    no_prefix_cache: bool = False  # a stage lacked a cached block for it: compute its whole prompt
 
     @property
     def finished(self) -> bool:
@@ -163,6 +165,7 @@ class Request:
             "ttft_ms": (self.token_times[0] - self.arrival) * 1e3 if n else None,
             "tbt_ms": sum(gaps) / len(gaps) * 1e3 if gaps else None,
             "draft_ms": s.draft_s * 1e3 if s.draft_s else None,
+            "cached_tokens": s.cached_tokens,
             "preemptions": s.preemptions,
             "stage_restarts": s.stage_restarts,
             "draft_failures": s.draft_failures,

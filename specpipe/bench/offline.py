@@ -131,6 +131,8 @@ class Outcome:
     rounds: int
     ttft_ms: Optional[float] = None
     tbt_ms: Optional[float] = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of those, what the prefix cache held
     block_shapes: dict[str, int] = field(default_factory=dict)  # specpipe: "d x w" -> steps
     draft_bound_steps: int = 0  # steps whose drafting outlasted the stages' compute (real runs)
     draft_calls: int = 0  # source calls (one batched draft forward each)
@@ -239,6 +241,7 @@ def _core_args(args, run: RunSpec) -> tuple:
 def _outcome(group: str, req, real: bool) -> Outcome:
     s = req.stats
     o = Outcome(group, len(req.output_ids), s.pipeline_steps, s.hits, s.verifications, s.rounds,
+                prompt_tokens=len(req.prompt_ids), cached_tokens=min(len(req.prompt_ids), s.cached_tokens),
                 block_shapes=dict(s.block_shapes), draft_bound_steps=s.draft_bound_steps, draft_calls=s.draft_calls)
     if real:
         summary = req.summary(0)
@@ -258,6 +261,7 @@ def _real(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
             sampling = SamplingParams(max_tokens=args.max_tokens)
             engine.generate(prompts[0]["text"], SamplingParams(max_tokens=4), mode="pp")  # warm-up
             for run in runs:
+                engine.reset_prefix_cache()  # each run starts from the same (empty) cache
                 core = engine.core(*_core_args(args, run))
                 source = core.source.name if core.source is not None else None
                 tracer = _tracer(args, run, S, True, source, [s.end - s.start for s in engine.stage_specs])
@@ -374,6 +378,8 @@ def metrics(outcomes: list[Outcome], seconds: float) -> dict:
             "tokens_per_step": tokens / steps if steps else None,
             "hit_rate": sum(o.hits for o in outcomes) / verifications if verifications else None,
             "acceptance_length": tokens / rounds if rounds else None,
+            "prefix_cache_hit_rate": (sum(o.cached_tokens for o in outcomes) / prompt
+                                      if (prompt := sum(o.prompt_tokens for o in outcomes)) else None),
             "ttft_ms_median": statistics.median(ttft) if ttft else None,
             "tbt_ms_median": statistics.median(tbt) if tbt else None,
             "tbt_ms_p90": percentile(tbt, 90) if tbt else None,
@@ -421,7 +427,8 @@ def format_markdown(report: dict) -> str:
     lines = [f"Method: {report['method']}; {report['date']}; up to {report['max_tokens']} greedy tokens per prompt, "
              f"concurrency {report['concurrency']}.", ""]
     groups = ["all"] + sorted({g for r in report["runs"] for g in r["by_group"]})
-    head = "| S | run | tok/step | hit rate | accept | " + ("TTFT ms | TBT ms | TBT p90 | tok/s | " if real else "")
+    head = "| S | run | tok/step | hit rate | accept | " + (
+        "prefix hit | TTFT ms | TBT ms | TBT p90 | tok/s | " if real else "")
     head += "vs pp | vs tree |"
     for g in groups:
         lines += [f"**{g}**", "", head, "|" + "---|" * (head.count("|") - 1)]
@@ -432,7 +439,8 @@ def format_markdown(report: dict) -> str:
             cells = [str(r["stages"]), r["label"], _cell(m["tokens_per_step"], ".3f"), _cell(m["hit_rate"], ".3f"),
                      _cell(m["acceptance_length"])]
             if real:
-                cells += [_cell(m["ttft_ms_median"], ".0f"), _cell(m["tbt_ms_median"], ".1f"),
+                cells += [_cell(m.get("prefix_cache_hit_rate"), ".3f"), _cell(m["ttft_ms_median"], ".0f"),
+                          _cell(m["tbt_ms_median"], ".1f"),
                           _cell(m["tbt_ms_p90"], ".1f"), _cell(m["throughput_tok_s"], ".1f")]
             cells += [_cell(m.get("speedup_vs_pp")) + "×", _cell(m.get("speedup_vs_tree")) + "×"]
             lines.append("| " + " | ".join(cells) + " |")

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from specpipe.messages import Admit, Control, Prune, Results, Rows, StageStats
+from specpipe.messages import Admit, Control, Prune, Results, Rows, Share, StageStats
 from specpipe.sampling import SamplingParams
 
 DTYPES = [torch.long, torch.float32, torch.bfloat16, torch.float16]
@@ -62,11 +62,14 @@ def encode_control(c: Control) -> list[int]:
     for a in c.admit:
         s = a.sampling
         out += [a.request_id, _f2i(s.temperature), _f2i(s.top_p), s.top_k,
-                -1 if s.seed is None else s.seed, s.max_tokens]
+                -1 if s.seed is None else s.seed, s.max_tokens, len(a.cached), *a.cached]
     out.append(len(c.prune))
     for p in c.prune:
         out += [p.request_id, len(p.commit), *p.commit, len(p.drop), *p.drop]
-    out += [len(c.release), *c.release]
+    out += [len(c.release), *c.release, len(c.share)]
+    for sh in c.share:
+        out += [sh.request_id, len(sh.blocks), *sh.blocks, *sh.ids]
+    out += [len(c.evict), *c.evict]
     return out
 
 
@@ -82,13 +85,17 @@ def decode_control(values: list[int]) -> Control:
             sampling = SamplingParams(_i2f(temp), _i2f(top_p), top_k, None if seed == -1 else seed, max_tokens)
         except ValueError as e:  # out-of-range values: not something a driver of ours sends
             raise WireError(f"bad sampling parameters for request {rid}: {e}") from None
-        c.admit.append(Admit(rid, sampling))
+        c.admit.append(Admit(rid, sampling, r.take(r.count())))
     for _ in range(r.count()):
         rid = r.one()
         commit = r.take(r.count())
         drop = r.take(r.count())
         c.prune.append(Prune(rid, commit, drop))
     c.release = r.take(r.count())
+    for _ in range(r.count()):
+        rid, n = r.one(), r.count()
+        c.share.append(Share(rid, r.take(n), r.take(n)))
+    c.evict = r.take(r.count())
     r.done()
     return c
 

@@ -66,6 +66,9 @@ class EngineSnapshot:
     steps: int = 0
     kv_blocks_used: int = 0  # the scheduler's view of the pool (the stages report their own)
     kv_blocks: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (None: caching off)
+    prefix_cache_hits: int = 0  # ... and found there
+    prefix_caching: bool = False
 
 
 class Observer(Protocol):
@@ -313,8 +316,11 @@ class AsyncEngine:
             if self.observer is not None:
                 self.observer.on_step(time.perf_counter() - t0)
         sched = self.core.scheduler
+        cache = sched.blocks.cache
         self.snapshot = EngineSnapshot(len(sched.running), len(sched.waiting), self.core.steps,
-                                       sched.blocks.num_blocks - sched.blocks.num_free(), sched.blocks.num_blocks)
+                                       sched.blocks.num_blocks - sched.blocks.pool.available(), sched.blocks.num_blocks,
+                                       cache.stats.queries if cache else 0, cache.stats.hits if cache else 0,
+                                       cache is not None)
         self._answer_reports()  # every waiter asked before this step, so the step carried the report
 
     def _answer_reports(self) -> None:

@@ -30,9 +30,11 @@ from specpipe.engine.modes.base import AFTER, BEFORE, DURING, ModeState
 from specpipe.engine.modes.rounds import RoundsState
 from specpipe.engine.modes.specpipe import AUTO, AutoPlan, SpecPipeState, block_rows
 from specpipe.engine.observer import NO_OBSERVER, StepObserver
-from specpipe.messages import Control, Pipeline, StagesRestarted
+from specpipe.engine.prefix_sharing import PrefixSharing
+from specpipe.messages import Control, Pipeline, Share, StagesRestarted
 from specpipe.request import Request
 from specpipe.sched.block_manager import BlockManager, window_need
+from specpipe.sched.prefix_cache import PrefixCache
 from specpipe.sched.scheduler import QueueFull, Scheduler, Want
 from specpipe.spec_decode.async_draft import AsyncDraft
 from specpipe.spec_decode.planner import HitProfile, StepCost
@@ -61,10 +63,13 @@ class EngineCore:
                  max_num_seqs: int = 32, step_rows: Optional[int] = 64, max_waiting: int = 1024,
                  max_waiting_per_client: Optional[int] = None, pids: Optional[Iterator[int]] = None,
                  cost_profile: Optional["CostProfile"] = None, window_pool: Optional[tuple[int, int]] = None,
-                 stage_layers: Optional[list[int]] = None) -> None:
+                 stage_layers: Optional[list[int]] = None, prefix_cache: Optional[PrefixCache] = None) -> None:
         """`cost_profile`: what `--layers-per-step auto` prices rows and draft forwards with, for
         stages of `stage_layers` layers each (default: the even split).
-        `window_pool`: (window, blocks) of the stages' sliding-window KV pool, when they keep one."""
+        `window_pool`: (window, blocks) of the stages' sliding-window KV pool, when they keep one.
+        `prefix_cache`: reuse the KV of full blocks of committed tokens across requests, indexed
+        here (one for every core of the same stages; ignored with a sliding-window pool, which
+        forgets them: `prefix` is None where it is off)."""
         if mode in SPECULATIVE_MODES and source is None:
             raise ConfigError(f"mode {mode} needs a speculative source")
         self.pipe, self.mode, self.source = pipeline, mode, source
@@ -80,12 +85,16 @@ class EngineCore:
             self.auto_plan = AutoPlan(HitProfile(width), pipeline.num_stages, cost)
         self.step_rows = step_rows if mode in BUDGETED_MODES else None
         window, window_blocks = window_pool or (None, 0)
-        self.scheduler = Scheduler(BlockManager(kv_blocks, block_size, window, window_blocks), max_num_seqs,
-                                   self.step_rows, max_waiting, max_waiting_per_client=max_waiting_per_client)
+        caching = prefix_cache is not None and not window_blocks
+        blocks = BlockManager(kv_blocks, block_size, window, window_blocks, cache=prefix_cache if caching else None)
+        self.scheduler = Scheduler(blocks, max_num_seqs, self.step_rows, max_waiting,
+                                   max_waiting_per_client=max_waiting_per_client)
+        self.prefix = PrefixSharing(blocks, mode, pipeline.num_stages) if caching else None
         self.requests: dict[int, Request] = {}
         self.states: dict[int, ModeState] = {}  # request id -> its current state machine
         self._pids = pids if pids is not None else itertools.count()
         self._release: list[int] = []  # pids whose KV every stage frees at the next step
+        self._share: list[Share] = []  # blocks of released pids that join the prefix cache with it
         self._failures: dict[int, int] = {}
         self._ended: list[Request] = []
         self._draft_lost: list[int] = []  # request ids whose draft ran out of KV, waiting for room there
@@ -199,6 +208,9 @@ class EngineCore:
         plan = self.scheduler.schedule(self._want)
         for rid in plan.preempted:
             self._restart(rid)
+        if self.prefix is not None:
+            for rid in plan.admitted:
+                self.prefix.admitted(self.states[rid])
         self._ended = []  # requests a fault of their own ended during this step
         running = [self.states[rid] for rid in self.scheduler.running]
         for st in running:
@@ -206,7 +218,9 @@ class EngineCore:
         self._draft(running, BEFORE)
         running = [st for st in running if self._alive(st)]
         rows = [r for st in running if (r := st.send()) is not None]
-        control = Control(release=self._release, report=self._report)
+        control = Control(release=self._release, report=self._report, share=self._share,
+                          evict=self.scheduler.blocks.take_evicted())
+        self._share = []
         for st in running:
             admit, prune = st.control()
             if admit is not None:
@@ -214,6 +228,8 @@ class EngineCore:
             if prune is not None:
                 control.prune.append(prune)
             st.floors.append(st.committed_sent())
+            if self.prefix is not None:
+                self.prefix.share(st, control.share, final=False)
         self._release, self._report = [], False
 
         self.observer.submitted(self.pipe.steps + 1, control, rows, running)
@@ -283,9 +299,12 @@ class EngineCore:
     def _want(self, rid: int) -> Want:
         """What the request would send, with its floor for the sliding-window pool: the committed
         positions it had sent S + 2 steps ago, which every stage has computed and settled since
-        (a row sent at step t reaches the last stage at t + S - 1; sched/block_manager.py)."""
+        (a row sent at step t reaches the last stage at t + S - 1; sched/block_manager.py).
+        Before its first rows, its cached prefix (engine/prefix_sharing.py)."""
         st = self.states[rid]
         self.scheduler.blocks.set_floor(rid, st.floors[0] if len(st.floors) == st.floors.maxlen else 0)
+        if self.prefix is not None and not st.started and rid not in self.scheduler.running:
+            self.prefix.lookup(st)
         return st.want()
 
     def _new_state(self, req: Request) -> ModeState:
@@ -363,6 +382,9 @@ class EngineCore:
         return self.states.get(st.req.request_id) is st
 
     def _retire(self, request_id: int) -> None:
+        st = self.states.get(request_id)
+        if st is not None and self.prefix is not None and request_id in self.scheduler.running:
+            self.prefix.share(st, self._share, final=True)  # sent with its release
         self.scheduler.remove(request_id)
         self.requests.pop(request_id, None)
         st = self.states.pop(request_id, None)
@@ -392,13 +414,16 @@ class EngineCore:
             self.scheduler.requeue(rid)
             self._restart(rid)
             self.requests[rid].stats.stage_restarts += 1
-        self._release = []  # the new stages never knew the old pids
+        self._release, self._share = [], []  # the new stages never knew the old pids
+        self.scheduler.blocks.clear_cache()  # nor any cached block
         self._report = True  # the new stages' counters start afresh: report them on the next step
         self.stage_restarts += 1
         return self._ended  # requests a drafting fault ended before the failure
 
     def _stage_kv_failed(self, st: ModeState) -> None:
         rid = st.req.request_id
+        if st.req.stats.cached_tokens:
+            st.req.no_prefix_cache = True  # a stage lacked a block the driver thought cached
         n = self._failures[rid] = self._failures.get(rid, 0) + 1
         if n >= MAX_STAGE_KV_FAILURES:
             st.req.end("error", "a pipeline stage ran out of KV cache for this request")

@@ -16,6 +16,7 @@ from specpipe.costs.balance import BALANCED
 from specpipe.distributed.ranks import RankEnv
 from specpipe.engine.core import EngineCore
 from specpipe.engine.kv_pool import held_weight_bytes
+from specpipe.sched.prefix_cache import PrefixCache
 from specpipe.engine.prompts import PromptProcessor
 from specpipe.engine.stage_plan import OnePrompt, cluster_blocks, cost_profile_of, plan_stages
 from specpipe.engine.start_pipeline import start_pipeline
@@ -27,6 +28,7 @@ from specpipe.request import Request
 from specpipe.sampling import SamplingParams
 from specpipe.spec_decode.async_draft import AsyncDraft
 from specpipe.spec_decode.build import build_source
+from specpipe.spec_decode.draft_model import DraftModelSource
 from specpipe.spec_decode.sources import TokenSource
 from specpipe.worker.stage_worker import StageStats
 
@@ -88,6 +90,12 @@ class Engine:
             progress(f"KV cache: {self.num_blocks} blocks of {self.block_size} tokens per stage "
                      f"({self.num_blocks * self.block_size} tokens){window}")
         self._pids = itertools.count()  # shared by every core: the stages see one id space
+        # One prefix cache for every core, since they share the stages' pools. A sliding-window
+        # pool forgets what the window has passed, so there a block cannot be reused.
+        self.prefix_cache = (PrefixCache(self.block_size)
+                             if config.enable_prefix_caching and not self.window_blocks else None)
+        if progress and config.enable_prefix_caching and self.window_blocks:
+            progress("prefix caching is off: the sliding-window layers keep a pool that forgets old positions")
         self._cores: dict[tuple, EngineCore] = {}
         self._stage_before: list[dict] = []  # the stages' counters when the last generate() began
         self._kernels: Optional[dict] = None
@@ -98,6 +106,10 @@ class Engine:
             self.source = build_source(c.draft or DEFAULT_DRAFT, self.checkpoint, self.tokenizer,
                                        self.draft_blocks, self.block_size, c.device, c.torch_dtype(),
                                        c.quantization, c.draft_vocab, c.draft_quantization)
+            if c.enable_prefix_caching:  # the draft model keeps prompt prefixes too
+                for s in getattr(self.source, "sources", [self.source]):
+                    if isinstance(s, DraftModelSource):
+                        s.enable_prefix_cache()
         return self.source
 
     def _async_source(self) -> AsyncDraft:
@@ -130,8 +142,15 @@ class Engine:
                 block_size=self.block_size, max_num_seqs=c.max_num_seqs, step_rows=c.max_step_rows,
                 max_waiting=c.max_waiting, max_waiting_per_client=c.max_waiting_per_client, pids=self._pids,
                 cost_profile=self.cost_profile, stage_layers=[s.end - s.start for s in self.stage_specs],
-                window_pool=(self.checkpoint.config.sliding_window, self.window_blocks) if self.window_blocks else None)
+                window_pool=(self.checkpoint.config.sliding_window, self.window_blocks) if self.window_blocks else None,
+                prefix_cache=self.prefix_cache)
         return self._cores[key]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix nobody reads now (the stages free their blocks with the next
+        step), e.g. so that one benchmark run does not start from another's cache."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.evict(len(self.prefix_cache))
 
     def run(self, requests: Iterable[Request], core: Optional[EngineCore] = None,
             on_finish: Optional[Callable[[Request], None]] = None) -> None:

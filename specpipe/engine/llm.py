@@ -89,6 +89,10 @@ class LLM:
         stats.update(mode=self.engine.config.mode, seed=req.sampling.seed)
         return RequestOutput.of(req, stats, prompt)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget the prompt prefixes cached so far (what no request is reading)."""
+        self.engine.reset_prefix_cache()
+
     def close(self) -> None:
         """Stop the stage processes (also done when the object is garbage-collected)."""
         self._finalizer()

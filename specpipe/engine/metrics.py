@@ -131,6 +131,16 @@ class _LevelCollector:
                     m._accepted / m._verified if m._verified else None)
         yield gauge("scheduler_kv_usage_perc", "Share of the KV pool the scheduler has given out (0-1).",
                     snap.kv_blocks_used / snap.kv_blocks if snap.kv_blocks else None)
+        if snap.prefix_caching:
+            for name, doc, value in (
+                    ("prefix_cache_queries", "Prompt tokens of admitted requests looked up in the prefix cache.",
+                     snap.prefix_cache_queries),
+                    ("prefix_cache_hits", "Of those, tokens the cache held (not computed).", snap.prefix_cache_hits)):
+                c = CounterMetricFamily(f"specpipe:{name}", doc, labels=["model_name"])
+                c.add_metric(model, value)
+                yield c
+            yield gauge("prefix_cache_hit_rate", "Prefix cache hits / queries since the start (tokens).",
+                        snap.prefix_cache_hits / snap.prefix_cache_queries if snap.prefix_cache_queries else None)
         yield from self._stages()
 
     def _kernels(self) -> Iterator[Metric]:

@@ -30,6 +30,13 @@ class Prefill:
         self.tokens = list(tokens)
         self.node_ids = prompt_node_ids(len(self.tokens), root_id)
         self.sent = 0
+        self.cached = 0  # leading tokens the stages hold in cached blocks: never sent
+
+    def skip(self, cached: int) -> None:
+        """Before the first chunk: the stages hold the first `cached` tokens already."""
+        if self.sent != self.cached or not 0 <= cached < len(self.tokens):
+            raise ValueError(f"a cached prefix of {cached} tokens set after sending or past the prompt")
+        self.sent = self.cached = cached
 
     def left(self) -> int:
         return len(self.tokens) - self.sent

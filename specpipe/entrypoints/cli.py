@@ -171,6 +171,9 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-memory-fraction", type=float, default=0.25,
                    help="share of free memory for the KV caches when --kv-memory is not given (default 0.25)")
     g.add_argument("--block-size", type=_positive_int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="compute every prompt from its first token (default: reuse the KV of full blocks of a "
+                        "prefix an earlier request computed: a chat's history, a shared system prompt)")
 
 
 def _engine_config(args: argparse.Namespace, **extra):
@@ -192,7 +195,8 @@ def _engine_config(args: argparse.Namespace, **extra):
                           restart_stages=args.restart_stages, cluster=args.cluster, ray_address=args.ray_address,
                           cluster_key_file=args.cluster_key_file,
                           max_num_seqs=args.max_num_seqs, max_step_rows=args.max_step_rows, kv_memory=args.kv_memory,
-                          kv_memory_fraction=args.kv_memory_fraction, block_size=args.block_size, **extra)
+                          kv_memory_fraction=args.kv_memory_fraction, block_size=args.block_size,
+                          enable_prefix_caching=args.prefix_caching, **extra)
     config.validate()
     return config
 

@@ -36,6 +36,17 @@ block only when all the request's slots are in use), so a request holds at most
 ceil(peak slots in use / block_size) blocks, where its slots in use are its last window - 1
 committed tokens plus its live tree nodes, however long its context. The driver's block manager
 mirrors this too (sched/block_manager.py).
+
+Prefix caching: the driver names full blocks of committed positions by a cache id
+(sched/prefix_cache.py) and this table keeps `cached`: id -> the pool block holding it, and how
+many requests read it. A block joins the cache when the driver says so (`share`): a request's
+block that holds exactly its positions k*B .. (k+1)*B - 1 in order (a prompt, or plain decoding)
+moves from the request's own blocks to the cache as it is; at the request's release, positions
+that speculation scattered over several blocks are first copied into one of its blocks (`share`
+returns those copies for the caller to make in the KV tensors). A request admitted with cached
+ids starts with their slots as its committed prefix; it never writes them (its new rows take
+its own blocks). Cached blocks that nobody reads stay until the driver evicts them: this table
+never takes one on its own, so its free blocks are exactly the driver's count.
 """
 
 from __future__ import annotations
@@ -90,6 +101,7 @@ class RequestSlots:
     free: list[int] = field(default_factory=list)  # a heap of this request's unused slots
     failed: bool = False
     evicted: int = 0  # committed positions no longer held (a sliding-window table): committed[0]'s position
+    cached: list[int] = field(default_factory=list)  # cache ids of the blocks it reads (not its own)
 
     def num_slots(self) -> int:
         return len(self.committed) + len(self.spec)
@@ -120,6 +132,9 @@ class SlotTable:
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
         self.requests: dict[int, RequestSlots] = {}
+        self.cached: dict[int, int] = {}  # cache id -> pool block (prefix caching)
+        self.readers: Counter = Counter()  # cache id -> requests reading it
+        self.lost: set[int] = set()  # cache ids shared by a request that had failed here: never held
         self.horizon = horizon
         self.clock = 0  # steps seen (tick)
         self.evict_behind = evict_behind
@@ -145,26 +160,124 @@ class SlotTable:
             if r.dropped and min(r.dropped.values()) < oldest:
                 r.dropped = {n: c for n, c in r.dropped.items() if c >= oldest}
 
-    def admit(self, request_id: int) -> None:
+    def admit(self, request_id: int, cached: list[int] = ()) -> bool:
+        """A new request; `cached`: the cache ids of the blocks holding its first positions.
+        False when one of those was lost here (`share`): the request starts failed."""
         if request_id in self.requests:
             raise KVStateError(f"request {request_id} admitted twice")
+        if self.lost.intersection(cached):  # see `share`: it starts failed here
+            self.requests[request_id] = RequestSlots(failed=True)
+            if self.window is not None:
+                self.window.admit(request_id)
+            return False
+        missing = [c for c in cached if c not in self.cached]
+        if missing or (cached and self.window is not None):
+            raise KVStateError(f"request {request_id} admitted with cached blocks {missing or cached} "
+                               "this table does not hold")
         self.requests[request_id] = RequestSlots()
+        self._read_cached(self.requests[request_id], cached)
         if self.window is not None:
             self.window.admit(request_id)
+        return True
+
+    def adopt(self, request_id: int, cached: list[int]) -> None:
+        """A request admitted already, with nothing placed yet, starts with these cached blocks
+        (a draft model learns its prompt only when the rows come): their positions leave the
+        commits it was told of."""
+        r = self.requests[request_id]
+        if r.failed or r.committed or r.spec or self.window is not None:
+            raise KVStateError(f"request {request_id}: cached blocks adopted after its rows")
+        self._read_cached(r, cached)
+        for _ in range(min(len(r.committed), len(r.pending))):
+            r.pending.popleft()
+
+    def _read_cached(self, r: RequestSlots, cached: list[int]) -> None:
+        bs = self.block_size
+        for c in cached:
+            self.readers[c] += 1
+            b = self.cached[c]
+            r.committed.extend(range(b * bs, (b + 1) * bs))
+        r.cached = list(cached)
 
     def release(self, request_id: int) -> None:
         r = self.requests.pop(request_id, None)
         if r is not None:
-            self.pool.give(r.blocks)
+            self._let_go(r)
         if self.window is not None:
             self.window.release(request_id)
 
     def fail(self, request_id: int) -> None:
         """Free the request's KV and drop whatever still arrives for it, until it is released."""
-        self.pool.give(self.requests[request_id].blocks)
+        self._let_go(self.requests[request_id])
         self.requests[request_id] = RequestSlots(failed=True)
         if self.window is not None:
             self.window.fail(request_id)
+
+    def _let_go(self, r: RequestSlots) -> None:
+        """Its own blocks back to the pool; the cached ones it read stay cached."""
+        self.pool.give(r.blocks)
+        self.readers.subtract(r.cached)
+        r.blocks, r.cached = [], []
+
+    # -- prefix caching ---------------------------------------------------------------------------
+    def share(self, request_id: int, blocks: list[int], ids: list[int], final: bool = False) -> list[tuple[int, int]]:
+        """Cache the request's block-aligned runs of committed positions: run k (positions
+        k*B .. (k+1)*B - 1) under cache id ids[i] for k = blocks[i]. Each run must be settled here.
+        A run held in order by one of its own blocks moves to the cache as it is; otherwise (a
+        tree's rows scattered it) only at the request's release (`final`): its positions are then
+        copied into one of its own blocks. Returns those copies, (from slot, to slot), for the
+        caller to make in the KV before any other use of the slots."""
+        r = self.requests.get(request_id)
+        if r is None:
+            raise KVStateError(f"request {request_id}: blocks shared that this table does not hold")
+        if r.failed:
+            # It ran out of KV here and the driver has not heard yet: these blocks are cached
+            # everywhere else. A request that would read one fails here, and the driver computes
+            # it again without the cache.
+            self.lost.update(ids)
+            return []
+        bs = self.block_size
+        own = set(r.blocks)
+        runs = []
+        for k, c in zip(blocks, ids):
+            if c in self.cached or (k + 1) * bs > len(r.committed):
+                raise KVStateError(f"request {request_id}: run {k} shared as cache id {c}, but it is "
+                                   f"{'cached already' if c in self.cached else 'not settled here'}")
+            slots = r.committed[k * bs:(k + 1) * bs]
+            b = slots[0] // bs
+            runs.append((k, c, b if b in own and slots == list(range(b * bs, (b + 1) * bs)) else None))
+        claimed = {b for _, _, b in runs if b is not None}
+        spare = [b for b in r.blocks if b not in claimed]
+        moves = []
+        for k, c, b in runs:
+            if b is None:
+                if not final or not spare:
+                    raise KVStateError(f"request {request_id}: run {k} is not one block's slots in order")
+                b = spare.pop(0)
+                src = r.committed[k * bs:(k + 1) * bs]
+                dst = list(range(b * bs, (b + 1) * bs))
+                moves += [(a, d) for a, d in zip(src, dst) if a != d]
+                r.committed[k * bs:(k + 1) * bs] = dst
+            r.blocks.remove(b)
+            self.cached[c] = b
+            self.readers[c] += 1
+            r.cached.append(c)
+        return moves
+
+    def evict(self, ids: list[int]) -> None:
+        """Forget cached blocks nobody reads; their blocks go back to the pool."""
+        for c in ids:
+            if c in self.lost:
+                self.lost.discard(c)
+                continue
+            if c not in self.cached or self.readers[c] > 0:
+                raise KVStateError(f"cache id {c} evicted while {'absent' if c not in self.cached else 'read'}")
+            self.pool.give([self.cached.pop(c)])
+            del self.readers[c]
+
+    def drop_cache(self) -> None:
+        """Forget every cached block nobody reads (the driver's cache was cleared)."""
+        self.evict([c for c in self.cached if self.readers[c] <= 0])
 
     def commit(self, request_id: int, node_ids: list[int]) -> int:
         """Queue commits (in path order); returns how many nodes joined the committed prefix now."""
@@ -343,7 +456,10 @@ class SlotTable:
         return sum(r.num_slots() for r in self.requests.values())
 
     def blocks_in_use(self) -> int:
-        return self.pool.num_blocks - self.pool.num_free()
+        """Blocks requests hold or read; cached blocks nobody reads count as free, as in vLLM
+        (the driver evicts them as soon as a request needs the room)."""
+        idle = sum(1 for c in self.cached if self.readers[c] <= 0)
+        return self.pool.num_blocks - self.pool.num_free() - idle
 
 
 def _is_chain(node_ids: list[int], parent_ids: list[int]) -> bool:

@@ -35,6 +35,14 @@ class KVCache:
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)
 
+    def move(self, moves: list[tuple[int, int]]) -> None:
+        """Copy slots' K/V and positions (from, to), every layer; all reads before any write."""
+        src = torch.tensor([a for a, _ in moves], dtype=torch.long, device=self.k.device)
+        dst = torch.tensor([b for _, b in moves], dtype=torch.long, device=self.k.device)
+        self.k[:, dst] = self.k[:, src]
+        self.v[:, dst] = self.v[:, src]
+        self.positions[dst] = self.positions[src]
+
     def read(self, layer: int, seg: Segment) -> tuple[torch.Tensor, torch.Tensor]:
         """The K/V a segment may attend to: (C, Hkv, D) each."""
         kc, vc = self.k[layer], self.v[layer]

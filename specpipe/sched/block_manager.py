@@ -15,11 +15,19 @@ driver does not know P at each stage, but it knows a lower bound, the request's 
 committed positions it sent S + 2 steps ago or earlier (engine/core.py), which every stage has
 computed and settled by now. So a stage's window slots for a request never exceed
 bound - max(0, floor - window + 1), and the driver holds blocks for the peak of that, as above.
+
+Prefix caching (sched/prefix_cache.py; main pool only): blocks the cache holds count once,
+whichever requests read them; a request's own blocks are those it does not share, so it holds
+ceil((peak bound - shared tokens) / block_size) of them. Unreferenced cached blocks are free to
+take: `reserve` evicts the least recently used as it needs them, and `take_evicted` hands their
+ids to the engine, which tells the stages with the next step.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
+
+from specpipe.sched.prefix_cache import CachedBlock, PrefixCache
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -37,20 +45,29 @@ def window_need(need: int, window: int, spec_reserve: int, num_stages: int, step
 class _Pool:
     """Blocks held per request, each monotone until the request is freed (the stages' rule)."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, cache: Optional[PrefixCache] = None) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.held: dict[int, int] = {}
+        self.held: dict[int, int] = {}  # request -> blocks of its own (not in the cache)
+        self.shared: dict[int, int] = {}  # request -> its slots in cached blocks
         self.spare = 0  # blocks admission keeps free (the scheduler's watermark)
+        self.cache = cache
 
     def num_free(self) -> int:
-        return self.num_blocks - sum(self.held.values())
+        """Blocks neither a request nor the cache holds."""
+        return self.num_blocks - sum(self.held.values()) - (len(self.cache) if self.cache is not None else 0)
+
+    def available(self) -> int:
+        """Blocks a request could take now: the free ones and the cached ones nobody reads."""
+        return self.num_free() + (self.cache.evictable() if self.cache is not None else 0)
 
     def extra_for(self, request_id: int, tokens: int) -> int:
-        return max(0, blocks_for(tokens, self.block_size) - self.held.get(request_id, 0))
+        own = tokens - self.shared.get(request_id, 0)
+        return max(0, blocks_for(own, self.block_size) - self.held.get(request_id, 0))
 
     def room(self, request_id: int) -> int:
         """Slots the request may hold, leaving the spare blocks free."""
-        return (self.held.get(request_id, 0) + self.num_free() - self.spare) * self.block_size
+        return ((self.held.get(request_id, 0) + self.available() - self.spare) * self.block_size
+                + self.shared.get(request_id, 0))
 
     def admissible(self) -> int:
         """The most slots one request can ever be admitted with (the pool above its spare blocks)."""
@@ -58,14 +75,24 @@ class _Pool:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, window: Optional[int] = None, window_blocks: int = 0) -> None:
+    def __init__(self, num_blocks: int, block_size: int, window: Optional[int] = None, window_blocks: int = 0,
+                 cache: Optional[PrefixCache] = None) -> None:
         """`window`, `window_blocks`: the sliding-window layers' pool at every stage (none when
-        the model has no such layers, or the stages keep them in the main pool)."""
+        the model has no such layers, or the stages keep them in the main pool).
+        `cache`: the prefix cache of the stages' pools, which keeps full blocks of committed
+        tokens for later requests (not with a sliding-window pool, which forgets what its window
+        has passed); shared by every engine core of one set of stages."""
         if num_blocks < 1 or block_size < 1 or (window and window_blocks < 1):
             raise ValueError(f"a KV pool needs at least one block of at least one slot, got "
                              f"{num_blocks} x {block_size} (window pool {window_blocks})")
+        if cache is not None and ((window and window_blocks) or cache.block_size != block_size):
+            raise ValueError("prefix caching needs every layer in the main KV pool (no sliding-window pool) "
+                             "and the pool's block size")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.pool = _Pool(num_blocks, block_size)
+        self.cache = cache
+        self.pool = _Pool(num_blocks, block_size, self.cache)
+        self._chain: dict[int, list[CachedBlock]] = {}  # request -> the cached block of each of its first blocks
+        self._refs: dict[int, list[CachedBlock]] = {}  # request -> the cached blocks it reads (holds a reference)
         self.window = window if window_blocks else None
         self.window_pool = _Pool(window_blocks, block_size) if self.window else None
         self._floor: dict[int, int] = {}  # request -> committed positions every stage has settled
@@ -109,7 +136,7 @@ class BlockManager:
 
     def fits(self, request_id: int, tokens: int, above_watermark: bool = False) -> bool:
         """Could the request hold `tokens` slots now (leaving the watermark free, if asked)?"""
-        return all(p.extra_for(request_id, t) <= p.num_free() - (p.spare if above_watermark else 0)
+        return all(p.extra_for(request_id, t) <= p.available() - (p.spare if above_watermark else 0)
                    for p, t in zip(self.pools(), self._tokens(request_id, tokens)))
 
     def room(self, request_id: int) -> int:
@@ -131,9 +158,59 @@ class BlockManager:
         if not self.fits(request_id, tokens):
             raise RuntimeError(f"request {request_id}: more KV blocks needed for {tokens} slots than are free")
         for p, t in zip(self.pools(), self._tokens(request_id, tokens)):
-            p.held[request_id] = p.held.get(request_id, 0) + p.extra_for(request_id, t)
+            extra = p.extra_for(request_id, t)
+            if extra > p.num_free():
+                self.cache.evict(extra - p.num_free())
+            p.held[request_id] = p.held.get(request_id, 0) + extra
 
     def free(self, request_id: int) -> None:
+        """The request holds nothing any more (its cached blocks stay cached, unreferenced)."""
         for p in self.pools():
             p.held.pop(request_id, None)
+        self.pool.shared.pop(request_id, None)
         self._floor.pop(request_id, None)
+        self._chain.pop(request_id, None)
+        if self.cache is not None:
+            self.cache.release(self._refs.pop(request_id, []))
+
+    # -- prefix caching ------------------------------------------------------------------------------
+    def lookup(self, request_id: int, tokens: Sequence[int]) -> list[int]:
+        """Before a request's first rows: read its longest cached prefix (leaving at least one
+        token to compute, so that there are logits for the next). Returns the cached blocks'
+        ids, in order; the request's prefill starts after them."""
+        if self.cache is None:
+            return []
+        self.free(request_id)  # an earlier lookup for it, if it then waited
+        hit = self.cache.match(tokens, len(tokens) - 1)
+        self.cache.acquire(hit)
+        self._chain[request_id] = list(hit)
+        self._refs[request_id] = list(hit)
+        self.pool.shared[request_id] = len(hit) * self.block_size
+        return [b.block_id for b in hit]
+
+    def cached_blocks(self, request_id: int) -> int:
+        """How many of the request's first blocks are known to the cache (its or an equal one)."""
+        return len(self._chain.get(request_id, ()))
+
+    def share(self, request_id: int, tokens: Sequence[int]) -> Optional[int]:
+        """The request's next full block (after `cached_blocks`) holds `tokens`, computed at every
+        stage: cache it. Returns its new block id, or None when equal content was cached already
+        (the request keeps its copy as its own, and chains on from the cached one)."""
+        chain = self._chain.setdefault(request_id, [])
+        block, new = self.cache.insert(chain[-1] if chain else None, tokens)
+        chain.append(block)
+        if not new:
+            return None
+        self._refs.setdefault(request_id, []).append(block)
+        self.pool.held[request_id] -= 1  # its own block is the cache's now
+        self.pool.shared[request_id] = self.pool.shared.get(request_id, 0) + self.block_size
+        return block.block_id
+
+    def take_evicted(self) -> list[int]:
+        """Cached blocks evicted since the last call: the stages free them with the next step."""
+        return self.cache.take_evicted() if self.cache is not None else []
+
+    def clear_cache(self) -> None:
+        """The stages hold no cached block any more (started afresh). Call with no request running."""
+        if self.cache is not None:
+            self.cache.clear()

@@ -216,6 +216,7 @@ class Scheduler:
             w = wants[rid] = want_of(rid)
             m = self._must(w, budget)
             if not m or not self.blocks.fits(rid, w.held + m, above_watermark=True):
+                self.blocks.free(rid)  # the cached blocks its lookup reads: looked up again next time
                 break
             self.waiting.remove(rid)
             self.running.append(rid)

@@ -12,13 +12,14 @@ KV is freed, it gets no proposals (decoding stays correct, just unspeculated), a
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from specpipe.kernels.qlinear import select_outputs
 from specpipe.messages import Rows
 from specpipe.model.llama import LlamaStage
+from specpipe.spec_decode.draft_prefix import DraftPrefixCache
 from specpipe.spec_decode.sources import ProposeCall, SourceRows, TokenSource
 from specpipe.kv.packed_forward import run_packed
 from specpipe.kv.slot_table import SlotTable
@@ -45,6 +46,11 @@ class DraftModelSource(TokenSource):
         self.slots = SlotTable(num_blocks, block_size, horizon=0)
         self.kv = model.make_kv_cache(self.slots.num_slots)
         self._failed: list[int] = []
+        self.prefix: Optional[DraftPrefixCache] = None
+
+    def enable_prefix_cache(self) -> None:
+        """Keep the KV of prompt prefixes for later requests (spec_decode/draft_prefix.py)."""
+        self.prefix = DraftPrefixCache(self.slots, self.kv.move)
 
     def start(self, request_id: int) -> None:
         self.slots.admit(request_id)
@@ -57,18 +63,24 @@ class DraftModelSource(TokenSource):
         for i, c in enumerate(calls):
             if not c.rows.node_ids or self.slots.requests[c.request_id].failed:
                 continue
-            index = {n: j for j, n in enumerate(c.rows.node_ids)}
+            rows = self.prefix.feed(c.request_id, c.rows, c.want) if self.prefix is not None else c.rows
+            index = {n: j for j, n in enumerate(rows.node_ids)}
             missing = [n for n in c.want if n not in index]
             if missing:
                 raise ValueError(f"request {c.request_id}: proposals wanted for nodes {missing} that "
                                  "are not among this call's rows (the draft keeps no logits)")
-            parts.append(Rows(c.request_id, list(c.rows.node_ids), list(c.rows.parent_ids),
-                              list(c.rows.positions), c.rows.tokens,
+            parts.append(Rows(c.request_id, list(rows.node_ids), list(rows.parent_ids),
+                              list(rows.positions), rows.tokens,
                               head_rows=[index[n] for n in c.want]))
             owner.append(i)
         out: list[dict[int, list[tuple[int, float]]]] = [{} for _ in calls]
+        if self.prefix is not None:  # room for the rows, as the cache allows
+            self.prefix.make_room(sum(-(-len(p) // self.slots.block_size) for p in parts))
         packed = run_packed(self.model, self.kv, self.slots, parts)
         self._failed += packed.failed
+        if self.prefix is not None:
+            for p in parts:
+                self.prefix.share(p.request_id)
         for i, logits in zip(owner, packed.outputs):  # logits (len(want), V)
             c = calls[i]
             if logits is None or not len(c.want):
@@ -83,8 +95,13 @@ class DraftModelSource(TokenSource):
         if request_id in self.slots.requests:
             self.slots.drop(request_id, list(drop))
             self.slots.commit(request_id, list(commit))
+            if self.prefix is not None:
+                self.prefix.observe(request_id, commit, drop)
+                self.prefix.share(request_id)
 
     def finish(self, request_id):
+        if self.prefix is not None:
+            self.prefix.finish(request_id)
         self.slots.release(request_id)
 
     def take_failures(self) -> list[int]:
@@ -92,4 +109,5 @@ class DraftModelSource(TokenSource):
         return failed
 
     def has_room(self, tokens: int) -> bool:
-        return self.slots.pool.num_free() * self.slots.block_size >= tokens
+        free = self.prefix.available() if self.prefix is not None else self.slots.pool.num_free()
+        return free * self.slots.block_size >= tokens

@@ -46,6 +46,7 @@ class StageWorker:
         self.kv = model.make_kv_cache(self.slots.num_slots, model.num_layers - sliding)
         self.window_kv = model.make_kv_cache(self.slots.window.num_slots, sliding) if sliding else None
         self.sampling: dict[int, SamplingParams] = {}
+        self._admit_failed: list[int] = []  # admitted failed here this step (a lost cached block)
         kv_bytes = self.kv.nbytes() + (self.window_kv.nbytes() if sliding else 0)
         self.stats = StageStats(num_blocks=num_blocks, weight_bytes=weight_nbytes(model), kv_bytes=kv_bytes,
                                 window_blocks=window_blocks if sliding else 0)
@@ -54,17 +55,26 @@ class StageWorker:
         self.spans: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=SPAN_LOG)
 
     def apply(self, control: Control) -> None:
+        """In the driver's order: blocks joining the prefix cache, releases, evictions, admits
+        (which may read what was cached just now), then each request's commits and prunings."""
+        released = set(control.release)
+        for sh in control.share:
+            moves = self.slots.share(sh.request_id, sh.blocks, sh.ids, final=sh.request_id in released)
+            if moves:
+                self.kv.move(moves)
+        for rid in control.release:
+            self.slots.release(rid)
+            self.sampling.pop(rid, None)
+        self.slots.evict(control.evict)
         for a in control.admit:
-            self.slots.admit(a.request_id)
+            if not self.slots.admit(a.request_id, a.cached):
+                self._admit_failed.append(a.request_id)
             self.sampling[a.request_id] = a.sampling
         for p in control.prune:
             if p.request_id not in self.slots.requests:
                 continue
             self.slots.drop(p.request_id, p.drop)
             self.stats.rows_committed += self.slots.commit(p.request_id, p.commit)
-        for rid in control.release:
-            self.slots.release(rid)
-            self.sampling.pop(rid, None)
 
     def step(self, control: Control, incoming: list[Rows]) -> list[Rows | Results]:
         """One pipeline step of this stage."""
@@ -72,7 +82,8 @@ class StageWorker:
         self.slots.tick()
         self.apply(control)
         self.stats.steps += 1
-        out: list[Rows | Results] = []
+        out: list[Rows | Results] = [self._failure(rid) for rid in self._admit_failed]
+        self._admit_failed = []
         parts = []
         for rows in incoming:
             r = self.slots.requests.get(rows.request_id)

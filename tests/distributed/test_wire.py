@@ -21,7 +21,7 @@ from specpipe.distributed.wire import (
     encode_results,
     encode_rows,
 )
-from specpipe.messages import NO_PARENT, Admit, Control, Prune, Results, Rows, StageStats
+from specpipe.messages import NO_PARENT, Admit, Control, Prune, Results, Rows, Share, StageStats
 from specpipe.sampling import SamplingParams
 
 
@@ -87,6 +87,9 @@ def test_control_admit_roundtrip(sampling):
     Control(report=True),
     Control(shutdown=True),
     Control(report=True, shutdown=True),
+    # prefix caching: admits naming cached blocks, blocks joining the cache, evictions
+    Control(admit=[Admit(5, SamplingParams(), cached=[0, 3, 2**40])], release=[4],
+            share=[Share(4, blocks=[0, 1, 7], ids=[9, 10, 11]), Share(6, blocks=[], ids=[])], evict=[1, 2]),
     Control(admit=[Admit(0, SamplingParams(seed=None))], prune=[Prune(0, commit=[0, 1, 2])],
             release=[5], report=True),
 ])

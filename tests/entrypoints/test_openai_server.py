@@ -272,6 +272,24 @@ def test_metrics_parse_and_move(server):
     assert 0 < after[("specpipe:tokens_per_step", ())] and 0 <= after[("specpipe:spec_decode_hit_rate", ())] <= 1
 
 
+def test_a_repeated_prefix_is_served_from_the_cache_and_reported(server, alone):
+    prompt = "the cat sat on the mat and the dog sat on the log, " * 4
+    client = server.client()
+    before = server.metrics()
+    first = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0)
+    again = client.completions.create(model=NAME, prompt=prompt + "then", max_tokens=6, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 16 and cached % 16 == 0 and cached < again.usage.prompt_tokens
+    assert again.choices[0].text == alone(prompt + "then", 6)[0]  # the same tokens as without the cache
+    after = server.metrics()
+    hits = ("specpipe:prefix_cache_hits_total", ())
+    queries = ("specpipe:prefix_cache_queries_total", ())
+    assert after[hits] - before.get(hits, 0.0) == cached
+    assert after[queries] - before.get(queries, 0.0) == first.usage.prompt_tokens + again.usage.prompt_tokens
+    assert 0 < after[("specpipe:prefix_cache_hit_rate", ())] <= 1
+
+
 def test_metrics_count_the_tokens_a_stop_string_keeps(server, alone):
     """Tokens the engine committed past a stop string are dropped from the answer, and from
     generation_tokens too (counted as delivered, not as computed)."""

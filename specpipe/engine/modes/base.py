@@ -82,6 +82,15 @@ class ModeState(ABC):
         self._commit, self._drop = [], []
         return admit, prune
 
+    def use_cached(self, block_ids: list[int], block_size: int) -> None:
+        """Before its first rows: the stages hold its first len(block_ids) * block_size tokens in
+        cached blocks (prefix caching). Its prefill starts after them; the admit names them."""
+        cached = len(block_ids) * block_size
+        self.prefill.skip(cached)
+        self.held = self._rows_sent_end = self._commits_sent = cached
+        self._commit = list(self.prefill.node_ids[cached:])
+        self._admit = Admit(self.pid, self.req.sampling, list(block_ids))
+
     def committed_sent(self) -> int:
         """A lower bound on the committed positions whose rows were sent and whose commits were
         told to the stages. Committed rows go out in position order, and every committed node

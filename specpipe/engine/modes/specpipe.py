@@ -111,9 +111,12 @@ class SpecPipeState(ModeState):
         if self.prefill.left():
             if not g.must:
                 return None
+            start = self.prefill.sent
             chunk = self.prefill.take(g.must)
-            # (A lagging draft may not have taken in the last chunk yet: it gets both at once.)
-            self._chunk = source_rows(concat_rows(self._pending_chunk(), chunk))
+            # The source computes its own KV: with a cached prefix its first chunk starts at 0. (A
+            # lagging draft, --draft-async, may not have taken in the last chunk yet: it gets both.)
+            rows = self.prefill.rows(0 if start == self.prefill.cached else start, self.prefill.sent)
+            self._chunk = source_rows(concat_rows(self._pending_chunk(), rows))
             if not self.prefill.left():
                 self.sent.add(tree.root_id)
             return self._sent(chunk)

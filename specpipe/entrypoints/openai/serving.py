@@ -201,7 +201,8 @@ def _failure(stream: RequestStream) -> ApiError:
 
 
 def _usage(stream: RequestStream) -> p.UsageInfo:
-    return p.usage(len(stream.req.prompt_ids), len(stream.token_ids))
+    prompt = len(stream.req.prompt_ids)
+    return p.usage(prompt, len(stream.token_ids), min(prompt, stream.req.stats.cached_tokens))
 
 
 def _sse(data: str) -> str:
