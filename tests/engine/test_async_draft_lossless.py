@@ -102,6 +102,12 @@ def test_async_draft_equals_pp(tiny8, num_stages, sampling):
         req = Request(0, TINY_PROMPT, sampling, frozenset())
         serve(pipe, mode, [req], source, layers)
         assert req.output_ids == reference.output_ids, f"{mode} layers={layers} lag={lag} differs from pp"
+        if (mode, layers, sampling) == ("specpipe", 1, GREEDY) and num_stages > 1:
+            pp_steps = num_stages * len(reference.output_ids)
+            if lag == 0:  # answers in time: it speculates (fewer steps than pp)
+                assert req.stats.pipeline_steps < pp_steps
+            elif lag > num_stages - 1:  # a root is verified before its children are drafted: pp's steps
+                assert req.stats.pipeline_steps == pp_steps and req.stats.hits == 0
         lagged += lag and mode != "tree" and req.stats.draft_calls > 0
         source.close()
     assert lagged  # the late answers really were used
