@@ -196,3 +196,29 @@ def test_engine_flag_serves_pp_tokens_and_refuses_ngram(tiny_model_dir):
         Engine(EngineConfig(mode="specpipe", draft="ngram", draft_async=True, **common))
     with pytest.raises(ConfigError, match="draft-async"):
         EngineConfig(mode="pp", draft_async=True, **common).validate()
+
+
+def test_async_draft_with_prefix_caching(tiny_model_dir):
+    """--draft-async with --enable-prefix-caching: a second request on the same prompt starts
+    after the cached prefix at the stages and in the draft (its worker), with pp's tokens."""
+    from specpipe.config import EngineConfig
+    from specpipe.engine.engine import Engine
+
+    model = str(tiny_model_dir("llama", num_hidden_layers=4))
+    common = dict(model=model, transport="inproc", kv_memory="8MiB", max_context=128, stages=2)
+    sampling = SamplingParams(temperature=0.0, max_tokens=12)
+    prompt = TINY_PROMPT * 3  # longer than a block, so a block of it is cached
+    pp = Engine(EngineConfig(mode="pp", **common))
+    try:
+        want = pp.generate(prompt, sampling).token_ids
+    finally:
+        pp.close()
+    engine = Engine(EngineConfig(mode="specpipe", draft="self:2", draft_async=True, enable_prefix_caching=True,
+                                 **common))
+    try:
+        first = engine.generate(prompt, sampling)
+        second = engine.generate(prompt, sampling)
+        assert first.token_ids == second.token_ids == want
+        assert second.stats["cached_tokens"] > 0
+    finally:
+        engine.close()
