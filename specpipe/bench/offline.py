@@ -80,7 +80,7 @@ def parse_runs(text: str) -> list[RunSpec]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", default="pp,tree,specpipe",
-                   help="comma-separated MODE[:width=W][:depth=D][:layers=d|auto] (default pp,tree,specpipe)")
+                   help="comma-separated MODE[:width=W][:depth=D][:layers=d|auto][:draft=async] (draft=async: --draft-async for that run; under --oracle it needs --cost-profile; default pp,tree,specpipe)")
     p.add_argument("--stages", default="2", help="comma-separated stage counts (default 2)")
     p.add_argument("--model", default=None, help="target GGUF or HF directory (default: embedded SmolLM2-135M)")
     p.add_argument("--draft", default=None, help="speculative source (default ngram)")
