@@ -186,6 +186,7 @@ class EngineConfig:
     draft: Optional[str] = None  # source spec (see spec_decode/build.py); tree/specpipe default: ngram
     draft_vocab: Optional[int] = None  # a draft model proposes from about this many tokens (None: all)
     draft_quantization: Optional[str] = None  # int8 | int4: a draft model's weights requantized at load
+    draft_async: bool = False  # a draft model runs on its own thread; no step waits for it (specpipe modes)
     tree_width: int = 8  # W: nodes per tree layer
     tree_depth: int = 4  # D: layers per round in mode `tree`
     layers_per_step: int | str = 1  # d: tree layers per step in specpipe / specpipe-db, or "auto"
@@ -257,6 +258,9 @@ class EngineConfig:
             raise ConfigError(f"--draft-quantization must be int8 or int4, got {self.draft_quantization!r}")
         if self.mode not in SPECULATIVE_MODES and (self.draft_quantization or self.draft_vocab):
             raise ConfigError(f"--draft-quantization and --draft-vocab have no effect in mode {self.mode}; "
+                              f"choose a speculative mode ({', '.join(SPECULATIVE_MODES)})")
+        if self.draft_async and self.mode not in SPECULATIVE_MODES:
+            raise ConfigError(f"--draft-async has no effect in mode {self.mode}; "
                               f"choose a speculative mode ({', '.join(SPECULATIVE_MODES)})")
         if self.draft_vocab is not None and self.draft_vocab < 1:
             raise ConfigError(f"--draft-vocab must be at least 1, got {self.draft_vocab}")

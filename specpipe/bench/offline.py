@@ -30,7 +30,14 @@ from typing import Optional
 
 from specpipe.bench.metrics import percentile
 
-MODE_OPTIONS = {"width": int, "depth": int, "layers": lambda v: v if v == "auto" else int(v)}
+def _draft_timing(value: str) -> str:
+    if value not in ("sync", "async"):
+        raise ValueError(value)
+    return value
+
+
+MODE_OPTIONS = {"width": int, "depth": int, "layers": lambda v: v if v == "auto" else int(v),
+                "draft": _draft_timing}  # draft=async: --draft-async for this run
 
 
 @dataclass(frozen=True)
@@ -73,7 +80,7 @@ def parse_runs(text: str) -> list[RunSpec]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", default="pp,tree,specpipe",
-                   help="comma-separated MODE[:width=W][:depth=D][:layers=d|auto] (default pp,tree,specpipe)")
+                   help="comma-separated MODE[:width=W][:depth=D][:layers=d|auto][:draft=async] (draft=async: --draft-async for that run; under --oracle it needs --cost-profile; default pp,tree,specpipe)")
     p.add_argument("--stages", default="2", help="comma-separated stage counts (default 2)")
     p.add_argument("--model", default=None, help="target GGUF or HF directory (default: embedded SmolLM2-135M)")
     p.add_argument("--draft", default=None, help="speculative source (default ngram)")
@@ -127,6 +134,8 @@ class Outcome:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # of those, what the prefix cache held
     block_shapes: dict[str, int] = field(default_factory=dict)  # specpipe: "d x w" -> steps
+    draft_bound_steps: int = 0  # steps whose drafting outlasted the stages' compute (real runs)
+    draft_calls: int = 0  # source calls (one batched draft forward each)
 
 
 @dataclass
@@ -225,14 +234,15 @@ def _config(args, S: int, runs: list[RunSpec], **extra):
 
 
 def _core_args(args, run: RunSpec) -> tuple:
-    return (run.mode, run.get("width", args.tree_width), run.get("depth", args.tree_depth), run.get("layers", 1))
+    return (run.mode, run.get("width", args.tree_width), run.get("depth", args.tree_depth), run.get("layers", 1),
+            run.get("draft", "async" if getattr(args, "draft_async", False) else "sync") == "async")
 
 
 def _outcome(group: str, req, real: bool) -> Outcome:
     s = req.stats
     o = Outcome(group, len(req.output_ids), s.pipeline_steps, s.hits, s.verifications, s.rounds,
                 prompt_tokens=len(req.prompt_ids), cached_tokens=min(len(req.prompt_ids), s.cached_tokens),
-                block_shapes=dict(s.block_shapes))
+                block_shapes=dict(s.block_shapes), draft_bound_steps=s.draft_bound_steps, draft_calls=s.draft_calls)
     if real:
         summary = req.summary(0)
         o.ttft_ms, o.tbt_ms = summary["ttft_ms"], summary["tbt_ms"]
@@ -283,7 +293,9 @@ def _oracle(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
     from specpipe.engine.observer import NO_OBSERVER
     from specpipe.loader.partition import parse_stage_layers, partition_layers
     from specpipe.sampling import SamplingParams
+    from specpipe.sim.draft_clock import DraftClock
     from specpipe.sim.oracle_pipeline import OraclePipeline
+    from specpipe.spec_decode.async_draft import AsyncDraft
 
     engine = Engine(_config(args, 1, runs, transport="inproc"))
     L, wanted = engine.checkpoint.config.num_layers, parse_stage_layers(args.stage_layers)
@@ -296,11 +308,17 @@ def _oracle(args, runs, stage_counts, prompts, bar) -> list[RunResult]:
                 reqs = [engine.prompts.make_request(p["text"], sampling) for p in prompts]
                 seqs = {r.request_id: r.prompt_ids + ref for r, ref in zip(reqs, refs)}
                 by_pid: dict[int, list[int]] = {}
-                mode, width, depth, layers = _core_args(args, run)
+                mode, width, depth, layers, draft_async = _core_args(args, run)
                 source = engine.source if mode in SPECULATIVE_MODES else None
                 counts = [s.end - s.start for s in partition_layers(
                     L, S, resolve_stage_layers(wanted, engine.cost_profile, L, S, mode, width))]
-                core = EngineCore(OraclePipeline(S, lambda pid: by_pid.get(pid, [])), mode, source, width=width,
+                pipe = OraclePipeline(S, lambda pid: by_pid.get(pid, []))
+                if draft_async and source is not None:  # ready when a modeled clock says so (sim/draft_clock.py)
+                    if engine.cost_profile is None:
+                        raise ValueError("draft=async under --oracle needs --cost-profile: it says when a "
+                                         "draft forward would have finished")
+                    source = AsyncDraft(source, clock=DraftClock(engine.cost_profile, counts, pipe))
+                core = EngineCore(pipe, mode, source, width=width,
                                   depth=depth, layers=layers, max_num_seqs=max(1, args.concurrency),
                                   step_rows=args.max_step_rows, max_waiting=max(1, len(reqs)),
                                   cost_profile=engine.cost_profile, stage_layers=counts)
@@ -366,6 +384,8 @@ def metrics(outcomes: list[Outcome], seconds: float) -> dict:
             "tbt_ms_median": statistics.median(tbt) if tbt else None,
             "tbt_ms_p90": percentile(tbt, 90) if tbt else None,
             "throughput_tok_s": tokens / seconds if seconds else None,
+            "draft_bound_steps": sum(o.draft_bound_steps for o in outcomes),
+            "draft_calls": sum(o.draft_calls for o in outcomes),
             "block_shapes": dict(sorted(sum((collections.Counter(o.block_shapes) for o in outcomes),
                                             collections.Counter()).items())) or None}
 

@@ -25,6 +25,7 @@ from collections import deque
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 
 from specpipe.config import BUDGETED_MODES, SPECULATIVE_MODES, ConfigError
+from specpipe.engine.async_drafting import AsyncDrafting
 from specpipe.engine.modes.base import AFTER, BEFORE, DURING, ModeState
 from specpipe.engine.modes.rounds import RoundsState
 from specpipe.engine.modes.specpipe import AUTO, AutoPlan, SpecPipeState, block_rows
@@ -35,6 +36,7 @@ from specpipe.request import Request
 from specpipe.sched.block_manager import BlockManager, window_need
 from specpipe.sched.prefix_cache import PrefixCache
 from specpipe.sched.scheduler import QueueFull, Scheduler, Want
+from specpipe.spec_decode.async_draft import AsyncDraft
 from specpipe.spec_decode.planner import HitProfile, StepCost
 from specpipe.spec_decode.sources import TokenSource
 
@@ -72,9 +74,13 @@ class EngineCore:
             raise ConfigError(f"mode {mode} needs a speculative source")
         self.pipe, self.mode, self.source = pipeline, mode, source
         self.width, self.depth, self.layers = width, depth, layers
+        # --draft-async (an AsyncDraft source): specpipe modes draft off the critical path; tree
+        # mode drafts its rounds before sending, through the same worker (engine/async_drafting.py)
+        self.drafter = AsyncDrafting(source) if isinstance(source, AsyncDraft) and mode != "tree" else None
         self.auto_plan: Optional[AutoPlan] = None  # shared by every request in `--layers-per-step auto`
         if layers == AUTO and mode in SPECULATIVE_MODES and mode != "tree":
-            cost = (StepCost(cost_profile, pipeline.num_stages, source.runs_model, stage_layers)
+            draft_gates = source.runs_model and self.drafter is None  # (an async draft's forwards never gate a step)
+            cost = (StepCost(cost_profile, pipeline.num_stages, draft_gates, stage_layers)
                     if cost_profile is not None else None)
             self.auto_plan = AutoPlan(HitProfile(width), pipeline.num_stages, cost)
         self.step_rows = step_rows if mode in BUDGETED_MODES else None
@@ -197,6 +203,8 @@ class EngineCore:
     def step(self) -> list[Request]:
         """One pipeline step; returns the requests that finished in it."""
         self._redraft()
+        if self.drafter is not None:  # the draft's finished forward, if any, before the blocks are chosen
+            self.drafter.poll(self, [self.states[rid] for rid in self.scheduler.running])
         plan = self.scheduler.schedule(self._want)
         for rid in plan.preempted:
             self._restart(rid)
@@ -232,7 +240,8 @@ class EngineCore:
         error: Optional[BaseException] = None
         drafters: list[ModeState] = []
         try:
-            drafters = self._draft(running, DURING)  # overlaps the stages' compute
+            if self.drafter is None:
+                drafters = self._draft(running, DURING)  # overlaps the stages' compute
         except BaseException as e:  # noqa: BLE001  (re-raised once the step is complete)
             # Finish the step first: collect and route its results, or the pipeline would stay a
             # step behind and these rows' results would be lost. A request whose drafting was cut
@@ -273,7 +282,7 @@ class EngineCore:
             if st.started:
                 st.req.stats.pipeline_steps += 1
             st.verify()
-        if error is None:
+        if error is None and self.drafter is None:
             self._draft([st for st in live if not st.req.finished], AFTER)
         else:
             for st in live:  # drop a new root's draft call: the source may be in any state
@@ -307,6 +316,7 @@ class EngineCore:
         else:
             st = SpecPipeState(pid, req, self.source, self.width, self.layers, self.auto_plan)
         st.floors = deque(maxlen=self.pipe.num_stages + 2)  # see _want
+        st.lagging = self.drafter is not None  # its draft may fall behind (modes/specpipe.py)
         return st
 
     def _draft(self, states: list[ModeState], phase: str) -> list[ModeState]:

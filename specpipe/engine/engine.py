@@ -26,6 +26,7 @@ from specpipe.messages import Pipeline
 from specpipe.outputs import RequestOutput
 from specpipe.request import Request
 from specpipe.sampling import SamplingParams
+from specpipe.spec_decode.async_draft import AsyncDraft
 from specpipe.spec_decode.build import build_source
 from specpipe.spec_decode.draft_model import DraftModelSource
 from specpipe.spec_decode.sources import TokenSource
@@ -72,8 +73,11 @@ class Engine:
         self.draft_blocks = whole_blocks + running * -(-self.plan.reserve // config.block_size)
         self.block_size = config.block_size
         self.source: Optional[TokenSource] = None
+        self.async_source: Optional[AsyncDraft] = None  # the same source behind a worker thread (--draft-async)
         if config.mode in SPECULATIVE_MODES:
             self._source()  # before any process starts, so a bad --draft leaves nothing running
+            if config.draft_async:
+                self._async_source()
         self.pipeline: Pipeline = start_pipeline(config, self.checkpoint, self.model_path, self.plan, rank_env,
                                                  progress, self.cluster)
         if rank_env is not None:
@@ -108,20 +112,31 @@ class Engine:
                         s.enable_prefix_cache(PrefixCache(self.block_size))
         return self.source
 
+    def _async_source(self) -> AsyncDraft:
+        """The source behind its own worker thread (--draft-async), made once."""
+        if self.async_source is None:
+            self.async_source = AsyncDraft(self._source())
+        return self.async_source
+
     def core(self, mode: Optional[str] = None, tree_width: Optional[int] = None,
-             tree_depth: Optional[int] = None, layers_per_step: Optional[int] = None) -> EngineCore:
+             tree_depth: Optional[int] = None, layers_per_step: Optional[int] = None,
+             draft_async: Optional[bool] = None) -> EngineCore:
         """The engine core for a mode (the config's by default). Cores share the stages, so only
         one may have requests at a time."""
         c = self.config
         key = (mode or c.mode, tree_width or c.tree_width, tree_depth or c.tree_depth,
-               layers_per_step or c.layers_per_step)
+               layers_per_step or c.layers_per_step, c.draft_async if draft_async is None else draft_async)
         if key[0] not in MODES:
             raise ConfigError(f"unknown mode {key[0]!r}; choose one of {', '.join(MODES)}")
         busy = [k for k, core in self._cores.items() if k != key and core.has_work()]
         if busy:
             raise RuntimeError(f"the engine is still serving requests in mode {busy[0][0]}")
+        if self.async_source is not None and not key[4]:  # the draft is a sync core's only once its queue has run
+            self.async_source.drain()
         if key not in self._cores:
-            source = self._source() if key[0] in SPECULATIVE_MODES else None
+            source = None
+            if key[0] in SPECULATIVE_MODES:
+                source = self._async_source() if key[4] else self._source()
             self._cores[key] = EngineCore(
                 self.pipeline, key[0], source, width=key[1], depth=key[2], layers=key[3], kv_blocks=self.num_blocks,
                 block_size=self.block_size, max_num_seqs=c.max_num_seqs, step_rows=c.max_step_rows,
@@ -146,12 +161,12 @@ class Engine:
                  chat: Optional[bool] = None, on_text: Optional[Callable[[str], None]] = None,
                  mode: Optional[str] = None, tree_width: Optional[int] = None,
                  tree_depth: Optional[int] = None, layers_per_step: Optional[int] = None,
-                 ignore_eos: bool = False) -> RequestOutput:
+                 ignore_eos: bool = False, draft_async: Optional[bool] = None) -> RequestOutput:
         """Decode one request. `mode`, `tree_width`, `tree_depth` and `layers_per_step` override the
         config for this request (so one set of stage processes can serve every mode, e.g. in
-        benchmarks); `ignore_eos` decodes up to max_tokens whatever the model says."""
+        benchmarks), as `draft_async` does --draft-async; `ignore_eos` decodes up to max_tokens whatever the model says."""
         req = self.prompts.make_request(prompt, sampling, chat, on_text, ignore_eos)
-        core = self.core(mode, tree_width, tree_depth, layers_per_step)
+        core = self.core(mode, tree_width, tree_depth, layers_per_step, draft_async)
         # The stages' counters ride on the step that delivers the release: no extra step.
         self.run([req], core, on_finish=lambda _req: core.request_stage_stats())
         stages = _stage_deltas(self._stage_before, core.stage_stats or [])
@@ -183,6 +198,8 @@ class Engine:
         return stages
 
     def close(self) -> None:
+        if self.async_source is not None:
+            self.async_source.close()
         self.pipeline.close()
         if self.cluster is not None:
             self.cluster.close()

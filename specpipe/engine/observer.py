@@ -24,6 +24,10 @@ class StepObserver:
     def drafted(self, phase: str, rows: int) -> None:
         """One draft forward of `phase` over `rows` rows (all requests' calls together)."""
 
+    def draft_ready(self) -> None:
+        """The proposals of the asynchronous draft's forward in flight are used from this step on
+        (`--draft-async`; its start was `drafted("async", rows)`)."""
+
     def collected(self, stage_spans: list) -> None:
         """The step's results are in; `stage_spans`: the stages' compute spans when they reported
         (per stage, (pipeline step, start ns, end ns)), else []."""

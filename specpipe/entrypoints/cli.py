@@ -124,6 +124,11 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-quantization", default=None, choices=["int8", "int4"],
                    help="requantize a draft model's weights at load to Q8_0 (int8) or Q4_0 (int4) blocks wherever "
                         "the file stores them wider: fewer bytes per draft forward, the same output")
+    g.add_argument("--draft-async", action="store_true",
+                   help="run a draft model on its own thread on the driver, off the critical path: in specpipe / "
+                        "specpipe-db no step waits for its forward, the tree grows by a layer whenever one is ready "
+                        "(pays where a draft forward outlasts a stage step; tree mode still drafts before each round; "
+                        "not for ngram, which costs nothing)")
     g.add_argument("--tree-width", type=int, default=8, help="W: nodes per tree layer (default 8)")
     g.add_argument("--tree-depth", type=int, default=4, help="D: tree layers per round in mode tree (default 4)")
     g.add_argument("--layers-per-step", type=_layers, default=1,
@@ -180,7 +185,7 @@ def _engine_config(args: argparse.Namespace, **extra):
     config = EngineConfig(model=args.model, mode=args.mode, stages=stages,
                           stage_layers=parse_stage_layers(args.stage_layers), draft=args.draft,
                           draft_vocab=args.draft_vocab, draft_quantization=args.draft_quantization,
-                          tree_width=args.tree_width, tree_depth=args.tree_depth,
+                          draft_async=args.draft_async, tree_width=args.tree_width, tree_depth=args.tree_depth,
                           layers_per_step=args.layers_per_step, cost_profile=args.cost_profile,
                           max_context=args.max_context, device=args.device, dtype=args.dtype,
                           quantization=args.quantization,

@@ -12,6 +12,9 @@ runtime's own rules (worker/stage_main.py, engine/core.py), event by event:
                  rows whose token is wanted)
   collect(k)     = max(last stage's results arriving at the driver,
                       submit(k) + the draft forwards made while the stages compute)
+  --draft-async  the forwards started at step k run one after another on the draft's own timeline
+                 from collect(k - 1) on, off the critical path; but a step that uses a forward's
+                 proposals cannot be sent before that forward ended: submit(k) >= its end
 
 So, unlike a lock-step model (every stage starting each step together, the step as long as its
 slowest stage: what SpecPipe's first time estimates used), a stage that finished early does not
@@ -109,11 +112,19 @@ def simulate(trace: Trace, profile: CostProfile, stage_layers: Optional[Sequence
     token_times: dict[int, list[float]] = {}
     last_tokens: dict[int, int] = {}
     spans, collects = [], []
+    draft_free, async_ends = 0.0, []  # --draft-async: the draft's own timeline, its forwards' ends in order
     for k, step in enumerate(trace.steps):
         for rid in added_at.get(k, ()) if not timed else ():
             arrival[rid] = collect  # the engine was ready for it when the last step ended
         serial = draft(step.serial, step.context)
         submit = collect + driver_ms + serial
+        if step.async_used:  # it uses proposals of forwards started earlier: they must have ended
+            used, async_ends = async_ends[:step.async_used], async_ends[step.async_used:]
+            submit = max(submit, *used)
+        for rows in step.async_started:  # started now, after the proposals above were used
+            draft_free = max(draft_free, collect + driver_ms) + draft([rows], step.context)
+            async_ends.append(draft_free)
+            busy["draft"] += draft([rows], step.context)
         new = [rid for rid in step.sent if rid not in seen]
         if new:  # a request's first rows cannot leave before it arrives
             submit = max(submit, max(arrival.get(rid, 0.0) for rid in new))

@@ -13,6 +13,10 @@ Per pipeline step it holds what the time of that step depends on, and nothing ab
   serial       the draft forwards the driver made before sending this step, one row count per
                forward (after the previous step's verification: new roots, tree rounds)
   overlapped   the draft forwards made while the stages computed this step
+  async_started, async_used
+               --draft-async: the forwards started before this step was sent (rows each), off the
+               critical path, and how many of the earlier forwards' proposals this step used
+               (forwards are used in the order they started)
   tokens       request id -> tokens it had committed when the step ended
   work         per stage, what its rows were: [request id, tree depth, rows, rows pruned later]
                (depth: below the request's root at this step, 0 for committed tokens, prompt
@@ -40,6 +44,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from specpipe.costs.profile import read_json
+from specpipe.engine.async_drafting import ASYNC
 from specpipe.engine.modes.base import DURING
 from specpipe.engine.observer import StepObserver
 from specpipe.messages import Control, Rows
@@ -54,6 +59,8 @@ class StepRecord:
     context: int
     serial: list[int] = field(default_factory=list)
     overlapped: list[int] = field(default_factory=list)
+    async_started: list[int] = field(default_factory=list)
+    async_used: int = 0
     tokens: dict[int, int] = field(default_factory=dict)
     hits: int = 0
     misses: int = 0
@@ -112,6 +119,8 @@ class StepTracer(StepObserver):
         self._inflight = InFlight(num_stages)
         self._t0 = time.perf_counter()
         self._serial: list[int] = []  # draft forwards since the last submit
+        self._async_started: list[int] = []  # --draft-async forwards started since the last submit
+        self._async_used = 0  # and earlier ones whose proposals were used
         self._step: Optional[StepRecord] = None
         self._checked: dict[int, tuple[int, int]] = {}  # request id -> (verifications, hits) at submit
         self._nodes: list[list[list[tuple[int, int, int]]]] = []  # [step][stage] -> (pid, node, depth)
@@ -128,10 +137,15 @@ class StepTracer(StepObserver):
                                                "step": len(self.trace.steps)}
 
     def drafted(self, phase: str, rows_per_forward: int) -> None:
-        if phase == DURING and self._step is not None:
+        if phase == ASYNC:
+            self._async_started.append(rows_per_forward)
+        elif phase == DURING and self._step is not None:
             self._step.overlapped.append(rows_per_forward)
         else:
             self._serial.append(rows_per_forward)
+
+    def draft_ready(self) -> None:
+        self._async_used += 1
 
     def submitted(self, pipe_step: int, control: Control, rows: list[Rows], running: list) -> None:
         """Every request in this step: its pid, the position of its last committed token (the
@@ -149,7 +163,8 @@ class StepTracer(StepObserver):
                                 head_rows=sum(len(r) if r.head_rows is None else len(r.head_rows) for r in computed[-1]),
                                 sent={self._pid_request.get(r.request_id, r.request_id): len(r) for r in rows},
                                 contexts=contexts)
-        self._serial = []
+        self._step.async_started, self._step.async_used = self._async_started, self._async_used
+        self._serial, self._async_started, self._async_used = [], [], 0
         self._by_pipe_step[pipe_step] = self._step
 
     def collected(self, stage_spans: list[list[tuple[int, int, int]]]) -> None:

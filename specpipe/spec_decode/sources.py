@@ -53,6 +53,7 @@ class TokenSource(ABC):
     name: str = "source"
     tokenizer_fingerprint: str | None = None  # set by model sources, checked against the target's
     runs_model = False  # its proposals cost a model's forward (priced by a cost profile's draft)
+    reads_tree = False  # its proposals read the request's tree, not only the rows it is given
 
     def start(self, request_id: int) -> None:
         """A request begins (its prompt arrives through the first `propose`)."""
@@ -135,6 +136,7 @@ class NgramSource(TokenSource):
     """
 
     name = "ngram"
+    reads_tree = True
 
     def __init__(self, max_n: int = 4, min_n: int = 1) -> None:
         if not 1 <= min_n <= max_n:
@@ -188,6 +190,7 @@ class MergedSource(TokenSource):
         self.sources = list(sources)
         self.name = "+".join(s.name for s in sources)
         self.runs_model = any(s.runs_model for s in sources)
+        self.reads_tree = any(s.reads_tree for s in sources)
         prints = {s.tokenizer_fingerprint for s in sources} - {None}
         self.tokenizer_fingerprint = prints.pop() if len(prints) == 1 else None
 

@@ -214,3 +214,20 @@ def test_bad_files_are_refused(tmp_path):
         Trace.load(tmp_path / "missing.json")
     with pytest.raises(ValueError, match="3 stage layer counts"):
         simulate(trace_of(2, []), flat_profile(), [1, 1, 1])
+
+
+def test_an_async_draft_is_off_the_critical_path_until_a_step_uses_it():
+    # S = 1, a 1 ms stage step, a 5 ms draft forward started before step 0 (--draft-async).
+    # Steps 0-2 do not wait for it; step 3 uses its proposals, so it is sent at its end (5 ms);
+    # a synchronous draft (serial) would have cost every step its 5 ms instead.
+    steps = [{"rows": [1], "sent": {0: 1}, "tokens": {0: k + 1}} for k in range(4)]
+    steps[0]["async_started"] = [1]
+    steps[3]["async_used"] = 1
+    r = simulate(trace_of(1, steps), flat_profile(draft_ms=5.0), [2])
+    assert r.collect_ms == [2.0, 4.0, 6.0, 8.0]  # step 3: submit max(6, 5) = 6
+    late = [dict(s) for s in steps]
+    late[1] = {**late[1], "async_used": 1}  # used at step 1: sent at 5 instead of 2
+    late[3] = {k: v for k, v in late[3].items() if k != "async_used"}
+    r = simulate(trace_of(1, late), flat_profile(draft_ms=5.0), [2])
+    assert r.collect_ms == [2.0, 7.0, 9.0, 11.0]
+    assert r.busy_ms["draft"] == 5.0

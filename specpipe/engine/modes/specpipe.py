@@ -41,6 +41,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from specpipe.engine.modes.base import AFTER, DURING, ModeState
 from specpipe.engine.rows import concat_rows, node_rows, source_rows
 from specpipe.messages import Rows
@@ -89,6 +91,8 @@ class SpecPipeState(ModeState):
         self._phase: Optional[str] = None
         self._call: Optional[ProposeCall] = None
         self._picks: Optional[list[Pick]] = None  # the block `want` chose this step, for `send`
+        self.lagging = False  # --draft-async: the draft may fall behind the committed tokens
+        self._behind: list[tuple[int, int, int, int]] = []  # lagging: committed (node, parent, position, token) it has not seen
         if auto:
             self._replan()
 
@@ -109,9 +113,10 @@ class SpecPipeState(ModeState):
                 return None
             start = self.prefill.sent
             chunk = self.prefill.take(g.must)
-            # The source computes its own KV: with a cached prefix its first chunk starts at 0.
-            self._chunk = source_rows(self.prefill.rows(0 if start == self.prefill.cached else start,
-                                                        self.prefill.sent))
+            # The source computes its own KV: with a cached prefix its first chunk starts at 0. (A
+            # lagging draft, --draft-async, may not have taken in the last chunk yet: it gets both.)
+            rows = self.prefill.rows(0 if start == self.prefill.cached else start, self.prefill.sent)
+            self._chunk = source_rows(concat_rows(self._pending_chunk(), rows))
             if not self.prefill.left():
                 self.sent.add(tree.root_id)
             return self._sent(chunk)
@@ -155,6 +160,32 @@ class SpecPipeState(ModeState):
         self.props.update(props)
         self._advance(props)
 
+    def _pending_chunk(self) -> Optional[Rows]:
+        c = self._chunk
+        if c is None:
+            return None
+        return Rows(self.pid, list(c.node_ids), list(c.parent_ids), list(c.positions), c.tokens)
+
+    # -- drafting with --draft-async (engine/async_drafting.py) -------------------------------------------
+    def async_call(self) -> Optional[ProposeCall]:
+        """The next source call of a draft-ahead from the tree as it is now: the layer the
+        proposals so far allow is added, and the call takes in what the draft has not seen. Its
+        answer comes a step or more later (`async_proposals`), so the drafting is not resumed:
+        the next call starts afresh from the tree as it will be then."""
+        self.lagging = True
+        if self.source is None or self.req.finished:
+            return None
+        self._phase, self._calls, self._call = None, self._draft_ahead(), None
+        self._advance(None)
+        call, self._calls, self._call = self._call, None, None
+        if call is not None:
+            self.fed.update(call.want)  # the draft takes them in before any later pruning message
+        return call
+
+    def async_proposals(self, call: ProposeCall, props: dict) -> None:
+        """A forward's answer, steps after its call: keep the proposals of nodes still live."""
+        self.props.update({n: p for n, p in props.items() if n in self.tree})
+
     def _advance(self, props) -> None:
         try:
             self._call = self._calls.send(props) if props is not None else next(self._calls)
@@ -170,7 +201,8 @@ class SpecPipeState(ModeState):
         if self._chunk is not None:  # a prompt chunk; the source proposes for the root once it is in
             chunk, self._chunk = self._chunk, None
             done = tree.root_id in self.sent
-            yield ProposeCall(self.pid, tree, chunk, [tree.root_id] if done else [], self.width)
+            want = [tree.root_id] if done and tree.root_id in chunk.node_ids else []  # (a lagging draft: the root may have moved on)
+            yield ProposeCall(self.pid, tree, chunk, want, self.width)
             if not done:
                 return
         target = max((tree.depth_of(n) for n in self.sent if n in tree), default=0) + self.layers
@@ -187,17 +219,24 @@ class SpecPipeState(ModeState):
     def _unfed_call(self, max_depth: int) -> Optional[ProposeCall]:
         """One call taking in every node (the root included) the source has not seen, down to
         `max_depth`, parents first, and asking for all their children."""
-        tree, rows = self.tree, None
+        tree, rows, caught_up = self.tree, None, set()
+        if tree.root_id not in self.fed and self.new_root is None and tree.root_id not in self.sent:
+            return None  # the prompt is still coming in
+        if self._behind:  # a lagging draft catches up on the committed tokens it missed, in order
+            behind, self._behind = self._behind, []
+            nodes, parents, positions, tokens = (list(x) for x in zip(*behind))
+            rows = Rows(self.pid, nodes, parents, positions, torch.tensor(tokens, dtype=torch.long))
+            caught_up = set(nodes)
         if tree.root_id not in self.fed:
-            if self.new_root is None and tree.root_id not in self.sent:
-                return None  # the prompt is still coming in
-            rows = self.new_root if self.new_root is not None else node_rows(self.pid, [tree.root], self._last_root)
+            root = self.new_root if self.new_root is not None else node_rows(self.pid, [tree.root], self._last_root)
+            rows = concat_rows(rows, root)
         nodes = [n for n in tree.live_nodes() if n.node_id not in self.fed and tree.depth_of(n.node_id) <= max_depth]
         if nodes:
             rows = concat_rows(rows, node_rows(self.pid, nodes))
         if rows is None:
             return None
-        return ProposeCall(self.pid, tree, source_rows(rows), list(rows.node_ids), self.width)
+        want = [n for n in rows.node_ids if n not in caught_up]
+        return ProposeCall(self.pid, tree, source_rows(rows), want, self.width)
 
     # -- verification ---------------------------------------------------------------------------------
     def verify(self) -> None:
@@ -209,6 +248,11 @@ class SpecPipeState(ModeState):
             depth = max((self.drafted_depth.get(n.node_id, 0) for n in tree.live_nodes() if n.parent == parent),
                         default=0)  # when the root's children were sent (0: none were)
             rank = self._rank(parent, tree.root_target()) if planning else None
+            if self.lagging and self.source is not None and parent not in self.fed and not self._in_chunk(parent):
+                root = tree.root  # committed, and the draft never took it in: it catches up later
+                if self._last_root is None:
+                    raise RuntimeError("a lagging draft missed the prompt's last token")
+                self._behind.append((parent, self._last_root, root.position, root.token))
             v = tree.verify(tree.root_target())
             stats.verifications += 1
             hit = v.hit and v.committed_id in self.sent
@@ -224,6 +268,8 @@ class SpecPipeState(ModeState):
                 self._last_root = parent
                 self.new_root = node_rows(self.pid, [tree.root], root_parent=parent)
             stats.verifications_by_depth[depth] = stats.verifications_by_depth.get(depth, 0) + 1
+            if self.lagging:
+                self._last_root = parent  # the new root's parent, for a draft that takes it in late
             commit.append(v.committed_id)
             drop.extend(v.pruned)
             req.append(v.token)
@@ -241,6 +287,9 @@ class SpecPipeState(ModeState):
         self.drafted_depth = {n: d for n, d in self.drafted_depth.items() if n in tree}
         self.sent = {n for n in self.sent if n in tree}
         self.fed = {n for n in self.fed if n in tree}
+
+    def _in_chunk(self, node: int) -> bool:
+        return self._chunk is not None and node in self._chunk.node_ids
 
     def _rank(self, parent: int, token: int) -> Optional[int]:
         """Where the source ranked the target's token among its proposals for `parent`."""

@@ -1,0 +1,60 @@
+"""The engine's side of `--draft-async` (docs/design.md §4): drafting that no step waits for.
+
+At the start of every step, before scheduling, `poll` looks at the one batch of draft calls in
+flight (spec_decode/async_draft.py). If its forward has finished, each request still served takes
+its proposals (the ones for nodes verification pruned meanwhile are dropped), and the next batch
+starts at once: one call per request, from its tree as it is now (SpecPipeState.async_call: the
+layer the last proposals allow is added, and the draft takes in what it has not seen: what was
+sent, the new layer, and committed tokens it fell behind on). If the forward is still running,
+the step goes on with the tree it has: the tree grows by a layer whenever the draft's result is
+there, never by waiting for it. A finished forward is used in the step that finds it, before
+that step's block is chosen.
+
+One batch at a time, so the draft works through every request's calls in order and its forwards
+hold all requests' rows at once, as the synchronous DURING phase does. Tree mode drafts its round
+before sending it (the round needs its whole tree), so it keeps drafting synchronously through
+the same worker; this drives modes specpipe and specpipe-db.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from specpipe.spec_decode.async_draft import AsyncDraft, Ticket
+
+if TYPE_CHECKING:
+    from specpipe.engine.core import EngineCore
+    from specpipe.engine.modes.base import ModeState
+
+ASYNC = "async"  # the observer's phase name for a forward started off the critical path
+
+
+class AsyncDrafting:
+    def __init__(self, source: AsyncDraft) -> None:
+        self.source = source
+        self.ticket: Optional[Ticket] = None
+        self._calls: list = []  # (state, call) of the batch in flight
+
+    def poll(self, core: "EngineCore", states: list["ModeState"]) -> None:
+        """Use the finished forward's proposals, then start the next forward (see the module)."""
+        if self.ticket is not None:
+            if not self.ticket.ready():
+                return
+            ticket, calls, self.ticket, self._calls = self.ticket, self._calls, None, []
+            outs = ticket.result()
+            core.observer.draft_ready()
+            for (st, call), props in zip(calls, outs):
+                if core._alive(st):
+                    core._own_fault(st, st.async_proposals, call, props)
+            core._draft_failed({st.pid: st for st, _ in calls})
+        calls = [(st, c) for st in states
+                 if core._alive(st) and (c := core._own_fault(st, st.async_call)) is not None]
+        if not calls:
+            return
+        self.ticket, self._calls = self.source.submit([c for _, c in calls]), calls
+        core.observer.drafted(ASYNC, self.ticket.rows)
+        for st, _ in calls:
+            st.req.stats.draft_calls += 1
+
+    def in_flight(self) -> bool:
+        return self.ticket is not None

@@ -1,0 +1,169 @@
+"""A draft source that runs off the pipeline's critical path (`--draft-async`, docs/design.md §4).
+
+`AsyncDraft` wraps a model source and owns it: every call the driver makes on it (start, observe,
+finish, propose) is queued and run in order by one worker, so the source sees exactly the
+sequence of calls a synchronous driver would make, only later. `submit` hands a batch of propose
+calls to the worker and returns at once with a `Ticket`; the engine (engine/async_drafting.py)
+looks at the ticket at the start of each step and uses the proposals once they are there, so no
+step waits for a draft forward. `propose_many` (submit and wait) stays for the phases that must
+draft before sending (tree mode's rounds).
+
+Two workers:
+  a thread (real runs): torch's kernels and the native library (ctypes.CDLL, which drops the
+      GIL around each call) compute while the driver's thread steps the pipeline;
+  a modeled clock (`clock=DraftClock`, oracle runs for the simulator): every call runs at once,
+      but a ticket is only ready when the clock says its forward would have finished, given the
+      draft's cost and the steps' simulated times (sim/draft_clock.py).
+
+Only for a source that reads nothing but the rows it is given (a draft model): the proposals are
+computed while the driver changes the request's tree, which a tree-reading source (n-gram) would
+race with.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable, Optional, Protocol, Sequence
+
+from specpipe.config import ConfigError
+from specpipe.spec_decode.sources import ProposeCall, TokenSource
+
+
+class Clock(Protocol):
+    def forward_done_ms(self, rows: int, context: int) -> float: ...
+
+    def now_ms(self) -> float: ...
+
+
+class Ticket:
+    """One batch of propose calls on its way through the worker."""
+
+    def __init__(self, calls: Sequence[ProposeCall]) -> None:
+        self.calls = list(calls)
+        self.rows = sum(len(c.rows.node_ids) for c in calls)
+        self._done = threading.Event()
+        self._out: Optional[list[dict]] = None
+        self._error: Optional[BaseException] = None
+        self._clock: Optional[Clock] = None
+        self.ready_at_ms = 0.0  # modeled clock: when the forward would have finished
+
+    def ready(self) -> bool:
+        if self._clock is not None:
+            return self._done.is_set() and self._clock.now_ms() >= self.ready_at_ms
+        return self._done.is_set()
+
+    def result(self) -> list[dict]:
+        """The proposals, one dict per call (waits for the worker if it has not finished)."""
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+        return self._out
+
+    def _finish(self, out: Optional[list[dict]], error: Optional[BaseException]) -> None:
+        self._out, self._error = out, error
+        self._done.set()
+
+
+class AsyncDraft(TokenSource):
+    """`inner`'s calls, queued and run in order by one worker (see the module's docstring)."""
+
+    def __init__(self, inner: TokenSource, clock: Optional[Clock] = None) -> None:
+        if not inner.runs_model or getattr(inner, "reads_tree", False):
+            raise ConfigError(f"--draft-async needs a draft model as the source, not {inner.name} "
+                             "(a source that costs nothing gains nothing from it)")
+        self.inner, self.clock = inner, clock
+        self.name, self.runs_model = inner.name, True
+        self.tokenizer_fingerprint = inner.tokenizer_fingerprint
+        self._failed: list[int] = []
+        self._lock = threading.Lock()
+        self._error: Optional[BaseException] = None  # a queued start/observe/finish that failed
+        self._queue: "queue.Queue[Optional[tuple[Callable, Optional[Ticket]]]]" = queue.Queue()
+        self._thread: Optional[threading.Thread] = None
+        if clock is None:
+            self._thread = threading.Thread(target=self._work, name="specpipe-draft", daemon=True)
+            self._thread.start()
+
+    # -- the source's interface, queued -------------------------------------------------------------
+    def start(self, request_id):
+        self._run(lambda: self.inner.start(request_id))
+
+    def observe(self, request_id, commit, drop):
+        commit, drop = list(commit), list(drop)
+        self._run(lambda: self.inner.observe(request_id, commit, drop))
+
+    def finish(self, request_id):
+        self._run(lambda: self.inner.finish(request_id))
+
+    def propose(self, request_id, tree, rows, want, k):
+        return self.propose_many([ProposeCall(request_id, tree, rows, want, k)])[0]
+
+    def propose_many(self, calls):
+        return self.submit(calls).result()
+
+    def submit(self, calls: Sequence[ProposeCall]) -> Ticket:
+        """Queue one batch (one draft forward); returns at once."""
+        ticket = Ticket(calls)
+        if self.clock is not None:
+            ticket._clock = self.clock
+            context = max((max(c.rows.positions) + 1 for c in calls if c.rows.positions), default=1)
+            ticket.ready_at_ms = self.clock.forward_done_ms(ticket.rows, context)
+        self._run(lambda: self.inner.propose_many(ticket.calls), ticket)
+        return ticket
+
+    def take_failures(self) -> list[int]:
+        with self._lock:
+            failed, self._failed = self._failed, []
+        return failed
+
+    def has_room(self, tokens: int) -> bool:
+        self.drain()
+        return self.inner.has_room(tokens)
+
+    # -- the worker -----------------------------------------------------------------------------------
+    def _run(self, fn: Callable, ticket: Optional[Ticket] = None) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        if self._thread is None:
+            self._call(fn, ticket)
+        else:
+            self._queue.put((fn, ticket))
+
+    def _call(self, fn: Callable, ticket: Optional[Ticket]) -> None:
+        try:
+            out = fn()
+        except BaseException as e:  # noqa: BLE001  (handed to whoever waits on it)
+            if ticket is None:
+                self._error = e
+            else:
+                ticket._finish(None, e)
+            return
+        if ticket is not None:
+            failed = self.inner.take_failures()
+            with self._lock:
+                self._failed += failed
+            ticket._finish(out, None)
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            self._call(*item)
+            self._queue.task_done()
+
+    def drain(self) -> None:
+        """Wait until every queued call has run (the inner source is then the driver's to read)."""
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        """Run what is queued, then stop the worker."""
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()

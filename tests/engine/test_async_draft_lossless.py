@@ -1,0 +1,224 @@
+"""`--draft-async`: the draft runs off the critical path (spec_decode/async_draft.py,
+engine/async_drafting.py) and every mode it applies to still commits exactly pp's tokens, greedy
+and seeded, at S = 1, 2, 4; with the draft's answers arriving 0 or 3 steps late (a modeled
+clock, deterministic) and on a real thread behind a slow draft; and requests that finish or are
+aborted while a forward is in flight leave no draft KV behind, and shutdown does not hang.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from specpipe.engine.core import EngineCore
+from specpipe.request import Request
+from specpipe.sampling import SamplingParams
+from specpipe.spec_decode.async_draft import AsyncDraft
+from specpipe.spec_decode.sources import NgramSource, TokenSource
+
+from specpipe.loader.partition import partition_layers
+from specpipe.model.stage import build_stage
+from specpipe.worker.local_pipeline import LocalPipeline
+from specpipe.worker.stage_worker import StageWorker
+from test_lossless import (BLOCK_SIZE, BLOCKS, GREEDY, SAMPLED, TINY_PROMPT, make_pipeline, self_draft,  # noqa: F401
+                           tiny8)
+
+
+def shared_pipeline(ckpt, num_stages: int) -> LocalPipeline:
+    """Stages several requests share (CheckedPipeline's KV check is for one request at a time)."""
+    return LocalPipeline([StageWorker(build_stage(ckpt, s), BLOCKS, BLOCK_SIZE)
+                          for s in partition_layers(ckpt.config.num_layers, num_stages)])
+
+
+class LagClock:
+    """A forward's answer is ready `lag` pipeline steps after it was asked for (0: the next poll)."""
+
+    def __init__(self, pipe, lag: int) -> None:
+        self.pipe, self.lag, self._free = pipe, lag, 0.0
+
+    def now_ms(self) -> float:
+        return float(self.pipe.steps)
+
+    def forward_done_ms(self, rows: int, context: int) -> float:
+        self._free = max(self.now_ms(), self._free) + self.lag
+        return self._free
+
+
+class SlowDraft(TokenSource):
+    """A draft model that takes `delay_s` longer per forward: slower than these tiny stages."""
+
+    runs_model = True
+
+    def __init__(self, inner, delay_s: float) -> None:
+        self.inner, self.delay_s, self.name = inner, delay_s, inner.name + "-slow"
+
+    def propose(self, request_id, tree, rows, want, k):
+        raise AssertionError("the engine batches its calls (propose_many)")
+
+    def propose_many(self, calls):
+        time.sleep(self.delay_s)
+        return self.inner.propose_many(calls)
+
+    def start(self, request_id):
+        self.inner.start(request_id)
+
+    def observe(self, request_id, commit, drop):
+        self.inner.observe(request_id, commit, drop)
+
+    def finish(self, request_id):
+        self.inner.finish(request_id)
+
+    def take_failures(self):
+        return self.inner.take_failures()
+
+
+def serve(pipe, mode, requests, source: AsyncDraft, layers=1, width=4):
+    core = EngineCore(pipe, mode, source, width=width, depth=3, layers=layers, kv_blocks=64, block_size=16)
+    core.run(requests)
+    source.drain()
+    draft = source.inner.inner if isinstance(source.inner, SlowDraft) else source.inner
+    assert draft.slots.total_in_use() == 0 and not draft.slots.requests  # no draft KV left behind
+    for w in pipe.workers:
+        assert w.slots.total_in_use() == 0
+    return core
+
+
+RUNS = [("tree", 1), ("specpipe", 1), ("specpipe-db", 1), ("specpipe", "auto")]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("num_stages", [1, 2, 4])
+def test_async_draft_equals_pp(tiny8, num_stages, sampling):
+    target, _ = tiny8
+    max_committed = len(TINY_PROMPT) + sampling.max_tokens
+    reference = Request(0, TINY_PROMPT, sampling, frozenset())
+    serve_pp = EngineCore(make_pipeline(target, 1, 1, max_committed), "pp", kv_blocks=64, block_size=16)
+    serve_pp.run([reference])
+    pipe = make_pipeline(target, num_stages, 4 * 8, max_committed)
+    lagged = 0
+    for (mode, layers), lag in [(r, lag) for r in RUNS for lag in (0, 3)]:
+        source = AsyncDraft(self_draft(target, 2), clock=LagClock(pipe, lag))
+        req = Request(0, TINY_PROMPT, sampling, frozenset())
+        serve(pipe, mode, [req], source, layers)
+        assert req.output_ids == reference.output_ids, f"{mode} layers={layers} lag={lag} differs from pp"
+        if (mode, layers, sampling) == ("specpipe", 1, GREEDY) and num_stages > 1:
+            pp_steps = num_stages * len(reference.output_ids)
+            if lag == 0:  # answers in time: it speculates (fewer steps than pp)
+                assert req.stats.pipeline_steps < pp_steps
+            elif lag > num_stages - 1:  # a root is verified before its children are drafted: pp's steps
+                assert req.stats.pipeline_steps == pp_steps and req.stats.hits == 0
+        lagged += lag and mode != "tree" and req.stats.draft_calls > 0
+        source.close()
+    assert lagged  # the late answers really were used
+
+
+@pytest.mark.parametrize("mode", ["specpipe", "specpipe-db"])
+def test_slow_draft_on_its_thread_never_gates_a_step(tiny8, mode):
+    """A draft 30 ms a forward on its own thread: the same tokens, several requests at once, and
+    steps that run on without it (far more steps than forwards)."""
+    target, _ = tiny8
+    prompts = [TINY_PROMPT, TINY_PROMPT[3:], TINY_PROMPT[::-1]]
+    params = [GREEDY, SAMPLED, SamplingParams(temperature=0.0, max_tokens=9)]
+    refs = [Request(i, p, s, frozenset()) for i, (p, s) in enumerate(zip(prompts, params))]
+    EngineCore(shared_pipeline(target, 1), "pp", kv_blocks=64, block_size=16).run(refs)
+    source = AsyncDraft(SlowDraft(self_draft(target, 2), 0.03))
+    reqs = [Request(i, p, s, frozenset()) for i, (p, s) in enumerate(zip(prompts, params))]
+    core = serve(shared_pipeline(target, 2), mode, reqs, source)
+    for req, ref in zip(reqs, refs):
+        assert req.output_ids == ref.output_ids
+    assert core.draft_bound_steps == 0
+    calls = sum(r.stats.draft_calls for r in reqs)
+    assert core.steps > 2 * calls / len(reqs)  # the steps did not wait for the forwards
+    source.close()
+    assert not source._thread.is_alive()
+
+
+def test_finish_and_abort_while_a_forward_is_in_flight(tiny8):
+    """Requests end (max tokens, a stop token, an abort) while the draft computes for them: the
+    others keep pp's tokens, the aborted one keeps a prefix of them, the draft's KV is empty
+    once the queue has run, and closing does not hang."""
+    target, _ = tiny8
+    stop = None
+    ref = Request(0, TINY_PROMPT, GREEDY, frozenset())
+    EngineCore(shared_pipeline(target, 1), "pp", kv_blocks=64, block_size=16).run([ref])
+    stop = ref.output_ids[5]
+    source = AsyncDraft(SlowDraft(self_draft(target, 2), 0.02))
+    core = EngineCore(shared_pipeline(target, 2), "specpipe", source, width=4, kv_blocks=64, block_size=16)
+    reqs = [Request(0, TINY_PROMPT, GREEDY, frozenset()), Request(1, TINY_PROMPT, GREEDY, frozenset([stop])),
+            Request(2, TINY_PROMPT, GREEDY, frozenset()), Request(3, TINY_PROMPT, SamplingParams(temperature=0.0, max_tokens=3), frozenset())]
+    for r in reqs:
+        core.add_request(r)
+    aborted_in_flight = False
+    while core.has_work():
+        core.step()
+        if core.steps >= 4 and not reqs[2].finished and core.drafter.in_flight():
+            core.abort(2)
+            aborted_in_flight = True
+    assert aborted_in_flight
+    assert reqs[0].output_ids == ref.output_ids
+    assert reqs[1].output_ids == ref.output_ids[:ref.output_ids.index(stop) + 1]
+    assert reqs[2].output_ids == ref.output_ids[:len(reqs[2].output_ids)] and reqs[2].finish_reason == "abort"
+    assert reqs[3].output_ids == ref.output_ids[:3]
+    source.drain()
+    assert source.inner.inner.slots.total_in_use() == 0 and not source.inner.inner.slots.requests
+    source.close()
+    assert not source._thread.is_alive()
+
+
+def test_a_source_that_reads_the_tree_is_refused():
+    with pytest.raises(ValueError, match="draft model"):
+        AsyncDraft(NgramSource())
+
+
+def test_engine_flag_serves_pp_tokens_and_refuses_ngram(tiny_model_dir):
+    """`--draft-async` through EngineConfig / Engine: pp's tokens, one worker thread for the
+    draft, stopped by close(); refused where it cannot apply (n-gram, a mode without a source)."""
+    from specpipe.config import ConfigError, EngineConfig
+    from specpipe.engine.engine import Engine
+
+    model = str(tiny_model_dir("llama", num_hidden_layers=4))
+    common = dict(model=model, transport="inproc", kv_memory="8MiB", max_context=128, stages=2)
+    sampling = SamplingParams(temperature=0.0, max_tokens=12)
+    pp = Engine(EngineConfig(mode="pp", **common))
+    try:
+        want = pp.generate(TINY_PROMPT, sampling).token_ids
+    finally:
+        pp.close()
+    engine = Engine(EngineConfig(mode="specpipe", draft="self:2", draft_async=True, **common))
+    try:
+        assert engine.generate(TINY_PROMPT, sampling).token_ids == want
+        assert engine.generate(TINY_PROMPT, sampling, draft_async=False).token_ids == want
+    finally:
+        engine.close()
+    assert not engine.async_source._thread.is_alive()
+    with pytest.raises(ConfigError, match="draft model"):
+        Engine(EngineConfig(mode="specpipe", draft="ngram", draft_async=True, **common))
+    with pytest.raises(ConfigError, match="draft-async"):
+        EngineConfig(mode="pp", draft_async=True, **common).validate()
+
+
+def test_async_draft_with_prefix_caching(tiny_model_dir):
+    """--draft-async with --enable-prefix-caching: a second request on the same prompt starts
+    after the cached prefix at the stages and in the draft (its worker), with pp's tokens."""
+    from specpipe.config import EngineConfig
+    from specpipe.engine.engine import Engine
+
+    model = str(tiny_model_dir("llama", num_hidden_layers=4))
+    common = dict(model=model, transport="inproc", kv_memory="8MiB", max_context=128, stages=2)
+    sampling = SamplingParams(temperature=0.0, max_tokens=12)
+    prompt = TINY_PROMPT * 3  # longer than a block, so a block of it is cached
+    pp = Engine(EngineConfig(mode="pp", **common))
+    try:
+        want = pp.generate(prompt, sampling).token_ids
+    finally:
+        pp.close()
+    engine = Engine(EngineConfig(mode="specpipe", draft="self:2", draft_async=True, enable_prefix_caching=True,
+                                 **common))
+    try:
+        first = engine.generate(prompt, sampling)
+        second = engine.generate(prompt, sampling)
+        assert first.token_ids == second.token_ids == want
+        assert second.stats["cached_tokens"] > 0
+    finally:
+        engine.close()
