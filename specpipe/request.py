@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
 from specpipe.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from specpipe.grammar.matcher import RequestGrammar
 
 TextCallback = Callable[[str], None]
 
@@ -107,6 +110,7 @@ class Request:
     finish_reason: Optional[str] = None  # stop | length | abort | error
     error: Optional[str] = None
     stats: DecodeStats = field(default_factory=DecodeStats)
+    grammar: Optional["RequestGrammar"] = None  # structured output: follows the committed tokens
 
     @property
     def finished(self) -> bool:
@@ -129,20 +133,46 @@ class Request:
         self.token_times.append(time.perf_counter())
         if token in self.stop_ids:
             self.finish_reason = "stop"
+        elif self.grammar is not None and not self._grammar_accepts(token):
+            pass  # ended: complete ("stop") or refused ("error")
         elif len(self.output_ids) >= self.sampling.max_tokens:
             self.finish_reason = "length"
+        if self.finished:
+            self._close_grammar()
         return self.finished
+
+    def _grammar_accepts(self, token: int) -> bool:
+        """Feed a committed token to the grammar; False when that ended the request: the grammar
+        is complete (only the end can follow, so it stops here as plain constrained decoding
+        would at its next token), or it refused the token (an engine bug: an error, not bad output)."""
+        from specpipe.grammar.matcher import GrammarViolation
+
+        try:
+            self.grammar.accept(token)
+        except GrammarViolation as e:
+            self.finish_reason, self.error = "error", str(e)
+            return False
+        if self.grammar.complete:
+            self.finish_reason = "stop"
+            return False
+        return True
+
+    def _close_grammar(self) -> None:
+        if self.grammar is not None:
+            self.grammar.close()
 
     def end(self, reason: str, error: Optional[str] = None) -> None:
         """Finish early (abort, error); what was decoded so far stays."""
         if not self.finished:
             self.finish_reason, self.error = reason, error
+        self._close_grammar()
 
     def keep(self, n: int) -> None:
         """A stop string ended it after `n` output ids: later ones (committed before the engine
         heard) are dropped, and it finished with "stop" whatever the engine's reason was."""
         del self.output_ids[n:], self.token_times[n:]
         self.finish_reason, self.error = "stop", None
+        self._close_grammar()
 
     def summary(self, num_stages: int) -> dict:
         s = self.stats

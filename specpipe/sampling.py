@@ -16,6 +16,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from specpipe.grammar.spec import StructuredOutput
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -25,6 +27,7 @@ class SamplingParams:
     seed: Optional[int] = None  # None: a random seed is drawn per request (see resolved())
     max_tokens: int = 128
     stop: tuple[str, ...] = ()  # strings that end the output (driver side; not part of the output)
+    structured: Optional[StructuredOutput] = None  # the output must match it (specpipe/grammar/)
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -39,6 +42,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
 

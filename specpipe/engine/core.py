@@ -29,7 +29,7 @@ from specpipe.engine.modes.base import AFTER, BEFORE, DURING, ModeState
 from specpipe.engine.modes.rounds import RoundsState
 from specpipe.engine.modes.specpipe import AUTO, AutoPlan, SpecPipeState, block_rows
 from specpipe.engine.observer import NO_OBSERVER, StepObserver
-from specpipe.messages import Control, Pipeline, StagesRestarted
+from specpipe.messages import Control, Pipeline, Rows, StagesRestarted
 from specpipe.request import Request
 from specpipe.sched.block_manager import BlockManager, window_need
 from specpipe.sched.scheduler import QueueFull, Scheduler, Want
@@ -197,7 +197,7 @@ class EngineCore:
             st.prepare(plan.grants[st.req.request_id])
         self._draft(running, BEFORE)
         running = [st for st in running if self._alive(st)]
-        rows = [r for st in running if (r := st.send()) is not None]
+        rows = [self._masked(st, r) for st in running if (r := st.send()) is not None]
         control = Control(release=self._release, report=self._report)
         for st in running:
             admit, prune = st.control()
@@ -305,12 +305,39 @@ class EngineCore:
             dt = time.perf_counter() - t0
             self.observer.drafted(phase, sum(len(c.rows.node_ids) for _, c in calls))
             for (st, _), props in zip(calls, outs):
+                if st.req.grammar is not None and not st.req.grammar.closed:
+                    props = self._own_fault(st, self._allowed_proposals, st, props)
+                    if props is None:
+                        continue  # the filter failed: the request ended with the cause
                 self._own_fault(st, st.proposals, phase, props)
                 st.req.stats.draft_s += dt / len(calls)
                 st.req.stats.draft_calls += 1
                 drafted[st.pid] = st
             self._draft_failed({st.pid: st for st, _ in calls})
         return list(drafted.values())
+
+    @staticmethod
+    def _masked(st: ModeState, rows: Rows) -> Rows:
+        """Structured output: a token mask for every head row, from the grammar's state after the
+        row's path (docs/design.md §20), so the last stage picks the target's token among the
+        allowed ones for the committed path and every speculative row alike."""
+        grammar = st.req.grammar
+        if grammar is None or grammar.closed:
+            return rows
+        heads = rows.head_rows if rows.head_rows is not None else range(len(rows))
+        paths = []
+        for h in heads:
+            node = rows.node_ids[h]
+            paths.append(st.tree.path_tokens(node) if node in st.tree else None)
+        rows.masks = grammar.masks(paths)
+        return rows
+
+    @staticmethod
+    def _allowed_proposals(st: ModeState, props: dict) -> dict:
+        """A draft's proposals without the tokens the grammar forbids after their parent: such a
+        node could never be committed, so it never takes a place in the tree."""
+        tree, grammar = st.tree, st.req.grammar
+        return {n: grammar.filter(tree.path_tokens(n), cands) if n in tree else cands for n, cands in props.items()}
 
     def _draft_failed(self, by_pid: dict[int, ModeState]) -> None:
         """The draft's KV pool ran out for these requests: they go on unspeculated for now, and

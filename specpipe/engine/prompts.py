@@ -8,6 +8,8 @@ import itertools
 from typing import Callable, Optional, Sequence
 
 from specpipe.config import ConfigError
+from specpipe.grammar.compiler import GrammarCompiler
+from specpipe.grammar.matcher import RequestGrammar
 from specpipe.request import Request, RequestText
 from specpipe.sampling import SamplingParams
 from specpipe.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -22,6 +24,14 @@ class PromptProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_context: int) -> None:
         self.tokenizer, self.vocab_size, self.max_context = tokenizer, vocab_size, max_context
         self._ids = itertools.count()
+        self._grammars: Optional[GrammarCompiler] = None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured output's compiler for this model (built on first use: about a second)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        return self._grammars
 
     @classmethod
     def of(cls, model_path, cfg, max_context: int) -> "PromptProcessor":
@@ -63,6 +73,8 @@ class PromptProcessor:
             raise PromptError(f"prompt token ids must be in [0, {self.vocab_size}), this model's vocabulary")
         stop_ids = frozenset() if ignore_eos else frozenset(self.tokenizer.eos_token_ids)
         sampling = sampling.resolved()
+        # A constraint that does not compile fails here, before the request is queued (cached).
+        grammar = RequestGrammar(self.grammars.compile(sampling.structured)) if sampling.structured else None
         return Request(next(self._ids), prompt_ids, sampling, stop_ids,
                        output=RequestText(IncrementalDetokenizer(self.tokenizer, prompt_ids), sampling.stop),
-                       on_text=on_text)
+                       on_text=on_text, grammar=grammar)
