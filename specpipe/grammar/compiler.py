@@ -19,6 +19,9 @@ from specpipe.grammar.spec import GrammarSpecError, StructuredOutput
 from specpipe.tokenizer.tokenizer import Tokenizer
 
 CACHE_SIZE = 256
+# JSON as json.dumps writes it ('{"a": 1, "b": [2, 3]}'): no free whitespace, which small models
+# otherwise fill with newlines until max_tokens. A schema's "x-guidance" options override this.
+JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 @dataclass(frozen=True)
@@ -42,9 +45,9 @@ def grammar_text(spec: StructuredOutput) -> str:
     M = llguidance.LLMatcher
     try:
         if spec.json_schema is not None:
-            return M.grammar_from_json_schema(spec.json_schema)
+            return M.grammar_from_json_schema(spec.json_schema, defaults=JSON_OPTIONS)
         if spec.json_object:
-            return M.grammar_from_json_schema({"type": "object"})
+            return M.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
         if spec.regex is not None:
             return M.grammar_from_regex(spec.regex)
         return M.grammar_from_lark(any_to_lark(spec.grammar))  # Lark as is; GBNF converted
