@@ -46,10 +46,11 @@ class PromptProcessor:
             return self.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
+        """`tools`: OpenAI tool definitions, for a template that renders them (Qwen2.5's)."""
         if not self.tokenizer.has_chat_template:
             raise ConfigError("this model has no chat template; pass plain prompts instead")
-        text = self.tokenizer.apply_chat_template(messages)
+        text = self.tokenizer.apply_chat_template(messages, **({"tools": tools} if tools else {}))
         # The template already holds the special tokens (BOS included where the model has one).
         return self.tokenizer.encode(text, add_special_tokens=False)
 
