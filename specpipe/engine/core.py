@@ -300,13 +300,18 @@ class EngineCore:
                      if self._alive(st) and (c := self._own_fault(st, st.drafting, phase)) is not None]
             if not calls:
                 break
+            for st, c in calls:  # a model draft masks its logits with the request's grammar
+                g = st.req.grammar
+                if g is not None and not g.closed:
+                    c.masks = lambda nodes, g=g, tree=c.tree: g.masks(
+                        [tree.path_tokens(n) if n in tree else None for n in nodes])
             t0 = time.perf_counter()
             outs = self.source.propose_many([c for _, c in calls])
             dt = time.perf_counter() - t0
             self.observer.drafted(phase, sum(len(c.rows.node_ids) for _, c in calls))
-            for (st, _), props in zip(calls, outs):
+            for (st, call), props in zip(calls, outs):
                 if st.req.grammar is not None and not st.req.grammar.closed:
-                    props = self._own_fault(st, self._allowed_proposals, st, props)
+                    props = self._own_fault(st, self._allowed_proposals, st, call.want, call.k, props)
                     if props is None:
                         continue  # the filter failed: the request ended with the cause
                 self._own_fault(st, st.proposals, phase, props)
@@ -333,11 +338,16 @@ class EngineCore:
         return rows
 
     @staticmethod
-    def _allowed_proposals(st: ModeState, props: dict) -> dict:
-        """A draft's proposals without the tokens the grammar forbids after their parent: such a
-        node could never be committed, so it never takes a place in the tree."""
+    def _allowed_proposals(st: ModeState, want, k: int, props: dict) -> dict:
+        """A draft's proposals without the tokens the grammar forbids after their parent (such a
+        node could never be committed, so it never takes a place in the tree), and with the
+        token the grammar forces there first, for every node asked about (grammar/matcher.py)."""
         tree, grammar = st.tree, st.req.grammar
-        return {n: grammar.filter(tree.path_tokens(n), cands) if n in tree else cands for n, cands in props.items()}
+        out = dict(props)
+        for n in dict.fromkeys([*want, *props]):
+            if n in tree:
+                out[n] = grammar.proposals(tree.path_tokens(n), props.get(n, []), k)
+        return out
 
     def _draft_failed(self, by_pid: dict[int, ModeState]) -> None:
         """The draft's KV pool ran out for these requests: they go on unspeculated for now, and

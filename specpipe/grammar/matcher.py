@@ -48,9 +48,18 @@ class RequestGrammar:
         self._m = None
 
     # -- speculative paths (every call leaves the matcher where it found it) -----------------------
+    def _consume(self, path: Sequence[int]) -> int:
+        """Accept as much of `path` as the grammar allows; how many tokens that was. (An id outside
+        the vocabulary would put llguidance's matcher in a lasting error state: refused here.)"""
+        if not path:
+            return 0
+        path = list(path)
+        bad = next((i for i, t in enumerate(path) if not 0 <= t < self.vocab_size), len(path))
+        return self._m.try_consume_tokens(path[:bad]) if bad else 0
+
     def _mask_bytes(self, path: Sequence[int]) -> bytes | None:
         m = self._m
-        n = m.try_consume_tokens(list(path)) if path else 0
+        n = self._consume(path)
         try:
             if n < len(path):
                 return None  # a token on the path is refused: nothing below it can be committed
@@ -76,3 +85,27 @@ class RequestGrammar:
         if data is None:
             return []
         return [(t, s) for t, s in candidates if 0 <= t < 8 * len(data) and data[t >> 3] >> (t & 7) & 1]
+
+    def forced(self, path: Sequence[int]) -> int | None:
+        """The token that begins what the grammar forces after `path` (say '"name": "' inside an
+        object whose next key is fixed), or None when it leaves a choice."""
+        m = self._m
+        n = self._consume(path)
+        try:
+            if n < len(path):
+                return None
+            ff = m.compute_ff_tokens()
+            return ff[0] if ff else None
+        finally:
+            if n:
+                m.rollback(n)
+
+    def proposals(self, path: Sequence[int], candidates: list[tuple[int, float]], k: int) -> list[tuple[int, float]]:
+        """A draft's candidates after `path` as the tree takes them: the forbidden ones dropped,
+        and the token the grammar forces (if any) first with log-probability 0, since the
+        target, masked by the same grammar, is nearly sure to take it; at most k."""
+        allowed = self.filter(path, candidates)
+        tok = self.forced(path)
+        if tok is None:
+            return allowed[:k]
+        return [(tok, 0.0), *[(t, s) for t, s in allowed if t != tok]][:k]
