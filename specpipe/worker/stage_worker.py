@@ -111,7 +111,9 @@ class StageWorker:
         """The target's token for each head row, sampled per request with its own parameters (RNG
         keyed by (seed, position)). All greedy requests share one argmax: one device sync per
         step instead of one per request."""
-        done = [(rows, logits if rows.masks is None else apply_masks(logits, rows.masks)) for rows, logits in done]
+        # Structured output: the grammar's masks first, so greedy and sampling pick allowed tokens only.
+        done = [(rows, logits if rows.masks is None else
+                 apply_masks(logits, rows.masks, greedy=self.sampling[rows.request_id].greedy)) for rows, logits in done]
         greedy = [logits for rows, logits in done if self.sampling[rows.request_id].greedy]  # (R_i, V) each
         argmax = iter(torch.cat(greedy).argmax(dim=-1).tolist() if greedy else [])
         out = []
