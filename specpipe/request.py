@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 from specpipe.sampling import SamplingParams
-
-if TYPE_CHECKING:
-    from specpipe.grammar.matcher import RequestGrammar
 
 TextCallback = Callable[[str], None]
 
@@ -18,6 +15,17 @@ class Detokenizer(Protocol):
     def add(self, token: int) -> str: ...
 
     def flush(self) -> str: ...
+
+
+class Grammar(Protocol):
+    """A structured-output request's matcher (specpipe/grammar/matcher.py: RequestGrammar)."""
+
+    closed: bool
+    complete: bool  # satisfied, and nothing but the end may follow
+
+    def accept(self, token: int) -> Optional[str]: ...  # None, or why the grammar refuses it
+
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -110,7 +118,7 @@ class Request:
     finish_reason: Optional[str] = None  # stop | length | abort | error
     error: Optional[str] = None
     stats: DecodeStats = field(default_factory=DecodeStats)
-    grammar: Optional["RequestGrammar"] = None  # structured output: follows the committed tokens
+    grammar: Optional[Grammar] = None  # structured output: follows the committed tokens
 
     @property
     def finished(self) -> bool:
@@ -145,12 +153,9 @@ class Request:
         """Feed a committed token to the grammar; False when that ended the request: the grammar
         is complete (only the end can follow, so it stops here as plain constrained decoding
         would at its next token), or it refused the token (an engine bug: an error, not bad output)."""
-        from specpipe.grammar.matcher import GrammarViolation
-
-        try:
-            self.grammar.accept(token)
-        except GrammarViolation as e:
-            self.finish_reason, self.error = "error", str(e)
+        refused = self.grammar.accept(token)
+        if refused is not None:
+            self.finish_reason, self.error = "error", refused
             return False
         if self.grammar.complete:
             self.finish_reason = "stop"

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
-from specpipe.grammar.spec import GrammarSpecError, StructuredOutput
+from specpipe.sampling import GrammarSpecError, StructuredOutput
 from specpipe.tokenizer.tokenizer import Tokenizer
 
 CACHE_SIZE = 256

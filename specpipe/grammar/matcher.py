@@ -18,10 +18,6 @@ from specpipe.grammar import bitmask
 from specpipe.grammar.compiler import CompiledGrammar
 
 
-class GrammarViolation(RuntimeError):
-    """A committed token the grammar refuses: a bug, since the target is masked; the request ends."""
-
-
 class RequestGrammar:
     def __init__(self, compiled: CompiledGrammar) -> None:
         self.compiled = compiled
@@ -38,10 +34,13 @@ class RequestGrammar:
         """The grammar is satisfied and allows nothing more (only the end of the sequence)."""
         return self._m is not None and self._m.is_stopped()
 
-    def accept(self, token: int) -> None:
-        """A committed token."""
-        if not self._m.consume_token(token):
-            raise GrammarViolation(f"the grammar refuses committed token {token}: {self._m.get_error()}")
+    def accept(self, token: int) -> str | None:
+        """A committed token; None, or why the grammar refuses it (an engine bug, since the target
+        is masked: the request then ends with that error)."""
+        if not 0 <= token < self.vocab_size or not self._m.consume_token(token):
+            why = (self._m.get_error() or "out of the vocabulary").splitlines()[0]
+            return f"the grammar refuses committed token {token}: {why}"
+        return None
 
     def close(self) -> None:
         """The request ended: free the matcher."""

@@ -73,8 +73,9 @@ def test_masks_along_paths_and_forced_tokens(compiler, tok):
     cands = g.proposals(ids[:1], [(ids[1], -2.0), (refused[0], -0.1)], 4)
     assert cands == [(forced, 0.0)]  # the forced token first (here also the draft's), the forbidden one gone
     for t in ids:  # the committed state moves only on accept, and is left where it was by masks()
-        g.accept(t)
+        assert g.accept(t) is None
     assert g.complete
+    assert "refuses" in g.accept(ids[0])  # after the end nothing more is allowed
 
 
 def test_masks_cross_the_wire_and_survive_pruning():
