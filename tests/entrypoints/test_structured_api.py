@@ -192,3 +192,20 @@ def test_ended_request_frees_its_matcher(smollm2):
                 req.append(t)
             assert req.finish_reason == "stop"
         assert req.grammar.closed, end
+
+
+def test_auto_tools_stream_equals_whole_answer(client):
+    """tool_choice auto: whatever the model writes (text or a call), streamed content plus
+    assembled calls equal the whole response's, and text streams in more than one piece when
+    it holds no call."""
+    kw = dict(model=NAME, messages=ASK, tools=[WEATHER], temperature=0, max_tokens=40)
+    whole = client.chat.completions.create(**kw).choices[0]
+    chunks = list(client.chat.completions.create(**kw, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert (whole.message.content or "") == content
+    assert [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []] == \
+        [(c.function.name, c.function.arguments) for c in calls]
+    assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+    if not calls and len(content) > 20:
+        assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1

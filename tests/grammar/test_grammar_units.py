@@ -123,3 +123,13 @@ def test_parse_qwen_and_llama_tool_calls():
     for text in ("Paris is sunny.", '{"name": "unknown", "arguments": {}}', "<tool_call>{broken</tool_call>",
                  '{"city": "Paris"}'):
         assert parse_tool_calls(text, funcs) == (text, [])
+
+
+def test_tool_streams_hold_only_what_may_be_a_call():
+    from specpipe.entrypoints.openai.serving import _free_text_end
+
+    assert _free_text_end("The weather is") == len("The weather is")
+    assert _free_text_end("Checking <tool") == len("Checking ")  # could be the tag: held
+    assert _free_text_end("Checking <tool_call>{\"na") == len("Checking ")
+    assert _free_text_end("  <too") == 0 and _free_text_end('{"name"') == 0 and _free_text_end(" ") == 0
+    assert _free_text_end("a < b") == len("a < b")

@@ -19,7 +19,7 @@ from specpipe.engine.engine import Engine
 from specpipe.engine.prompts import PromptError
 from specpipe.entrypoints.openai import protocol as p
 from specpipe.entrypoints.openai.structured import BadConstraint, constraint_of, param_of
-from specpipe.entrypoints.openai.tools import check_tools, forced_constraint, parse_tool_calls, tools_prompt
+from specpipe.entrypoints.openai.tools import TOOL_TAG, check_tools, forced_constraint, parse_tool_calls, tools_prompt
 from specpipe.grammar import GrammarSpecError, StructuredOutput
 from specpipe.sampling import SamplingParams
 from specpipe.sched.scheduler import QueueFull
@@ -224,23 +224,31 @@ async def _events(stream: RequestStream, include_usage: bool, chunk: Callable[..
 
 async def _tool_events(stream: RequestStream, include_usage: bool, rid: str, model: str,
                        first: p.ChatCompletionChunk) -> AsyncIterator[str]:
-    """A chat stream that may end in tool calls: the answer is read whole (a call is only known
-    once its JSON is complete), then sent as content, or as one delta per call (index, id, name,
-    arguments) that the openai client assembles, with finish_reason "tool_calls"."""
+    """A chat stream that may end in tool calls. Text streams as content while it cannot be the
+    start of a call; from a `<tool_call>` tag (or an answer that opens with JSON, Llama 3's calls)
+    it is held until the end, since a call is only known once its JSON is complete. Then the
+    calls go out as one delta each (index, id, name, arguments), which the openai client
+    assembles, with finish_reason "tool_calls"; held text that holds no call goes out as content."""
     def chunk(delta: p.DeltaMessage, finish: Optional[str] = None) -> str:
         c = p.ChatCompletionChunk(id=rid, model=model, choices=[p.ChatChunkChoice(delta=delta, finish_reason=finish)])
         return _sse(c.model_dump_json())
 
     try:
         yield _sse(first.model_dump_json())
+        sent = 0  # characters of the answer already sent as content
         async for d in stream:
             if d.finish_reason in ("error", "abort"):
                 yield _sse(_failure(stream).body.model_dump_json())
                 yield _sse("[DONE]")
                 return
-        content, calls = _answer(stream)
-        if content:
-            yield chunk(p.DeltaMessage(content=content))
+            safe = _free_text_end(stream.text)
+            if safe > sent:
+                yield chunk(p.DeltaMessage(content=stream.text[sent:safe]))
+                sent = safe
+        _, calls = _answer(stream)
+        rest = "" if calls else stream.text[sent:]  # with calls, all before the first was sent above
+        if rest:
+            yield chunk(p.DeltaMessage(content=rest))
         for i, call in enumerate(calls):
             yield chunk(p.DeltaMessage(tool_calls=[call.as_openai(index=i)]))
         yield chunk(p.DeltaMessage(), "tool_calls" if calls else stream.finish_reason)
@@ -249,6 +257,19 @@ async def _tool_events(stream: RequestStream, include_usage: bool, rid: str, mod
         yield _sse("[DONE]")
     finally:
         stream.cancel()
+
+
+def _free_text_end(text: str) -> int:
+    """How much of an answer so far is surely content, not (the start of) a tool call."""
+    body = text.lstrip()
+    if not body or body[0] in "{[" or TOOL_TAG.startswith(body):
+        return 0  # undecided, or Llama 3 style JSON calls: hold it all
+    cut = text.find(TOOL_TAG)
+    if cut >= 0:
+        return cut
+    # hold back a tail that could begin the tag
+    hold = next((k for k in range(min(len(TOOL_TAG) - 1, len(text)), 0, -1) if TOOL_TAG.startswith(text[-k:])), 0)
+    return len(text) - hold
 
 
 def _answer(stream: RequestStream) -> tuple[Optional[str], list]:

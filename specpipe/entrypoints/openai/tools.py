@@ -19,6 +19,7 @@ from typing import Any, Optional
 from specpipe.entrypoints.openai.structured import BadConstraint
 from specpipe.grammar import GrammarSpecError, StructuredOutput
 
+TOOL_TAG = "<tool_call>"  # Qwen2.5's (Hermes-style) call opener
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
