@@ -133,3 +133,13 @@ def test_tool_streams_hold_only_what_may_be_a_call():
     assert _free_text_end("Checking <tool_call>{\"na") == len("Checking ")
     assert _free_text_end("  <too") == 0 and _free_text_end('{"name"') == 0 and _free_text_end(" ") == 0
     assert _free_text_end("a < b") == len("a < b")
+
+
+def test_cli_generate_regex(smollm2, capsys):
+    from specpipe.entrypoints.cli import main
+
+    assert main(["generate", "--quiet", "--json", "--max-tokens", "8", "--regex", "(yes|no)", "Answer yes or no:"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["text"] in ("yes", "no") and out["finish_reason"] == "stop"
+    assert main(["generate", "--quiet", "--regex", "a(b", "x"]) == 2
+    assert "unclosed group" in capsys.readouterr().err
