@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
@@ -32,12 +32,19 @@ class CompiledGrammar:
     grammar: str  # llguidance's grammar text
     tokenizer: llguidance.LLTokenizer
     vocab_size: int  # the model's logits width the masks cover
+    # A matcher in its initial state, built once (llguidance builds the lexer and parser tables
+    # when a matcher is made: up to a second for a large grammar); requests get copies of it.
+    _prototype: list = field(default_factory=list, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def matcher(self) -> llguidance.LLMatcher:
-        m = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
-        if m.is_error():
-            raise GrammarSpecError(f"{self.spec.kind}: {m.get_error()}")
-        return m
+        with self._lock:
+            if not self._prototype:
+                m = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
+                if m.is_error():
+                    raise GrammarSpecError(f"{self.spec.kind}: {m.get_error()}")
+                self._prototype.append(m)
+            return self._prototype[0].deep_copy()
 
 
 def grammar_text(spec: StructuredOutput) -> str:
