@@ -209,3 +209,24 @@ def test_auto_tools_stream_equals_whole_answer(client):
     assert chunks[-1].choices[0].finish_reason == whole.finish_reason
     if not calls and len(content) > 20:
         assert sum(1 for c in chunks if c.choices and c.choices[0].delta.content) > 1
+
+
+def test_a_second_turn_with_the_call_and_its_result(client):
+    """The assistant's call and the tool's answer go back through the template (SmolLM2's
+    cannot render tools: they ride in a system message) and the model answers."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": '{"city": "Paris", "unit": "celsius"}'}}
+    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21}'}]
+    r = client.chat.completions.create(model=NAME, messages=messages, tools=[WEATHER], tool_choice="none",
+                                       temperature=0, max_tokens=8)
+    assert r.choices[0].message.content
+
+
+@pytest.mark.parametrize("extra", [{"tool_choice": {"type": "function", "function": "get_weather"}},
+                                   {"tool_choice": "sometimes"},
+                                   {"messages": [{"role": "assistant", "tool_calls": [{"function": "f"}]}]}])
+def test_malformed_tool_fields_are_400(server, extra):
+    body = {"model": NAME, "max_tokens": 4, "messages": ASK, "tools": [WEATHER], **extra}
+    r = server.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text

@@ -135,10 +135,21 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class FunctionCallIn(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(OpenAIModel):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(OpenAIModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[TextPart], None] = None
-    tool_calls: Optional[list[dict]] = None  # an assistant's earlier calls
+    tool_calls: Optional[list[ToolCallIn]] = None  # an assistant's earlier calls
     tool_call_id: Optional[str] = None  # a tool's answer: to which call
     name: Optional[str] = None
 
@@ -161,7 +172,7 @@ class ChatCompletionRequest(SamplingFields):
         for m in self.messages:
             d = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             if m.tool_calls:
-                d["tool_calls"] = [_call_for_template(c) for c in m.tool_calls]
+                d["tool_calls"] = [_call_for_template(c.model_dump()) for c in m.tool_calls]
             if m.tool_call_id is not None:
                 d["tool_call_id"] = m.tool_call_id
             if m.name is not None:
@@ -172,12 +183,11 @@ class ChatCompletionRequest(SamplingFields):
 
 def _call_for_template(call: dict) -> dict:
     """An earlier call as chat templates read it: arguments as an object, where they parse."""
-    f = dict(call.get("function") or {})
-    if isinstance(f.get("arguments"), str):
-        try:
-            f["arguments"] = json.loads(f["arguments"])
-        except ValueError:
-            pass
+    f = dict(call["function"])
+    try:
+        f["arguments"] = json.loads(f["arguments"])
+    except ValueError:
+        pass
     return {**call, "function": f}
 
 

@@ -22,6 +22,7 @@ from specpipe.entrypoints.openai.structured import BadConstraint, constraint_of,
 from specpipe.entrypoints.openai.tools import TOOL_TAG, check_tools, forced_constraint, parse_tool_calls, tools_prompt
 from specpipe.grammar import GrammarSpecError, StructuredOutput
 from specpipe.sampling import SamplingParams
+from specpipe.tokenizer.tokenizer import TokenizerError
 from specpipe.sched.scheduler import QueueFull
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -84,7 +85,7 @@ class OpenAIServing:
             tools = None
         try:
             ids = await self._off_loop(lambda: self.engine.prompts.encode_chat(conversation, tools=tools))
-        except ConfigError as e:
+        except (ConfigError, TokenizerError) as e:  # no template, or the template refused these messages
             raise ApiError(400, str(e), param="messages") from None
         # Without a limit a chat answer may use the rest of the context.
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, self.engine.max_context - len(ids))

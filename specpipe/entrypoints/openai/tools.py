@@ -57,7 +57,8 @@ def check_tools(tools: Optional[list], tool_choice: Any) -> tuple[dict[str, dict
         if tool_choice == "required" and not funcs:
             raise BadConstraint("tool_choice", "tool_choice is 'required' but no tools were given")
         return funcs, tool_choice
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    func = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = func.get("name") if isinstance(func, dict) else None
     if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
         raise BadConstraint("tool_choice", "tool_choice must be 'none', 'auto', 'required' or "
                                            "{\"type\": \"function\", \"function\": {\"name\": ...}}")
