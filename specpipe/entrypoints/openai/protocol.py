@@ -55,6 +55,42 @@ class StreamOptions(OpenAIModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: str = Field(default="response", max_length=64)
+    description: Optional[str] = None
+    schema_: Union[dict, bool] = Field(alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None  # with type json_schema
+
+
+class FunctionDef(OpenAIModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    parameters: Optional[dict] = None  # a JSON schema; none: no arguments
+    strict: Optional[StrictBool] = None
+
+
+class ToolDef(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+Text = Annotated[str, Field(min_length=1)]
+
+
 class SamplingFields(OpenAIModel):
     """What completions and chat share."""
 
@@ -77,10 +113,10 @@ class SamplingFields(OpenAIModel):
     logit_bias: Optional[dict[str, Float]] = Only(None, {"maxProperties": 0})
     best_of: Optional[Int] = Only(None, {"enum": [None, 1]})
     # Structured output (specpipe/grammar/): OpenAI's response_format, and vLLM's extras.
-    response_format: Optional[dict] = None  # {"type": "text" | "json_object" | "json_schema", ...}
-    guided_json: Optional[Union[dict, str]] = None
-    guided_regex: Optional[str] = None
-    guided_grammar: Optional[str] = None  # Lark or GBNF (llama.cpp's grammars)
+    response_format: Optional[ResponseFormat] = None
+    guided_json: Optional[Union[dict, Text]] = None
+    guided_regex: Optional[Text] = None
+    guided_grammar: Optional[Text] = None  # Lark or GBNF (llama.cpp's grammars)
 
     @field_validator("stop")
     @classmethod
@@ -162,8 +198,8 @@ class ChatMessage(OpenAIModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[Num(int, ge=1)] = None
-    tools: Optional[list[Any]] = None  # [{"type": "function", "function": {"name", "description", "parameters"}}]
-    tool_choice: Optional[Union[str, dict]] = None  # none | auto | required | {"type": "function", ...}
+    tools: Optional[list[ToolDef]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[StrictBool] = None  # accepted; a model may write several calls either way
 
     def conversation(self) -> list[dict]:

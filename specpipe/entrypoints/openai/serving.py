@@ -73,13 +73,13 @@ class OpenAIServing:
     async def chat_stream(self, body: p.ChatCompletionRequest, client: Optional[str] = None) -> RequestStream:
         self._check(body)
         try:
-            funcs, choice = check_tools(body.tools, body.tool_choice)
+            funcs, choice = check_tools(_dumped(body.tools), _dumped(body.tool_choice))
             forced = forced_constraint(funcs, choice)
         except BadConstraint as e:
             raise ApiError(400, str(e), param=e.param) from None
         structured = await self._constraint(body, forced)
         conversation = body.conversation()
-        tools = body.tools if funcs and choice != "none" else None
+        tools = _dumped(body.tools) if funcs and choice != "none" else None
         if tools and not self.engine.tokenizer.renders_tools:
             conversation = [{"role": "system", "content": tools_prompt(tools)}, *conversation]  # template cannot
             tools = None
@@ -258,6 +258,13 @@ async def _tool_events(stream: RequestStream, include_usage: bool, rid: str, mod
         yield _sse("[DONE]")
     finally:
         stream.cancel()
+
+
+def _dumped(v):
+    """Pydantic request parts as the plain JSON they came as (tools.py and templates read dicts)."""
+    if isinstance(v, list):
+        return [_dumped(x) for x in v]
+    return v.model_dump(exclude_none=True) if hasattr(v, "model_dump") else v
 
 
 def _free_text_end(text: str) -> int:

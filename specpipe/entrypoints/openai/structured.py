@@ -40,6 +40,8 @@ def constraint_of(body: Any, forced: Optional[StructuredOutput] = None) -> Optio
     """The one constraint the body asks for (None: free text). `forced`: tool_choice's."""
     found: list[tuple[str, StructuredOutput]] = []
     rf = getattr(body, "response_format", None)
+    if rf is not None and not isinstance(rf, dict):
+        rf = rf.model_dump(by_alias=True, exclude_none=True)
     if rf:
         c = from_response_format(rf)
         if c is not None:
