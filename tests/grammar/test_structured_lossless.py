@@ -1,5 +1,5 @@
-"""Structured output is exact under speculation: every mode at S = 1, 2, 4 commits the tokens
-plain constrained decoding (pp, S = 1) commits, greedy and with seeded sampling, for five
+"""Structured output is exact under speculation: every mode at S = 1, 2, 4 (and pp-cb at S = 2)
+commits the tokens plain constrained decoding (pp, S = 1) commits, greedy and with seeded sampling, for five
 constraints on the embedded SmolLM2; every output matches its constraint; the draft never puts a
 token the grammar forbids into the tree; each request's matcher is freed when it ends."""
 
@@ -15,8 +15,8 @@ from specpipe.grammar.matcher import RequestGrammar
 
 GREEDY = SamplingParams(max_tokens=48)
 SAMPLED = SamplingParams(temperature=0.9, seed=7, max_tokens=48)
-RUNS = [("tree", 1), ("specpipe", 1), ("specpipe-db", 1), ("tree", 2), ("specpipe", 2), ("specpipe-db", 2),
-        ("pp", 4), ("tree", 4), ("specpipe", 4), ("specpipe-db", 4)]
+RUNS = [("tree", 1), ("specpipe", 1), ("specpipe-db", 1), ("pp-cb", 2), ("tree", 2), ("specpipe", 2),
+        ("specpipe-db", 2), ("pp", 4), ("tree", 4), ("specpipe", 4), ("specpipe-db", 4)]
 
 
 def _requests():
@@ -29,7 +29,7 @@ def _requests():
 def _generate(smollm2_path, mode, stages, draft="ngram"):
     names, prompts, params = _requests()
     with LLM(model=smollm2_path, stages=stages, mode=mode, draft=draft if mode in ("tree", "specpipe", "specpipe-db")
-             else None, transport="inproc", tree_width=4) as llm:
+             else None, transport="inproc", tree_width=2) as llm:  # two branches a layer: trees, at half the rows
         outs = llm.generate(prompts, params, use_tqdm=False)
     return names, outs
 
