@@ -79,6 +79,9 @@ class Rows:
     data: torch.Tensor  # (T,) token ids into stage 1, (T, H) hidden states after
     head_rows: Optional[list[int]] = None  # rows whose target token is wanted; None = all
     failed: bool = False  # no rows: the request ran out of KV at an earlier stage
+    # Structured output: one token mask per head row, in head-row order ((H, W) int64 bits,
+    # specpipe/grammar/bitmask.py); the last stage masks the target's logits with it. None: free.
+    masks: Optional[torch.Tensor] = None
 
     @staticmethod
     def failure(request_id: int) -> "Rows":
@@ -93,6 +96,11 @@ class Rows:
             return self
         idx = torch.tensor(keep, dtype=torch.long, device=self.data.device)
         wanted = None if self.head_rows is None else set(self.head_rows)
+        masks = self.masks
+        if masks is not None:  # keep the masks of the head rows that stay
+            heads = self.head_rows if self.head_rows is not None else range(len(self.node_ids))
+            kept = set(keep)
+            masks = masks[[j for j, h in enumerate(heads) if h in kept]]
         return Rows(
             request_id=self.request_id,
             node_ids=[self.node_ids[i] for i in keep],
@@ -100,6 +108,7 @@ class Rows:
             positions=[self.positions[i] for i in keep],
             data=self.data.index_select(0, idx),
             head_rows=None if wanted is None else [j for j, i in enumerate(keep) if i in wanted],
+            masks=masks,
         )
 
 

@@ -17,6 +17,17 @@ class Detokenizer(Protocol):
     def flush(self) -> str: ...
 
 
+class Grammar(Protocol):
+    """A structured-output request's matcher (specpipe/grammar/matcher.py: RequestGrammar)."""
+
+    closed: bool
+    complete: bool  # satisfied, and nothing but the end may follow
+
+    def accept(self, token: int) -> Optional[str]: ...  # None, or why the grammar refuses it
+
+    def close(self) -> None: ...
+
+
 @dataclass
 class DecodeStats:
     """Step-level counters; see docs/design.md §9 for the definitions."""
@@ -109,6 +120,7 @@ class Request:
     error: Optional[str] = None
     stats: DecodeStats = field(default_factory=DecodeStats)
     no_prefix_cache: bool = False  # a stage lacked a cached block for it: compute its whole prompt
+    grammar: Optional[Grammar] = None  # structured output: follows the committed tokens
 
     @property
     def finished(self) -> bool:
@@ -131,20 +143,43 @@ class Request:
         self.token_times.append(time.perf_counter())
         if token in self.stop_ids:
             self.finish_reason = "stop"
+        elif self.grammar is not None and not self._grammar_accepts(token):
+            pass  # ended: complete ("stop") or refused ("error")
         elif len(self.output_ids) >= self.sampling.max_tokens:
             self.finish_reason = "length"
+        if self.finished:
+            self._close_grammar()
         return self.finished
+
+    def _grammar_accepts(self, token: int) -> bool:
+        """Feed a committed token to the grammar; False when that ended the request: the grammar
+        is complete (only the end can follow, so it stops here as plain constrained decoding
+        would at its next token), or it refused the token (an engine bug: an error, not bad output)."""
+        refused = self.grammar.accept(token)
+        if refused is not None:
+            self.finish_reason, self.error = "error", refused
+            return False
+        if self.grammar.complete:
+            self.finish_reason = "stop"
+            return False
+        return True
+
+    def _close_grammar(self) -> None:
+        if self.grammar is not None:
+            self.grammar.close()
 
     def end(self, reason: str, error: Optional[str] = None) -> None:
         """Finish early (abort, error); what was decoded so far stays."""
         if not self.finished:
             self.finish_reason, self.error = reason, error
+        self._close_grammar()
 
     def keep(self, n: int) -> None:
         """A stop string ended it after `n` output ids: later ones (committed before the engine
         heard) are dropped, and it finished with "stop" whatever the engine's reason was."""
         del self.output_ids[n:], self.token_times[n:]
         self.finish_reason, self.error = "stop", None
+        self._close_grammar()
 
     def summary(self, num_stages: int) -> dict:
         s = self.stats

@@ -10,11 +10,80 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import secrets
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
+
+
+# -- structured output: what the output must match (compiled and enforced by specpipe/grammar/) ---
+
+
+class GrammarSpecError(ValueError):
+    """A constraint that cannot be used; the message says what is wrong (a server answers 400)."""
+
+
+KINDS = ("json_schema", "json_object", "regex", "grammar")
+MAX_SPEC_CHARS = 1 << 20  # a constraint larger than this is refused (1 MiB of schema or grammar text)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Exactly one of the four kinds. `json_schema` is kept as compact JSON text (key order kept: llguidance emits properties in it),
+    so two equal schemas share one compiled grammar; `grammar` is Lark or GBNF (as llama.cpp)."""
+
+    json_schema: Optional[str] = None
+    json_object: bool = False
+    regex: Optional[str] = None
+    grammar: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise GrammarSpecError(f"give exactly one of {', '.join(KINDS)} (got {', '.join(given) or 'none'})")
+        if self.json_schema is not None:
+            object.__setattr__(self, "json_schema", canonical_schema(self.json_schema))
+        for k in ("regex", "grammar"):
+            v = getattr(self, k)
+            if v is not None and (not isinstance(v, str) or not v.strip()):
+                raise GrammarSpecError(f"{k} must be a non-empty string")
+            if v is not None and len(v) > MAX_SPEC_CHARS:
+                raise GrammarSpecError(f"{k} is longer than {MAX_SPEC_CHARS} characters")
+
+    @classmethod
+    def of_schema(cls, schema: Any) -> "StructuredOutput":
+        return cls(json_schema=schema)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
+
+    def schema(self) -> Optional[dict]:
+        """The JSON schema the output must validate against (None for a regex or grammar)."""
+        if self.json_schema is not None:
+            return json.loads(self.json_schema)
+        return {"type": "object"} if self.json_object else None
+
+
+def canonical_schema(schema: Any) -> str:
+    """A schema (dict, or JSON text of one) as canonical JSON text; GrammarSpecError if it is none."""
+    if isinstance(schema, str):
+        if len(schema) > MAX_SPEC_CHARS:
+            raise GrammarSpecError(f"json_schema is longer than {MAX_SPEC_CHARS} characters")
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise GrammarSpecError(f"json_schema is not valid JSON: {e}") from None
+    if isinstance(schema, bool):
+        schema = {} if schema else {"not": {}}
+    if not isinstance(schema, dict):
+        raise GrammarSpecError(f"json_schema must be a JSON object, got {type(schema).__name__}")
+    text = json.dumps(schema, separators=(",", ":"))  # key order kept: it is the properties' order
+    if len(text) > MAX_SPEC_CHARS:
+        raise GrammarSpecError(f"json_schema is longer than {MAX_SPEC_CHARS} characters")
+    return text
 
 
 @dataclass(frozen=True)
@@ -25,6 +94,7 @@ class SamplingParams:
     seed: Optional[int] = None  # None: a random seed is drawn per request (see resolved())
     max_tokens: int = 128
     stop: tuple[str, ...] = ()  # strings that end the output (driver side; not part of the output)
+    structured: Optional[StructuredOutput] = None  # the output must match it (specpipe/grammar/)
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -39,6 +109,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
 

@@ -34,6 +34,7 @@ def _i2f(x: int) -> float:
 class _Reader:
     def __init__(self, values: list[int]) -> None:
         self.v, self.i = values, 0
+        self.masked = False  # the last Rows flags read announced token masks
 
     def take(self, n: int = 1) -> list[int]:
         if n < 0 or self.i + n > len(self.v):
@@ -101,13 +102,16 @@ def decode_control(values: list[int]) -> Control:
 
 
 FAILED = 1  # flag of a Rows or Results: the request ran out of KV at some stage (no rows)
+MASKED = 2  # flag of a Rows: a second tensor follows, its head rows' token masks (int64 bits)
+MAX_MASK_WORDS = 1 << 16  # int64 words per mask row: vocabularies up to 4M tokens
 
 
 def _flags(values: _Reader, what: str) -> bool:
     """The flags value of a Rows or Results entry: True when it is a failure marker."""
     flags = values.one()
-    if flags & ~FAILED:
+    if flags & ~(FAILED | (MASKED if what == "rows" else 0)):
         raise WireError(f"unknown {what} flags {flags:#x}")
+    values.masked = bool(flags & MASKED)
     return bool(flags & FAILED)
 
 
@@ -122,17 +126,22 @@ def encode_rows(batch: list[Rows]) -> tuple[list[int], list[torch.Tensor]]:
         t = len(rows)
         heads = rows.head_rows
         data = rows.data.contiguous()
-        out += [rows.request_id, 0, t, -1 if heads is None else len(heads), *(heads or []),
-                *rows.node_ids, *rows.parent_ids, *rows.positions,
+        masks = rows.masks
+        out += [rows.request_id, 0 if masks is None else MASKED, t, -1 if heads is None else len(heads),
+                *(heads or []), *rows.node_ids, *rows.parent_ids, *rows.positions,
                 DTYPES.index(data.dtype), data.dim(), *data.shape]
         tensors.append(data)
+        if masks is not None:
+            out += list(masks.shape)
+            tensors.append(masks.to(torch.long).contiguous())
     return out, tensors
 
 
 def decode_rows_header(values: list[int], hidden: Optional[int] = None, max_rows: Optional[int] = None
                        ) -> list[tuple[Rows, Optional[tuple[int, ...]], Optional[torch.dtype]]]:
     """The Rows (data still empty) with the shape and dtype of the tensor to receive for each;
-    (marker, None, None) for a failure marker, which has no tensor. `hidden` and `max_rows` (a
+    (marker, None, None) for a failure marker, which has no tensor. Rows that carry token masks
+    come with `masks` an empty int64 tensor of the shape to receive next (see `recv_rows`). `hidden` and `max_rows` (a
     stage's model width and the most rows a step brings): activations of any other shape are
     refused before anything is allocated for them."""
     r = _Reader(values)
@@ -165,7 +174,14 @@ def decode_rows_header(values: list[int], hidden: Optional[int] = None, max_rows
         rows_in_all += t
         if max_rows is not None and rows_in_all > max_rows:
             raise WireError(f"{rows_in_all} rows in one step, at most {max_rows} can come")
-        out.append((Rows(rid, node_ids, parent_ids, positions, torch.empty(0), heads), shape, DTYPES[dtype_code]))
+        masks = None
+        if r.masked:
+            n_masks, words = r.take(2)
+            if n_masks != (t if heads is None else len(heads)) or not 0 < words <= MAX_MASK_WORDS:
+                raise WireError(f"bad token masks ({n_masks} x {words}) for {t} rows")
+            masks = torch.empty((n_masks, words), dtype=torch.long)
+        out.append((Rows(rid, node_ids, parent_ids, positions, torch.empty(0), heads, masks=masks),
+                    shape, DTYPES[dtype_code]))
     r.done()
     return out
 

@@ -31,7 +31,7 @@ from specpipe.engine.modes.rounds import RoundsState
 from specpipe.engine.modes.specpipe import AUTO, AutoPlan, SpecPipeState, block_rows
 from specpipe.engine.observer import NO_OBSERVER, StepObserver
 from specpipe.engine.prefix_sharing import PrefixSharing
-from specpipe.messages import Control, Pipeline, Share, StagesRestarted
+from specpipe.messages import Control, Pipeline, Rows, Share, StagesRestarted
 from specpipe.request import Request
 from specpipe.sched.block_manager import BlockManager, window_need
 from specpipe.sched.prefix_cache import PrefixCache
@@ -217,7 +217,7 @@ class EngineCore:
             st.prepare(plan.grants[st.req.request_id])
         self._draft(running, BEFORE)
         running = [st for st in running if self._alive(st)]
-        rows = [r for st in running if (r := st.send()) is not None]
+        rows = [self._masked(st, r) for st in running if (r := st.send()) is not None]
         control = Control(release=self._release, report=self._report, share=self._share,
                           evict=self.scheduler.blocks.take_evicted())
         self._share = []
@@ -329,17 +329,54 @@ class EngineCore:
                      if self._alive(st) and (c := self._own_fault(st, st.drafting, phase)) is not None]
             if not calls:
                 break
+            for st, c in calls:  # a model draft masks its logits with the request's grammar
+                g = st.req.grammar
+                if g is not None and not g.closed:
+                    c.masks = lambda nodes, g=g, tree=c.tree: g.masks(
+                        [tree.path_tokens(n) if n in tree else None for n in nodes])
             t0 = time.perf_counter()
             outs = self.source.propose_many([c for _, c in calls])
             dt = time.perf_counter() - t0
             self.observer.drafted(phase, sum(len(c.rows.node_ids) for _, c in calls))
-            for (st, _), props in zip(calls, outs):
+            for (st, call), props in zip(calls, outs):
+                if st.req.grammar is not None and not st.req.grammar.closed:
+                    props = self._own_fault(st, self._allowed_proposals, st, call.want, call.k, props)
+                    if props is None:
+                        continue  # the filter failed: the request ended with the cause
                 self._own_fault(st, st.proposals, phase, props)
                 st.req.stats.draft_s += dt / len(calls)
                 st.req.stats.draft_calls += 1
                 drafted[st.pid] = st
             self._draft_failed({st.pid: st for st, _ in calls})
         return list(drafted.values())
+
+    @staticmethod
+    def _masked(st: ModeState, rows: Rows) -> Rows:
+        """Structured output: a token mask for every head row, from the grammar's state after the
+        row's path (docs/design.md §20), so the last stage picks the target's token among the
+        allowed ones for the committed path and every speculative row alike."""
+        grammar = st.req.grammar
+        if grammar is None or grammar.closed:
+            return rows
+        heads = rows.head_rows if rows.head_rows is not None else range(len(rows))
+        paths = []
+        for h in heads:
+            node = rows.node_ids[h]
+            paths.append(st.tree.path_tokens(node) if node in st.tree else None)
+        rows.masks = grammar.masks(paths)
+        return rows
+
+    @staticmethod
+    def _allowed_proposals(st: ModeState, want, k: int, props: dict) -> dict:
+        """A draft's proposals without the tokens the grammar forbids after their parent (such a
+        node could never be committed, so it never takes a place in the tree), and with the
+        token the grammar forces there first, for every node asked about (grammar/matcher.py)."""
+        tree, grammar = st.tree, st.req.grammar
+        out = dict(props)
+        for n in dict.fromkeys([*want, *props]):
+            if n in tree:
+                out[n] = grammar.proposals(tree.path_tokens(n), props.get(n, []), k)
+        return out
 
     def _draft_failed(self, by_pid: dict[int, ModeState]) -> None:
         """The draft's KV pool ran out for these requests: they go on unspeculated for now, and

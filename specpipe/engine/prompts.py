@@ -8,6 +8,8 @@ import itertools
 from typing import Callable, Optional, Sequence
 
 from specpipe.config import ConfigError
+from specpipe.grammar.compiler import GrammarCompiler
+from specpipe.grammar.matcher import RequestGrammar
 from specpipe.request import Request, RequestText
 from specpipe.sampling import SamplingParams
 from specpipe.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -22,6 +24,14 @@ class PromptProcessor:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, max_context: int) -> None:
         self.tokenizer, self.vocab_size, self.max_context = tokenizer, vocab_size, max_context
         self._ids = itertools.count()
+        self._grammars: Optional[GrammarCompiler] = None
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured output's compiler for this model (built on first use: about a second)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
+        return self._grammars
 
     @classmethod
     def of(cls, model_path, cfg, max_context: int) -> "PromptProcessor":
@@ -36,10 +46,11 @@ class PromptProcessor:
             return self.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
+        """`tools`: OpenAI tool definitions, for a template that renders them (Qwen2.5's)."""
         if not self.tokenizer.has_chat_template:
             raise ConfigError("this model has no chat template; pass plain prompts instead")
-        text = self.tokenizer.apply_chat_template(messages)
+        text = self.tokenizer.apply_chat_template(messages, **({"tools": tools} if tools else {}))
         # The template already holds the special tokens (BOS included where the model has one).
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -63,6 +74,8 @@ class PromptProcessor:
             raise PromptError(f"prompt token ids must be in [0, {self.vocab_size}), this model's vocabulary")
         stop_ids = frozenset() if ignore_eos else frozenset(self.tokenizer.eos_token_ids)
         sampling = sampling.resolved()
+        # A constraint that does not compile fails here, before the request is queued (cached).
+        grammar = RequestGrammar(self.grammars.compile(sampling.structured)) if sampling.structured else None
         return Request(next(self._ids), prompt_ids, sampling, stop_ids,
                        output=RequestText(IncrementalDetokenizer(self.tokenizer, prompt_ids), sampling.stop),
-                       on_text=on_text)
+                       on_text=on_text, grammar=grammar)

@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="wrap the prompt in the model's chat template (default when it has one)")
     g.add_argument("--no-chat", dest="chat", action="store_false")
     g.add_argument("--json", action="store_true", help="print one JSON object with tokens and stats as the last line")
+    so = g.add_argument_group("structured output (the output must match one of these)").add_mutually_exclusive_group()
+    so.add_argument("--json-schema", metavar="SCHEMA", help="a JSON schema: its JSON text, or @FILE")
+    so.add_argument("--json-object", action="store_true", help="any JSON object")
+    so.add_argument("--regex", help="a regular expression the whole output matches")
+    so.add_argument("--grammar", metavar="GRAMMAR", help="a Lark or GBNF grammar: its text, or @FILE")
     g.add_argument("--quiet", action="store_true", help="no progress or stats on stderr")
     _add_engine_args(g)
 
@@ -207,7 +212,7 @@ def _generate(args: argparse.Namespace) -> int:
     from specpipe.sampling import SamplingParams
 
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                              seed=args.seed, max_tokens=args.max_tokens)
+                              seed=args.seed, max_tokens=args.max_tokens, structured=_structured(args))
     config = _engine_config(args)  # bad configuration is reported before any process starts
     # One prompt: the KV pools hold that prompt and its tokens, not --max-num-seqs whole contexts
     # (a torchrun stage rank sizes its pool so too, unless the prompt is on the driver's stdin).
@@ -232,6 +237,26 @@ def _generate(args: argparse.Namespace) -> int:
         if not args.quiet:
             print(_summary(result.stats, len(result.token_ids)), file=sys.stderr)
     return 0
+
+
+def _structured(args: argparse.Namespace):
+    """--json-schema / --json-object / --regex / --grammar as a StructuredOutput (or None)."""
+    from pathlib import Path
+
+    from specpipe.sampling import StructuredOutput
+
+    def text(v: str) -> str:
+        return Path(v[1:]).read_text() if v.startswith("@") else v
+
+    if args.json_schema is not None:
+        return StructuredOutput(json_schema=text(args.json_schema))
+    if args.json_object:
+        return StructuredOutput(json_object=True)
+    if args.regex is not None:
+        return StructuredOutput(regex=args.regex)
+    if args.grammar is not None:
+        return StructuredOutput(grammar=text(args.grammar))
+    return None
 
 
 def _warn_native(config) -> None:

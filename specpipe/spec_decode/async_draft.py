@@ -22,6 +22,8 @@ race with.
 
 from __future__ import annotations
 
+import dataclasses
+
 import queue
 import threading
 from typing import Callable, Optional, Protocol, Sequence
@@ -103,6 +105,9 @@ class AsyncDraft(TokenSource):
 
     def submit(self, calls: Sequence[ProposeCall]) -> Ticket:
         """Queue one batch (one draft forward); returns at once."""
+        # Structured output's masks read the grammar's state, which the driver's thread moves on:
+        # take them now, not on the worker.
+        calls = [c if c.masks is None else dataclasses.replace(c, masks=_taken(c.masks(list(c.want)))) for c in calls]
         ticket = Ticket(calls)
         if self.clock is not None:
             ticket._clock = self.clock
@@ -167,3 +172,8 @@ class AsyncDraft(TokenSource):
         if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+
+
+def _taken(masks):
+    """A mask function answering with masks already computed (for the nodes it was made for)."""
+    return lambda _want: masks

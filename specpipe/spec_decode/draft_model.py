@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from specpipe.grammar.bitmask import allowed
 from specpipe.kernels.qlinear import select_outputs
 from specpipe.messages import Rows
 from specpipe.model.llama import LlamaStage
@@ -86,11 +87,24 @@ class DraftModelSource(TokenSource):
             c = calls[i]
             if logits is None or not len(c.want):
                 continue
+            if c.masks is not None:  # structured output: rank only what the grammar allows
+                logits = self._masked(logits, c.masks(list(c.want)))
             top = torch.log_softmax(logits.float(), dim=-1).topk(min(c.k, logits.shape[-1]), dim=-1)
             ids = top.indices if self.vocab_ids is None else self.vocab_ids[top.indices]
             ids, lps = ids.tolist(), top.values.tolist()
             out[i] = {n: list(zip(ids[j], lps[j])) for j, n in enumerate(c.want)}
         return out
+
+    def _masked(self, logits: torch.Tensor, masks: torch.Tensor) -> torch.Tensor:
+        """Logits (over the draft's vocabulary, or its --draft-vocab cut) with forbidden tokens
+        at -inf. A row whose allowed tokens all lie outside a --draft-vocab cut stays unmasked
+        (never all -inf: no NaN scores); the grammar's filter drops its candidates afterwards."""
+        if self.vocab_ids is None:
+            keep = allowed(masks, logits.shape[-1])
+        else:
+            keep = allowed(masks, int(self.vocab_ids.max()) + 1)[:, self.vocab_ids]
+        keep[~keep.any(dim=-1)] = True
+        return logits.masked_fill(~keep.to(logits.device), float("-inf"))
 
     def observe(self, request_id, commit, drop):
         if request_id in self.slots.requests:

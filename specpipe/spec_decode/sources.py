@@ -16,7 +16,7 @@ import math
 from abc import ABC, abstractmethod
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -45,6 +45,9 @@ class ProposeCall:
     rows: SourceRows
     want: Sequence[int]  # node ids (a subset of the rows' nodes, or already taken-in nodes)
     k: int  # candidates per node
+    # Structured output: node ids -> their token masks ((N, W) int64, specpipe/grammar/bitmask.py),
+    # for a model source to mask its logits with before it ranks its candidates. None: free.
+    masks: Optional[Callable[[Sequence[int]], torch.Tensor]] = None
 
 
 class TokenSource(ABC):

@@ -345,6 +345,11 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
 
+    @property
+    def renders_tools(self) -> bool:
+        """The chat template renders OpenAI tool definitions passed as `tools` (Qwen2.5's does)."""
+        return "tools" in (self._chat_template or "")
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         """Render `messages` with the model's template, as transformers does (tokenize=False).
 

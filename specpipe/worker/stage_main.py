@@ -81,6 +81,8 @@ def run_stage(t: Transport, model_path: str, spec: StageSpec, num_blocks: int, b
             for rows, shape, dt in decode_rows_header(t.recv_ints(prev, TAG_ROWS), hidden, worker.slots.num_slots):
                 if shape is not None:  # a failure marker carries no tensor
                     rows.data = t.recv_tensor(prev, TAG_ROWS, shape, dt)
+                    if rows.masks is not None:  # structured output: the head rows' token masks
+                        rows.masks = t.recv_tensor(prev, TAG_ROWS, tuple(rows.masks.shape), torch.long)
                 batch.append(rows)
         stats.wait_s += time.perf_counter() - t0
         with from_peer(rank, prev):  # rows whose tree the slot table refuses (a cycle, a lost parent)

@@ -22,6 +22,7 @@ import torch
 from specpipe.messages import Control, Results, Rows, StageStats
 from specpipe.model.llama import LlamaStage
 from specpipe.model.stage import weight_nbytes
+from specpipe.grammar.bitmask import apply_masks
 from specpipe.sampling import SamplingParams, target_tokens
 from specpipe.kv.packed_forward import run_packed
 from specpipe.kv.slot_table import MAX_HORIZON, SlotTable
@@ -104,7 +105,8 @@ class StageWorker:
             out += [self._failure(rid) for rid in packed.failed]
             done = [(rows, o) for rows, o in zip(parts, packed.outputs) if o is not None]
             out += self._results(done) if self.last else [
-                Rows(rows.request_id, rows.node_ids, rows.parent_ids, rows.positions, o, rows.head_rows)
+                Rows(rows.request_id, rows.node_ids, rows.parent_ids, rows.positions, o, rows.head_rows,
+                     masks=rows.masks)
                 for rows, o in done]
             self.stats.rows_committed += packed.committed
             self.stats.rows_computed += sum(len(rows) for rows, _ in done)
@@ -120,6 +122,9 @@ class StageWorker:
         """The target's token for each head row, sampled per request with its own parameters (RNG
         keyed by (seed, position)). All greedy requests share one argmax: one device sync per
         step instead of one per request."""
+        # Structured output: the grammar's masks first, so greedy and sampling pick allowed tokens only.
+        done = [(rows, logits if rows.masks is None else
+                 apply_masks(logits, rows.masks, greedy=self.sampling[rows.request_id].greedy)) for rows, logits in done]
         greedy = [logits for rows, logits in done if self.sampling[rows.request_id].greedy]  # (R_i, V) each
         argmax = iter(torch.cat(greedy).argmax(dim=-1).tolist() if greedy else [])
         out = []

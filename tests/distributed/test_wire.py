@@ -288,7 +288,17 @@ def test_rows_malformed():
     with pytest.raises(WireError):
         decode_rows_header([1, 1, 0, 0, -5])  # head-row count below -1
     with pytest.raises(WireError, match="flags"):
-        decode_rows_header([1, 1, 2])  # unknown flag
+        decode_rows_header([1, 1, 4])  # unknown flag (2 is MASKED: token masks follow)
+    masked = list(h)
+    masked[2] = 2  # MASKED, but no mask shape after the activation's
+    with pytest.raises(WireError, match="early"):
+        decode_rows_header(masked)
+    with pytest.raises(WireError, match="masks"):
+        decode_rows_header(masked + [2, 4])  # two masks for its one head row
+    with pytest.raises(WireError, match="masks"):
+        decode_rows_header(masked + [1, 0])  # zero-width mask rows
+    (rows, _, _), = decode_rows_header(masked + [1, 4])
+    assert rows.masks.shape == (1, 4)  # the tensor to receive next
     with pytest.raises(WireError, match="flags"):
         decode_rows_header([1, 1, -1])
     with pytest.raises(WireError, match="trailing"):

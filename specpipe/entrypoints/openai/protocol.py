@@ -7,6 +7,7 @@ penalties, tools, ...) are refused with a 400 naming the field, never silently d
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Annotated, Any, Literal, Optional, Union
@@ -54,6 +55,42 @@ class StreamOptions(OpenAIModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: str = Field(default="response", max_length=64)
+    description: Optional[str] = None
+    schema_: Union[dict, bool] = Field(alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None  # with type json_schema
+
+
+class FunctionDef(OpenAIModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    parameters: Optional[dict] = None  # a JSON schema; none: no arguments
+    strict: Optional[StrictBool] = None
+
+
+class ToolDef(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+Text = Annotated[str, Field(min_length=1)]
+
+
 class SamplingFields(OpenAIModel):
     """What completions and chat share."""
 
@@ -75,6 +112,11 @@ class SamplingFields(OpenAIModel):
     frequency_penalty: Float = Only(0.0, {"enum": [0]})
     logit_bias: Optional[dict[str, Float]] = Only(None, {"maxProperties": 0})
     best_of: Optional[Int] = Only(None, {"enum": [None, 1]})
+    # Structured output (specpipe/grammar/): OpenAI's response_format, and vLLM's extras.
+    response_format: Optional[ResponseFormat] = None
+    guided_json: Optional[Union[dict, Text]] = None
+    guided_regex: Optional[Text] = None
+    guided_grammar: Optional[Text] = None  # Lark or GBNF (llama.cpp's grammars)
 
     @field_validator("stop")
     @classmethod
@@ -129,9 +171,23 @@ class TextPart(OpenAIModel):
     text: str
 
 
+class FunctionCallIn(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(OpenAIModel):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[TextPart], None] = None
+    tool_calls: Optional[list[ToolCallIn]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[str] = None  # a tool's answer: to which call
+    name: Optional[str] = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -142,19 +198,33 @@ class ChatMessage(OpenAIModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[Num(int, ge=1)] = None
-    tools: Optional[list[Any]] = Only(None, {"maxItems": 0})
-    response_format: Optional[dict] = Only(None, {"properties": {"type": {"enum": ["text"]}}})
-
-    def unsupported(self) -> Optional[tuple[str, str]]:
-        if self.tools:
-            return "tools", "tool calls are not supported"
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return "response_format", "structured output is not supported"
-        return super().unsupported()
+    tools: Optional[list[ToolDef]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[StrictBool] = None  # accepted; a model may write several calls either way
 
     def conversation(self) -> list[dict]:
         # "developer" is OpenAI's newer name for the system role.
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        out = []
+        for m in self.messages:
+            d = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                d["tool_calls"] = [_call_for_template(c.model_dump()) for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                d["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                d["name"] = m.name
+            out.append(d)
+        return out
+
+
+def _call_for_template(call: dict) -> dict:
+    """An earlier call as chat templates read it: arguments as an object, where they parse."""
+    f = dict(call["function"])
+    try:
+        f["arguments"] = json.loads(f["arguments"])
+    except ValueError:
+        pass
+    return {**call, "function": f}
 
 
 # -- responses ----------------------------------------------------------------------------------------
@@ -214,7 +284,8 @@ class CompletionResponse(Response):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    tool_calls: Optional[list[dict]] = None
 
 
 class ChatChoice(Choice):
@@ -230,6 +301,7 @@ class ChatCompletionResponse(Response):
 class DeltaMessage(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[dict]] = None
 
 
 class ChatChunkChoice(Choice):

@@ -18,7 +18,11 @@ from specpipe.engine.async_engine import AdmitFailed, AsyncEngine, Delta, Engine
 from specpipe.engine.engine import Engine
 from specpipe.engine.prompts import PromptError
 from specpipe.entrypoints.openai import protocol as p
+from specpipe.entrypoints.openai.structured import BadConstraint, constraint_of, param_of
+from specpipe.entrypoints.openai.tools import TOOL_TAG, check_tools, forced_constraint, parse_tool_calls, tools_prompt
+from specpipe.grammar import GrammarSpecError, StructuredOutput
 from specpipe.sampling import SamplingParams
+from specpipe.tokenizer.tokenizer import TokenizerError
 from specpipe.sched.scheduler import QueueFull
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's documented default for /v1/completions
@@ -63,17 +67,47 @@ class OpenAIServing:
                                 f"{self.engine.max_context}", param="prompt", code="context_length_exceeded")
         else:
             ids = list(prompt)
-        return await self._add(ids, body, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, client)
+        structured = await self._constraint(body)
+        return await self._add(ids, body, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, client, structured)
 
     async def chat_stream(self, body: p.ChatCompletionRequest, client: Optional[str] = None) -> RequestStream:
         self._check(body)
         try:
-            ids = await self._off_loop(self.engine.prompts.encode_chat, body.conversation())
-        except ConfigError as e:
+            funcs, choice = check_tools(_dumped(body.tools), _dumped(body.tool_choice))
+            forced = forced_constraint(funcs, choice)
+        except BadConstraint as e:
+            raise ApiError(400, str(e), param=e.param) from None
+        structured = await self._constraint(body, forced)
+        conversation = body.conversation()
+        tools = _dumped(body.tools) if funcs and choice != "none" else None
+        if tools and not self.engine.tokenizer.renders_tools:
+            conversation = [{"role": "system", "content": tools_prompt(tools)}, *conversation]  # template cannot
+            tools = None
+        try:
+            ids = await self._off_loop(lambda: self.engine.prompts.encode_chat(conversation, tools=tools))
+        except (ConfigError, TokenizerError) as e:  # no template, or the template refused these messages
             raise ApiError(400, str(e), param="messages") from None
         # Without a limit a chat answer may use the rest of the context.
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, self.engine.max_context - len(ids))
-        return await self._add(ids, body, max_tokens, client)
+        stream = await self._add(ids, body, max_tokens, client, structured)
+        stream.tool_funcs = funcs if choice != "none" else None  # answers are read for calls (tools.py)
+        return stream
+
+    async def _constraint(self, body: p.SamplingFields,
+                          forced: Optional[StructuredOutput] = None) -> Optional[StructuredOutput]:
+        """The body's output constraint, compiled (off the event loop, cached) so that one that
+        does not compile is a 400 naming the field, before anything is queued."""
+        try:
+            structured = constraint_of(body, forced)
+        except BadConstraint as e:
+            raise ApiError(400, str(e), param=e.param) from None
+        if structured is not None:
+            try:
+                await self._off_loop(self.engine.prompts.grammars.compile, structured)
+            except GrammarSpecError as e:
+                raise ApiError(400, f"the output constraint does not compile: {e}",
+                               param=param_of(body, forced is not None)) from None
+        return structured
 
     def _check(self, body: p.SamplingFields) -> None:
         """What can be refused before any tokenizing."""
@@ -91,7 +125,7 @@ class OpenAIServing:
                                code="context_length_exceeded")
 
     async def _add(self, prompt_ids: list[int], body: p.SamplingFields, max_tokens: int,
-                   client: Optional[str]) -> RequestStream:
+                   client: Optional[str], structured: Optional[StructuredOutput] = None) -> RequestStream:
         if self.aengine.dead is not None:
             raise ApiError(503, f"the engine cannot serve: {self.aengine.dead}", "server_error", code="engine_dead")
         context = self.engine.max_context
@@ -103,7 +137,7 @@ class OpenAIServing:
         try:
             sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                                       seed=None if body.seed is None else body.seed % 2**63,  # any size, as OpenAI
-                                      max_tokens=max_tokens, stop=tuple(body.stop or ()))
+                                      max_tokens=max_tokens, stop=tuple(body.stop or ()), structured=structured)
             req = self.engine.prompts.make_request(prompt_ids, sampling, ignore_eos=body.ignore_eos)
         except PromptError as e:  # empty, or token ids outside the vocabulary
             raise ApiError(400, str(e), param="prompt") from None
@@ -131,9 +165,11 @@ class OpenAIServing:
 
     async def chat(self, stream: RequestStream) -> p.ChatCompletionResponse:
         s = await _drain(stream)
+        content, calls = _answer(s)
+        message = p.AssistantMessage(content=content, tool_calls=[c.as_openai() for c in calls] or None)
         return p.ChatCompletionResponse(
             id=p.new_id("chatcmpl"), model=self.model_name, usage=_usage(s),
-            choices=[p.ChatChoice(message=p.AssistantMessage(content=s.text), finish_reason=s.finish_reason)])
+            choices=[p.ChatChoice(message=message, finish_reason="tool_calls" if calls else s.finish_reason)])
 
     # -- streams ----------------------------------------------------------------------------------------
     def completion_events(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
@@ -157,6 +193,8 @@ class OpenAIServing:
         # OpenAI opens a chat stream with the assistant's role and empty content.
         first = p.ChatCompletionChunk(id=rid, model=self.model_name, choices=[p.ChatChunkChoice(
             delta=p.DeltaMessage(role="assistant", content=""))])
+        if getattr(stream, "tool_funcs", None):
+            return _tool_events(stream, include_usage, rid, self.model_name, first)
         return _events(stream, include_usage, chunk, first)
 
 
@@ -183,6 +221,72 @@ async def _events(stream: RequestStream, include_usage: bool, chunk: Callable[..
         yield _sse("[DONE]")
     finally:
         stream.cancel()
+
+
+async def _tool_events(stream: RequestStream, include_usage: bool, rid: str, model: str,
+                       first: p.ChatCompletionChunk) -> AsyncIterator[str]:
+    """A chat stream that may end in tool calls. Text streams as content while it cannot be the
+    start of a call; from a `<tool_call>` tag (or an answer that opens with JSON, Llama 3's calls)
+    it is held until the end, since a call is only known once its JSON is complete. Then the
+    calls go out as one delta each (index, id, name, arguments), which the openai client
+    assembles, with finish_reason "tool_calls"; held text that holds no call goes out as content."""
+    def chunk(delta: p.DeltaMessage, finish: Optional[str] = None) -> str:
+        c = p.ChatCompletionChunk(id=rid, model=model, choices=[p.ChatChunkChoice(delta=delta, finish_reason=finish)])
+        return _sse(c.model_dump_json())
+
+    try:
+        yield _sse(first.model_dump_json())
+        sent = 0  # characters of the answer already sent as content
+        async for d in stream:
+            if d.finish_reason in ("error", "abort"):
+                yield _sse(_failure(stream).body.model_dump_json())
+                yield _sse("[DONE]")
+                return
+            safe = _free_text_end(stream.text)
+            if safe > sent:
+                yield chunk(p.DeltaMessage(content=stream.text[sent:safe]))
+                sent = safe
+        _, calls = _answer(stream)
+        rest = "" if calls else stream.text[sent:]  # with calls, all before the first was sent above
+        if rest:
+            yield chunk(p.DeltaMessage(content=rest))
+        for i, call in enumerate(calls):
+            yield chunk(p.DeltaMessage(tool_calls=[call.as_openai(index=i)]))
+        yield chunk(p.DeltaMessage(), "tool_calls" if calls else stream.finish_reason)
+        if include_usage:
+            yield _sse(p.ChatCompletionChunk(id=rid, model=model, choices=[], usage=_usage(stream)).model_dump_json())
+        yield _sse("[DONE]")
+    finally:
+        stream.cancel()
+
+
+def _dumped(v):
+    """Pydantic request parts as the plain JSON they came as (tools.py and templates read dicts)."""
+    if isinstance(v, list):
+        return [_dumped(x) for x in v]
+    return v.model_dump(exclude_none=True) if hasattr(v, "model_dump") else v
+
+
+def _free_text_end(text: str) -> int:
+    """How much of an answer so far is surely content, not (the start of) a tool call."""
+    body = text.lstrip()
+    if not body or body[0] in "{[" or TOOL_TAG.startswith(body):
+        return 0  # undecided, or Llama 3 style JSON calls: hold it all
+    cut = text.find(TOOL_TAG)
+    if cut >= 0:
+        return cut
+    # hold back a tail that could begin the tag
+    hold = next((k for k in range(min(len(TOOL_TAG) - 1, len(text)), 0, -1) if TOOL_TAG.startswith(text[-k:])), 0)
+    return len(text) - hold
+
+
+def _answer(stream: RequestStream) -> tuple[Optional[str], list]:
+    """(content, tool calls) of a finished chat answer."""
+    funcs = getattr(stream, "tool_funcs", None)
+    if not funcs:
+        return stream.text, []
+    content, calls = parse_tool_calls(stream.text, funcs)
+    return (content or None) if calls else content, calls
 
 
 async def _drain(stream: RequestStream) -> RequestStream:

@@ -1,0 +1,136 @@
+"""OpenAI tools: checking `tools` and `tool_choice`, the constraint a forced call puts on the
+output, the prompt for templates that cannot render tools, and parsing the calls a model wrote.
+
+Calls are read in the formats of the families we ship: Qwen2.5's `<tool_call>{"name": ...,
+"arguments": {...}}</tool_call>` blocks (Hermes style), and Llama 3.x's bare JSON
+`{"name": ..., "parameters": {...}}` (one object, or several separated by ';' or in a list).
+A forced call (`required`, or a named function) is constrained to one JSON object
+`{"name": ..., "arguments": {...}}` that matches the function's parameter schema.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from specpipe.entrypoints.openai.structured import BadConstraint
+from specpipe.grammar import GrammarSpecError, StructuredOutput
+
+TOOL_TAG = "<tool_call>"  # Qwen2.5's (Hermes-style) call opener
+_TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+
+    def as_openai(self, index: Optional[int] = None) -> dict:
+        d = {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return d if index is None else {"index": index, **d}
+
+
+def check_tools(tools: Optional[list], tool_choice: Any) -> tuple[dict[str, dict], str]:
+    """{name: parameters schema} of the tools, and the choice: "none", "auto", "required" or a
+    function name. BadConstraint for a malformed tool or a choice naming a missing function."""
+    funcs: dict[str, dict] = {}
+    for i, t in enumerate(tools or []):
+        f = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise BadConstraint("tools", f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+        if f["name"] in funcs:
+            raise BadConstraint("tools", f"tools[{i}]: the function name {f['name']!r} is used twice")
+        params = f.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise BadConstraint("tools", f"tools[{i}] ({f['name']}): parameters must be a JSON schema object")
+        funcs[f["name"]] = params
+    if tool_choice is None:
+        return funcs, "auto" if funcs else "none"
+    if tool_choice in ("none", "auto", "required"):
+        if tool_choice == "required" and not funcs:
+            raise BadConstraint("tool_choice", "tool_choice is 'required' but no tools were given")
+        return funcs, tool_choice
+    func = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = func.get("name") if isinstance(func, dict) else None
+    if not isinstance(tool_choice, dict) or tool_choice.get("type") != "function" or not isinstance(name, str):
+        raise BadConstraint("tool_choice", "tool_choice must be 'none', 'auto', 'required' or "
+                                           "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+    if name not in funcs:
+        raise BadConstraint("tool_choice", f"tool_choice names the function {name!r}, which is not among the tools "
+                                           f"({', '.join(funcs) or 'none given'})")
+    return funcs, name
+
+
+def forced_constraint(funcs: dict[str, dict], choice: str) -> Optional[StructuredOutput]:
+    """The output constraint of a forced call (None for auto / none)."""
+    if choice in ("none", "auto"):
+        return None
+    names = [choice] if choice != "required" else list(funcs)
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": n}, "arguments": funcs[n]}} for n in names]
+    try:
+        return StructuredOutput(json_schema=calls[0] if len(calls) == 1 else {"anyOf": calls})
+    except GrammarSpecError as e:
+        raise BadConstraint("tools", str(e)) from None
+
+
+def tools_prompt(tools: list) -> str:
+    """A system message describing the tools, for chat templates that do not render them
+    (Qwen2.5's does; SmolLM2's does not). It asks for Qwen2.5's format."""
+    listing = "\n".join(json.dumps(t) for t in tools)
+    return ("You may call one or more functions to assist with the user query.\n\n"
+            f"You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{listing}\n"
+            "</tools>\n\nFor each function call, return a json object with function name and arguments within "
+            "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
+            "<args-json-object>}\n</tool_call>")
+
+
+def _call_of(obj: Any, funcs: dict[str, dict]) -> Optional[ToolCall]:
+    if not isinstance(obj, dict) or obj.get("name") not in funcs:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as JSON text already
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def parse_tool_calls(text: str, funcs: dict[str, dict]) -> tuple[str, list[ToolCall]]:
+    """(content left, calls) from a model's answer; no calls when none parses as a call of a
+    given function (then the whole text is content)."""
+    if "<tool_call>" in text:
+        calls = []
+        for m in _TAGGED.finditer(text):
+            try:
+                call = _call_of(json.loads(m.group(1)), funcs)
+            except json.JSONDecodeError:
+                call = None
+            if call is None:
+                return text, []
+            calls.append(call)
+        return text[:text.index("<tool_call>")].strip(), calls
+    body = text.strip()
+    if body.startswith(("{", "[")):  # Llama 3.x: bare JSON, maybe several objects joined by ';'
+        parts = [body] if body.startswith("[") else [s for s in body.split(";") if s.strip()]
+        objs = []
+        try:
+            for s in parts:
+                v = json.loads(s)
+                objs.extend(v if isinstance(v, list) else [v])
+        except json.JSONDecodeError:
+            return text, []
+        calls = [_call_of(o, funcs) for o in objs]
+        if calls and all(c is not None for c in calls):
+            return "", calls
+    return text, []
