@@ -97,14 +97,11 @@ def llamacpp_chat(args, prompts: list[list[int]]) -> dict:
 
 
 def shared(args) -> dict:
-    texts = [p["text"] for p in load_prompts(40, path=None) if p["group"] == "summarization"]
-    system = ""
+    texts = [p["text"] for p in load_prompts(80) if p["group"] == "summarization"]
     probe = make_llm(args, False)
-    try:
-        for t in texts:  # a system prompt of about --system-tokens tokens
-            if len(probe.tokenizer.encode(system + t)) > args.system_tokens:
-                break
-            system += t + "\n"
+    try:  # a system prompt of --system-tokens tokens: Spec-Bench articles, cut to length
+        ids = probe.tokenizer.encode("\n".join(texts))[:args.system_tokens]
+        system = probe.tokenizer.decode(ids)
         n_system = len(probe.tokenizer.encode(system))
     finally:
         probe.close()
