@@ -130,7 +130,8 @@ def shared(args) -> dict:
 
 
 def noreuse(args) -> dict:
-    prompts = [f"{i}. {p['text']}" for i, p in enumerate(load_prompts(2, offset=args.offset))][:args.requests]
+    prompts = [f"{i}. {p['text']}" for i, p in enumerate(load_prompts(-(-args.requests // 6), offset=args.offset))]
+    prompts = prompts[:args.requests]
     sp = SamplingParams(max_tokens=args.tokens)
     res = {"requests": len(prompts)}
     runs: dict[str, list[float]] = {}
@@ -138,8 +139,8 @@ def noreuse(args) -> dict:
     try:
         for llm in llms.values():
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
-        for rep in range(args.repeats):  # interleaved, so that load drifts hit both alike
-            for cached, llm in llms.items():
+        for rep in range(args.repeats):  # interleaved, each first in turn, so that drift hits both alike
+            for cached, llm in sorted(llms.items(), key=lambda kv: kv[0] == bool(rep % 2)):
                 llm.reset_prefix_cache()
                 t0 = time.perf_counter()
                 outs = llm.generate(prompts, sp, chat=False)

@@ -134,6 +134,7 @@ class SlotTable:
         self.requests: dict[int, RequestSlots] = {}
         self.cached: dict[int, int] = {}  # cache id -> pool block (prefix caching)
         self.readers: Counter = Counter()  # cache id -> requests reading it
+        self.idle = 0  # cached blocks nobody reads
         self.lost: set[int] = set()  # cache ids shared by a request that had failed here: never held
         self.horizon = horizon
         self.clock = 0  # steps seen (tick)
@@ -194,6 +195,7 @@ class SlotTable:
     def _read_cached(self, r: RequestSlots, cached: list[int]) -> None:
         bs = self.block_size
         for c in cached:
+            self.idle -= self.readers[c] == 0
             self.readers[c] += 1
             b = self.cached[c]
             r.committed.extend(range(b * bs, (b + 1) * bs))
@@ -216,7 +218,9 @@ class SlotTable:
     def _let_go(self, r: RequestSlots) -> None:
         """Its own blocks back to the pool; the cached ones it read stay cached."""
         self.pool.give(r.blocks)
-        self.readers.subtract(r.cached)
+        for c in r.cached:
+            self.readers[c] -= 1
+            self.idle += self.readers[c] == 0
         r.blocks, r.cached = [], []
 
     # -- prefix caching ---------------------------------------------------------------------------
@@ -274,6 +278,7 @@ class SlotTable:
                 raise KVStateError(f"cache id {c} evicted while {'absent' if c not in self.cached else 'read'}")
             self.pool.give([self.cached.pop(c)])
             del self.readers[c]
+            self.idle -= 1
 
     def drop_cache(self) -> None:
         """Forget every cached block nobody reads (the driver's cache was cleared)."""
@@ -458,8 +463,7 @@ class SlotTable:
     def blocks_in_use(self) -> int:
         """Blocks requests hold or read; cached blocks nobody reads count as free, as in vLLM
         (the driver evicts them as soon as a request needs the room)."""
-        idle = sum(1 for c in self.cached if self.readers[c] <= 0)
-        return self.pool.num_blocks - self.pool.num_free() - idle
+        return self.pool.num_blocks - self.pool.num_free() - self.idle
 
 
 def _is_chain(node_ids: list[int], parent_ids: list[int]) -> bool:

@@ -43,6 +43,7 @@ class CheckedPipeline(LocalPipeline):
                 assert set(w.slots.cached) == ids
                 owned = sum(len(r.blocks) for r in w.slots.requests.values())
                 assert w.slots.pool.num_blocks - w.slots.pool.num_free() == owned + len(ids)
+                assert w.slots.idle == sum(1 for c in ids if w.slots.readers[c] == 0)
         return out
 
 

@@ -67,16 +67,17 @@ def test_a_whole_block_joins_the_cache_as_it_is_and_is_read_by_the_next_request(
     prefill(t, 1, 3)
     assert t.share(1, [0], [40]) == []  # positions 0, 1 fill block 0 in order: no copy
     t.release(1)
-    assert t.cached == {40: 0} and t.pool.num_free() == 3
+    assert t.cached == {40: 0} and t.pool.num_free() == 3 and t.idle == 1 and t.blocks_in_use() == 0
     t.admit(2, [40])
     assert t.requests[2].committed == [0, 1]
     prefill(t, 2, 1, start=2)
     assert t.requests[2].committed == [0, 1, 2]  # its own rows take its own block
+    assert t.idle == 0 and t.blocks_in_use() == 2
     with pytest.raises(KVStateError):
         t.evict([40])  # read by request 2
     t.release(2)
     t.evict([40])
-    assert t.pool.num_free() == 4 and not t.cached
+    assert t.pool.num_free() == 4 and not t.cached and t.idle == 0
 
 
 def test_positions_a_tree_scattered_are_copied_into_one_block_at_release():
