@@ -36,7 +36,7 @@ from specpipe.sampling import SamplingParams
 from specpipe.sim.events import simulate
 from specpipe.sim.oracle_pipeline import OraclePipeline
 from specpipe.sim.trace import StepTracer
-from specpipe.spec_decode.sources import NgramSource, TokenSource
+from specpipe.spec_decode.sources import NgramSource, TokenSource, WrappedSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.common import write_json  # noqa: E402
@@ -45,15 +45,14 @@ RUNS = {"pp": ("pp", 8, 4, 1), "tree": ("tree", 8, 7, 1), "specpipe": ("specpipe
         "auto": ("specpipe", 16, 4, "auto")}  # name -> (mode, width, depth, layers): §4.1's runs
 
 
-class Weakened(TokenSource):
+class Weakened(WrappedSource):
     """A source whose proposals for a share `p` of the nodes it expands are wrong tokens (each
     candidate shifted by a constant), chosen by a hash of (request, node): the same draft with
     about p fewer hits, at the same cost."""
 
     def __init__(self, inner: TokenSource, p: float, vocab: int) -> None:
-        self.inner, self.p, self.vocab = inner, p, vocab
-        self.name, self.runs_model = inner.name + f"-weakened{p:g}", inner.runs_model
-        self.tokenizer_fingerprint = inner.tokenizer_fingerprint
+        super().__init__(inner, inner.name + f"-weakened{p:g}")
+        self.p, self.vocab = p, vocab
 
     def _wrong(self, rid: int, node: int) -> bool:
         h = hashlib.blake2b(f"{rid}:{node}".encode(), digest_size=8).digest()
@@ -68,21 +67,6 @@ class Weakened(TokenSource):
 
     def propose_many(self, calls):
         return [self._weaken(c.request_id, out) for c, out in zip(calls, self.inner.propose_many(calls))]
-
-    def start(self, request_id):
-        self.inner.start(request_id)
-
-    def observe(self, request_id, commit, drop):
-        self.inner.observe(request_id, commit, drop)
-
-    def finish(self, request_id):
-        self.inner.finish(request_id)
-
-    def take_failures(self):
-        return self.inner.take_failures()
-
-    def has_room(self, tokens):
-        return self.inner.has_room(tokens)
 
 
 def oracle_trace(run: str, S: int, source, profile, counts, reqs_of, seqs):

@@ -224,6 +224,13 @@ class SlotTable:
         r.blocks, r.cached = [], []
 
     # -- prefix caching ---------------------------------------------------------------------------
+    def whole_block(self, request_id: int, k: int) -> Optional[int]:
+        """The request's own block holding exactly positions k*B .. (k+1)*B - 1 in order, if one does."""
+        r, bs = self.requests[request_id], self.block_size
+        slots = r.committed[k * bs:(k + 1) * bs]
+        b = slots[0] // bs if len(slots) == bs else None
+        return b if b is not None and b in r.blocks and slots == list(range(b * bs, (b + 1) * bs)) else None
+
     def share(self, request_id: int, blocks: list[int], ids: list[int], final: bool = False) -> list[tuple[int, int]]:
         """Cache the request's block-aligned runs of committed positions: run k (positions
         k*B .. (k+1)*B - 1) under cache id ids[i] for k = blocks[i]. Each run must be settled here.
@@ -241,15 +248,12 @@ class SlotTable:
             self.lost.update(ids)
             return []
         bs = self.block_size
-        own = set(r.blocks)
         runs = []
         for k, c in zip(blocks, ids):
             if c in self.cached or (k + 1) * bs > len(r.committed):
                 raise KVStateError(f"request {request_id}: run {k} shared as cache id {c}, but it is "
                                    f"{'cached already' if c in self.cached else 'not settled here'}")
-            slots = r.committed[k * bs:(k + 1) * bs]
-            b = slots[0] // bs
-            runs.append((k, c, b if b in own and slots == list(range(b * bs, (b + 1) * bs)) else None))
+            runs.append((k, c, self.whole_block(request_id, k)))
         claimed = {b for _, _, b in runs if b is not None}
         spare = [b for b in r.blocks if b not in claimed]
         moves = []

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from specpipe.kv.slot_table import KVStateError, SlotTable
+from specpipe.kv.slot_table import SlotTable
 from specpipe.spec_decode.sources import SourceRows
 
 
@@ -47,8 +47,8 @@ class DraftPrefixCache:
         if (table is None or table.failed or table.committed or table.spec or not rows.node_ids
                 or rows.positions[0] != 0):
             return rows
-        wanted = [i for i, n in enumerate(rows.node_ids) if n in set(want)]
-        limit = min([len(rows.node_ids) - 1] + wanted)
+        want = set(want)
+        limit = min([len(rows.node_ids) - 1] + [i for i, n in enumerate(rows.node_ids) if n in want])
         hit = self.index.match(rows.tokens.tolist(), limit)
         self.index.count_query(len(rows.node_ids), len(hit) * self.slots.block_size)
         if not hit:
@@ -79,14 +79,12 @@ class DraftPrefixCache:
             nodes = r.commits[k * bs:(k + 1) * bs]
             if any(n not in r.tokens for n in nodes):
                 return
+            if not final and self.slots.whole_block(pid, k) is None:
+                r.scattered = True  # not one block's slots in order: at its end, then
+                return
             block, new = self.index.insert(r.chain[-1] if r.chain else None, [r.tokens[n] for n in nodes])
             if new:
-                try:
-                    moves = self.slots.share(pid, [k], [block.block_id], final=final)
-                except KVStateError:  # not one block's slots in order: at its end, then
-                    self.index.blocks.pop(block.key)
-                    r.scattered = True
-                    return
+                moves = self.slots.share(pid, [k], [block.block_id], final=final)
                 if moves:
                     self.move(moves)
                 r.refs.append(block)

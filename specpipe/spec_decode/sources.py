@@ -88,6 +88,36 @@ class TokenSource(ABC):
         return True
 
 
+class WrappedSource(TokenSource):
+    """Another source with some calls changed: every call the subclass does not override goes to
+    `inner` (its name, cost and tokenizer too)."""
+
+    def __init__(self, inner: TokenSource, name: str) -> None:
+        self.inner, self.name = inner, name
+        self.runs_model, self.tokenizer_fingerprint = inner.runs_model, inner.tokenizer_fingerprint
+
+    def start(self, request_id):
+        self.inner.start(request_id)
+
+    def propose(self, request_id, tree, rows, want, k):
+        return self.inner.propose(request_id, tree, rows, want, k)
+
+    def propose_many(self, calls):
+        return self.inner.propose_many(calls)
+
+    def observe(self, request_id, commit, drop):
+        self.inner.observe(request_id, commit, drop)
+
+    def finish(self, request_id):
+        self.inner.finish(request_id)
+
+    def take_failures(self):
+        return self.inner.take_failures()
+
+    def has_room(self, tokens):
+        return self.inner.has_room(tokens)
+
+
 class NgramIndex:
     """n-gram -> Counter of the tokens that followed it, over a token sequence that only grows.
 

@@ -15,7 +15,7 @@ from specpipe.engine.core import EngineCore
 from specpipe.request import Request
 from specpipe.sampling import SamplingParams
 from specpipe.spec_decode.async_draft import AsyncDraft
-from specpipe.spec_decode.sources import NgramSource, TokenSource
+from specpipe.spec_decode.sources import NgramSource, WrappedSource
 
 from specpipe.loader.partition import partition_layers
 from specpipe.model.stage import build_stage
@@ -45,13 +45,12 @@ class LagClock:
         return self._free
 
 
-class SlowDraft(TokenSource):
+class SlowDraft(WrappedSource):
     """A draft model that takes `delay_s` longer per forward: slower than these tiny stages."""
 
-    runs_model = True
-
     def __init__(self, inner, delay_s: float) -> None:
-        self.inner, self.delay_s, self.name = inner, delay_s, inner.name + "-slow"
+        super().__init__(inner, inner.name + "-slow")
+        self.delay_s = delay_s
 
     def propose(self, request_id, tree, rows, want, k):
         raise AssertionError("the engine batches its calls (propose_many)")
@@ -59,18 +58,6 @@ class SlowDraft(TokenSource):
     def propose_many(self, calls):
         time.sleep(self.delay_s)
         return self.inner.propose_many(calls)
-
-    def start(self, request_id):
-        self.inner.start(request_id)
-
-    def observe(self, request_id, commit, drop):
-        self.inner.observe(request_id, commit, drop)
-
-    def finish(self, request_id):
-        self.inner.finish(request_id)
-
-    def take_failures(self):
-        return self.inner.take_failures()
 
 
 def serve(pipe, mode, requests, source: AsyncDraft, layers=1, width=4):
