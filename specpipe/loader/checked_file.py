@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from specpipe.loader.checkpoint import CheckpointError
+from specpipe.loader.weight_memory import weight_buffer
 
 
 @contextmanager
@@ -72,9 +73,10 @@ class CheckedFile:
             raise CheckpointError(f"{self.path.name}: the file changed after it was opened ({change}) while "
                                   f"{what} was being read; load it again once nothing writes to it")
 
-    def read(self, offset: int, length: int, what: str) -> bytearray:
-        """`length` bytes from `offset`, in a new (writable) buffer, checked before and after."""
-        buf = bytearray(length)
+    def read(self, offset: int, length: int, what: str):
+        """`length` bytes from `offset`, in a new writable buffer of weight memory (huge pages where
+        it is large: weight_memory.py), checked before and after."""
+        buf = weight_buffer(length)
         self.check(what)
         got = pread_into(self._file.fileno(), buf, offset)
         if got != length:
@@ -87,7 +89,7 @@ class CheckedFile:
         self._file.close()
 
 
-def pread_into(fd: int, buf: bytearray, offset: int) -> int:
+def pread_into(fd: int, buf, offset: int) -> int:
     """Bytes read into `buf` from `offset` (fewer only at the end of the file). pread, not
     seek + read: a descriptor shared by threads or forked processes has one position."""
     view, done = memoryview(buf), 0
