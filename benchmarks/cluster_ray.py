@@ -6,7 +6,7 @@ with their CPU affinity set as `taskset` on `ray start` would:
 
   mixed     three nodes: one alone on core 0, two sharing core 1 (each half a core). pp decode
             of one request with the planner's split, the even split (same counts on every node),
-            and hand-picked splits; tokens/s of each.
+            and hand-picked splits, each once a round for `--rounds` rounds; tokens/s of each.
   overhead  two nodes, one core each: the same split as --cluster ray and as local stage processes
             (one thread per stage); ms per token of each.
   recovery  two nodes: a stage actor SIGKILLed mid-stream, `--trials` times over the modes; the
@@ -75,26 +75,33 @@ def base(args, **extra) -> EngineConfig:
 
 def mixed(args) -> dict:
     c = start_cluster([{0}, {1}, {1}])
-    out: dict = {"nodes": "core 0 alone; cores 1 shared by two nodes", "splits": {}}
+    out: dict = {"nodes": "core 0 alone; cores 1 shared by two nodes", "rounds": args.rounds, "splits": {}}
     layers = num_layers(args)
+    splits = [("planned", {}), ("even", {"stage_layers": "even"}),
+              *[(f"hand {s}", {"stage_layers": s}) for s in args.hand]]
     try:
-        for label, extra in [("planned", {}), ("even", {"stage_layers": "even"}), *[
-                (f"hand {s}", {"stage_layers": s}) for s in args.hand]]:
-            messages: list[str] = []
-            kw = dict(mode="pp", cluster="ray", stages=3)
-            if extra.get("stage_layers") == "even":
-                kw["stage_layers"] = [layers // 3 + (i < layers % 3) for i in range(3)]
-            elif extra.get("stage_layers"):
-                counts = [int(x) for x in extra["stage_layers"].split(",")]
-                kw.update(stage_layers=counts, stages=len(counts))
-            engine = Engine(base(args, **kw), progress=messages.append)
-            try:
-                ms, _ = decode_ms(engine, args.tokens, args.repeats)
-                plan = [f"{s.node.name} {s.start}-{s.end - 1}" for s in engine.cluster.plan.stages]
-            finally:
-                engine.close()
-            out["splits"][label] = {"ms_per_token": ms, "tokens_per_s": 1e3 / ms, "plan": plan}
-            print(f"mixed {label}: {ms:.1f} ms/token  {plan}", file=sys.stderr)
+        # Every split once a round, `--rounds` rounds: this machine's pace drifts by more than the
+        # splits differ, so each split's figure is the median of its rounds, taken in turn.
+        for r in range(args.rounds):
+            for label, extra in splits:
+                kw = dict(mode="pp", cluster="ray", stages=3)
+                if extra.get("stage_layers") == "even":
+                    kw["stage_layers"] = [layers // 3 + (i < layers % 3) for i in range(3)]
+                elif extra.get("stage_layers"):
+                    counts = [int(x) for x in extra["stage_layers"].split(",")]
+                    kw.update(stage_layers=counts, stages=len(counts))
+                engine = Engine(base(args, **kw), progress=lambda _m: None)
+                try:
+                    ms, _ = decode_ms(engine, args.tokens, args.repeats)
+                    plan = [f"{s.node.name} {s.start}-{s.end - 1}" for s in engine.cluster.plan.stages]
+                finally:
+                    engine.close()
+                split = out["splits"].setdefault(label, {"ms_each_round": [], "plan": plan})
+                split["ms_each_round"].append(ms)
+                print(f"round {r + 1}, mixed {label}: {ms:.1f} ms/token  {plan}", file=sys.stderr, flush=True)
+        for split in out["splits"].values():
+            split["ms_per_token"] = statistics.median(split["ms_each_round"])
+            split["tokens_per_s"] = 1e3 / split["ms_per_token"]
         s = out["splits"]
         best_hand = min((v["ms_per_token"] for k, v in s.items() if k.startswith("hand")), default=None)
         out["planned_vs_even"] = s["even"]["ms_per_token"] / s["planned"]["ms_per_token"]
@@ -187,6 +194,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--trials", type=int, default=12, help="recovery: kills in all, spread over the modes")
     p.add_argument("--hand", nargs="*", default=[], help="mixed: hand-picked layer counts, e.g. 28 20,4,4")
+    p.add_argument("--rounds", type=int, default=3, help="mixed: every split once a round (medians)")
     p.add_argument("--only", nargs="*", default=["mixed", "overhead", "recovery"])
     p.add_argument("--out", required=True)
     args = p.parse_args()

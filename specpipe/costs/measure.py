@@ -19,6 +19,7 @@ import time
 
 DEFAULT_ROWS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 DEFAULT_CONTEXTS = [256, 1024, 2048, 4096, 8192]
+DEFAULT_IDLE_GAPS = [0, 2, 5, 10, 20, 50]  # ms a stage idles before a step (idle_costs)
 REQUESTS = 8  # requests sharing a step when the per-request cost is measured
 
 
@@ -62,31 +63,51 @@ class StageTimer:
 
     def ms(self, n: int, context: int, repeats: int, requests: int = 1) -> float:
         """n rows in all, split over `requests` requests at this context."""
+        self._once(n, context, requests)  # warm-up
+        return statistics.median(self._once(n, context, requests) for _ in range(max(1, repeats)))
+
+    def idle_costs(self, gaps_ms: list[float], context: int, repeats: int) -> list[float]:
+        """A one-row step's ms when the stage idles each of `gaps_ms` before every step, as a stage
+        of a pipeline does while it waits for the others ((S - 1) / S of the time when one request
+        decodes; a profile's steps run back to back). On a machine whose caches others share, what
+        the stage left there fades while it waits. Each gap is held for `repeats` steps after one
+        untimed step (a sustained pattern, as in a pipeline), twice, the gaps in turn so drift is
+        shared; the median of each gap's timed steps."""
+        times: list[list[float]] = [[] for _ in gaps_ms]
+        for _ in range(2):
+            for i, gap in enumerate(gaps_ms):
+                for j in range(max(1, repeats) + 1):
+                    time.sleep(gap / 1e3)
+                    ms = self._once(1, context)
+                    if j:
+                        times[i].append(ms)
+        return [statistics.median(t) for t in times]
+
+    def _once(self, n: int, context: int, requests: int = 1) -> float:
+        """One timed step of n rows over `requests` requests at this context, pruned afterwards."""
         from specpipe.messages import Control, Prune
 
         rids = self.contexts[context][:requests]
         shares = [n // len(rids) + (i < n % len(rids)) for i in range(len(rids))]
-        out = []
-        for i in range(max(1, repeats) + 1):  # the first run warms up
-            batch, prune = [], []
-            for rid, k in zip(rids, shares):
-                ids = list(range(self._next_id + 1, self._next_id + 1 + k))  # a pruned id never comes back
-                self._next_id += k
-                batch.append(self._rows(rid, ids, [context - 1] * k, [context] * k))
-                prune.append(Prune(rid, drop=ids))
-            self.sync()
-            t0 = time.perf_counter()
-            self.worker.step(Control(), batch)
-            self.sync()
-            if i:
-                out.append((time.perf_counter() - t0) * 1e3)
-            self.worker.apply(Control(prune=prune))
-        return statistics.median(out)
+        batch, prune = [], []
+        for rid, k in zip(rids, shares):
+            ids = list(range(self._next_id + 1, self._next_id + 1 + k))  # a pruned id never comes back
+            self._next_id += k
+            batch.append(self._rows(rid, ids, [context - 1] * k, [context] * k))
+            prune.append(Prune(rid, drop=ids))
+        self.sync()
+        t0 = time.perf_counter()
+        self.worker.step(Control(), batch)
+        self.sync()
+        ms = (time.perf_counter() - t0) * 1e3
+        self.worker.apply(Control(prune=prune))
+        return ms
 
 
 def measure_checkpoint(model, draft, rows: list[int], contexts: list[int], device: str = "cpu",
                        dtype: str = "auto", threads: int = 0, repeats: int = 3, draft_vocab: int | None = None,
-                       draft_quantization: str | None = None, stage_layers: list[int] | None = None):
+                       draft_quantization: str | None = None, stage_layers: list[int] | None = None,
+                       idle_gaps: list[int] | None = None):
     """The cost profile of a checkpoint (the target, and the draft if given, its LM head over
     `draft_vocab` tokens and its weights requantized to `draft_quantization` if given, as
     --draft-vocab and --draft-quantization serve it); `model` None is the embedded default model,
@@ -121,7 +142,7 @@ def measure_checkpoint(model, draft, rows: list[int], contexts: list[int], devic
             draft_model.lm_head = select_outputs(draft_model.lm_head, ids)
             draft_meta["vocab"] = len(ids)
     prof = profile_stages(lambda spec: build_stage(ckpt, spec, dev, torch_dtype), ckpt.config, rows, contexts,
-                          repeats, dev, torch_dtype, draft_model, stage_layers)
+                          repeats, dev, torch_dtype, draft_model, stage_layers, idle_gaps)
     prof.model["path"], prof.draft = str(ckpt.path if isinstance(model, Checkpoint) else target), draft_meta
     return prof
 
@@ -141,10 +162,11 @@ def middle_stage_sizes(num_layers: int, stage_layers: list[int] | None) -> list[
 
 
 def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: int, device, dtype, draft=None,
-                   stage_layers: list[int] | None = None):
+                   stage_layers: list[int] | None = None, idle_gaps: list[int] | None = None):
     """The cost profile of a model whose stages `build(StageSpec)` makes (from a checkpoint, or
     random weights of a given shape), and of a whole draft model if given; a layer is measured
-    on middle stages of each size in `stage_layers` (middle_stage_sizes)."""
+    on middle stages of each size in `stage_layers` (middle_stage_sizes), and what a step costs
+    more after the stage idled each of `idle_gaps` ms (DEFAULT_IDLE_GAPS; [] for none)."""
     import torch
 
     from specpipe.config import StageSpec
@@ -167,8 +189,13 @@ def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: in
           f"on stages of 1, {', '.join(map(str, sizes))} and 1 + head layers", file=sys.stderr, flush=True)
     one, tail = timer(0, 1), timer(L - 1, L, last=True)
     middles = {k: timer(0, k) for k in sizes}
+    # The head again on last stages of each size: on a CPU the head's weights stay in the caches
+    # of a 1-layer stage run back to back, not beside many layers' (SmolLM2: 2.0 ms against 3.3-4.2).
+    lasts = {k: timer(L - k, L, last=True) for k in sizes}
     many = middles[K]
-    total = len(contexts) * (len(rows) * (len(sizes) + 2 + (draft is not None)) + 4)
+    gaps = DEFAULT_IDLE_GAPS if idle_gaps is None else sorted(set([0, *idle_gaps]))
+    total = len(contexts) * (len(rows) * (2 * len(sizes) + 2 + (draft is not None)) + 4)
+    total += len(sizes) + 2 if gaps != [] and idle_gaps != [] else 0
     done = 0
 
     def progress(what: str) -> None:
@@ -178,6 +205,7 @@ def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: in
 
     layer_ms, head_ms, overhead_ms, request_ms, request_overhead = [], [], [], [], []
     larger: dict[str, list[list[float]]] = {str(k): [] for k in sizes[1:]}
+    heads_by: dict[str, list[list[float]]] = {str(k): [] for k in sizes}  # [context][rows]
     for ctx in contexts:
         # What requests beyond the first add: REQUESTS rows as one row each of REQUESTS requests
         # against REQUESTS rows of one request, on both middle stages (slope: per layer).
@@ -187,26 +215,40 @@ def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: in
         request_ms.append(per_layer)
         request_overhead.append(max(0.0, (t[1, REQUESTS] - t[1, 1]) / (REQUESTS - 1) - per_layer))
         layers, heads, overheads = [], [], []
-        for table in larger.values():
+        for table in (*larger.values(), *heads_by.values()):
             table.append([])
         for n in rows:
             t1 = one.ms(n, ctx, repeats)
             progress(f"1-layer stage, {n} rows, context {ctx}")
-            tk = many.ms(n, ctx, repeats)
-            progress(f"{K}-layer stage, {n} rows, context {ctx}")
             t_last = tail.ms(n, ctx, repeats)
             progress(f"last stage, {n} rows, context {ctx}")
-            layer = max(0.0, (tk - t1) / (K - 1))
-            layers.append(layer)
-            for k in sizes[1:]:
-                tm = middles[k].ms(n, ctx, repeats)
+            middle = {}
+            for k in sizes:
+                middle[k] = middles[k].ms(n, ctx, repeats)
                 progress(f"{k}-layer stage, {n} rows, context {ctx}")
-                larger[str(k)][-1].append(max(0.0, (tm - t1) / (k - 1)))
+                heads_by[str(k)][-1].append(max(0.0, lasts[k].ms(n, ctx, repeats) - middle[k]))
+                progress(f"last stage of {k} layers, {n} rows, context {ctx}")
+                if k != K:
+                    larger[str(k)][-1].append(max(0.0, (middle[k] - t1) / (k - 1)))
+            layer = max(0.0, (middle[K] - t1) / (K - 1))
+            layers.append(layer)
             overheads.append(max(0.0, t1 - layer))
             heads.append(max(0.0, t_last - t1))
         layer_ms.append(layers)
         head_ms.append(heads)
         overhead_ms.append(overheads)
+    idle_layer, idle_head = {}, []
+    if idle_gaps != []:
+        # What a step costs more after an idle gap than back to back, at one row and the first
+        # context: per layer from the middle stages (the 1-layer stage's own rise taken out, as the
+        # layer cost above), and for the head from the last stage against the 1-layer stage.
+        rise = {}
+        for name, timer_ in (("one", one), ("tail", tail), *((k, middles[k]) for k in sizes)):
+            cost = timer_.idle_costs(gaps, contexts[0], repeats)
+            rise[name] = [c - cost[0] for c in cost]
+            progress(f"after idling {', '.join(map(str, gaps))} ms: {name}")
+        idle_layer = {str(k): [max(0.0, (r - r1) / (k - 1)) for r, r1 in zip(rise[k], rise["one"])] for k in sizes}
+        idle_head = [max(0.0, r - r1) for r, r1 in zip(rise["tail"], rise["one"])]
     draft_ms = []
     if draft is not None:
         timer_ = StageTimer(draft, contexts, rows, device, dtype, sync, 1)
@@ -233,8 +275,14 @@ def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: in
                      "1-layer stage minus a layer; head: the last stage of 1 layer minus the 1-layer stage",
                      *([f"layer_ms_by_stage: the same difference on middle stages of {', '.join(larger)} layers"]
                        if larger else []),
+                     f"head_ms_by_stage: last stages of {', '.join(heads_by)} layers minus middle stages of as many",
                      "every row attends to the whole context and itself (one tree layer of one request)",
                      f"per extra request: {REQUESTS} rows of {REQUESTS} requests against {REQUESTS} rows of one",
-                     "messages between processes are not included: see the link (`specpipe sim --link`)"],
+                     "messages between processes are not included: see the link (`specpipe sim --link`)",
+                     *([f"idle_layer_ms / idle_head_ms: a one-row step at context {contexts[0]} after the stage "
+                        f"idled {', '.join(map(str, gaps))} ms, minus back to back (per layer: middle stages "
+                        "minus the 1-layer stage)"] if idle_layer else [])],
         row_bytes=cfg.hidden_size * torch.empty((), dtype=dtype).element_size(),
-        stage_layers=K, layer_ms_by_stage=larger)
+        stage_layers=K, layer_ms_by_stage=larger,
+        head_ms_by_stage={k: [statistics.median(col) for col in zip(*t)] for k, t in heads_by.items()},
+        idle_gaps_ms=list(gaps) if idle_layer else [], idle_layer_ms=idle_layer, idle_head_ms=idle_head)

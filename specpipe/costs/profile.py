@@ -19,6 +19,11 @@ specifications (costs/roofline.py). Both write the same JSON file:
    "layer_ms_by_stage": {"M": [[...] per context]},  the same layer measured on larger middle
                                       stages of M layers ({} = none; `specpipe profile
                                       --stage-layers K,M`)
+   "head_ms_by_stage": {"M": [...]},  the head measured on last stages of M layers, per rows ({} =
+                                      only head_ms, measured on a last stage of 1 layer)
+   "idle_gaps_ms": [0, 2, 5, ...],    what a stage's step costs more after the stage idled this
+   "idle_layer_ms": {"M": [...]},     long since its previous step, per layer of a stage of M
+   "idle_head_ms": [...],             layers and for the head, per gap ([] / {} = not measured)
    "row_bytes": ...,                  bytes of one row's hidden state on the link between stages
    "links": {name: {...}}}            links measured with the profile (e.g. loopback-s2: stage
                                       processes on this machine), usable by name in `specpipe sim`
@@ -28,7 +33,11 @@ count or context they are extrapolated from the last two points (compute-bound g
 the last point), below the first they are the first point (a step never costs less than its fixed
 overhead). Where layer_ms_by_stage has tables, a stage's layers cost what its own size reads off
 them, linear between the measured sizes and flat outside them: a stage whose weights and KV
-outgrow the caches streams them from memory, and its layers cost more than a small stage's.
+outgrow the caches streams them from memory, and its layers cost more than a small stage's;
+head_ms_by_stage does the same for the head.
+The idle tables say the same in time: on a machine whose caches others share, what a stage left
+there fades while it waits for the rest of the pipeline, so a step after an idle gap reads more
+from memory (docs/benchmarks.md §4.4); linear between the measured gaps, flat past the last.
 Files written before contexts were added ({"profile": {"rows", "layer_ms", "head_ms",
 "draft_ms", "context"}}) load as one context.
 """
@@ -78,6 +87,10 @@ class CostProfile:
     request_overhead_ms: float = 0.0
     stage_layers: int = 0
     layer_ms_by_stage: dict[str, list[list[float]]] = field(default_factory=dict)  # layers -> [context][rows]
+    head_ms_by_stage: dict[str, list[float]] = field(default_factory=dict)  # layers -> [rows]
+    idle_gaps_ms: list[float] = field(default_factory=list)
+    idle_layer_ms: dict[str, list[float]] = field(default_factory=dict)  # layers -> [gap]
+    idle_head_ms: list[float] = field(default_factory=list)  # [gap]
 
     def __post_init__(self) -> None:
         if list(self.rows) != sorted(set(self.rows)) or not self.rows or self.rows[0] < 1:
@@ -93,11 +106,19 @@ class CostProfile:
         for name, table in tables.items():
             if len(table) != len(self.contexts) or any(len(r) != len(self.rows) for r in table):
                 raise ValueError(f"profile {name} must be {len(self.contexts)} contexts x {len(self.rows)} rows")
-        for name in ("head_ms", *(["overhead_ms"] if self.overhead_ms else [])):
-            if len(getattr(self, name)) != len(self.rows):
+        for name, values in {"head_ms": self.head_ms, **({"overhead_ms": self.overhead_ms} if self.overhead_ms else {}),
+                             **{f"head_ms_by_stage[{k}]": v for k, v in self.head_ms_by_stage.items()}}.items():
+            if len(values) != len(self.rows):
                 raise ValueError(f"profile {name} must have {len(self.rows)} entries")
         if self.request_ms and len(self.request_ms) != len(self.contexts):
             raise ValueError(f"profile request_ms must have {len(self.contexts)} entries")
+        gaps = self.idle_gaps_ms
+        if list(gaps) != sorted(set(gaps)) or (gaps and gaps[0] < 0):
+            raise ValueError(f"profile idle_gaps_ms must be ascending and non-negative, got {gaps}")
+        for name, table in {"idle_head_ms": self.idle_head_ms,
+                            **{f"idle_layer_ms[{k}]": t for k, t in self.idle_layer_ms.items()}}.items():
+            if (table or gaps) and len(table) != len(gaps):
+                raise ValueError(f"profile {name} must have one entry per idle gap ({len(gaps)})")
 
     @property
     def num_layers(self) -> int:
@@ -120,8 +141,34 @@ class CostProfile:
         costs = [base, *(self._table(self.layer_ms_by_stage[str(k)], n, context) for k in sizes[1:])]
         return _interp(sizes, costs, min(stage_layers, sizes[-1]))
 
-    def head(self, n: int) -> float:
-        return _interp(self.rows, self.head_ms, n) if n > 0 else 0.0
+    def idle(self, layers: int, last: bool, gap_ms: float) -> float:
+        """What a step of a stage of `layers` layers (with the head if `last`) costs more when the
+        stage idled `gap_ms` since its previous step than when it ran back to back (0 where the
+        profile has no idle tables)."""
+        if not self.idle_gaps_ms or gap_ms <= 0:
+            return 0.0
+
+        def at_gap(values: Sequence[float]) -> float:
+            return _interp(self.idle_gaps_ms, values, min(gap_ms, self.idle_gaps_ms[-1]))
+
+        extra = at_gap(self.idle_head_ms) if last and self.idle_head_ms else 0.0
+        if self.idle_layer_ms and layers > 0:
+            sizes = sorted(int(k) for k in self.idle_layer_ms)
+            per_layer = [at_gap(self.idle_layer_ms[str(k)]) for k in sizes]
+            extra += layers * _interp(sizes, per_layer, min(layers, sizes[-1]))
+        return extra
+
+    def head(self, n: int, stage_layers: Optional[int] = None) -> float:
+        """The final norm and LM head for n rows, on a last stage of `stage_layers` layers (None:
+        the 1-layer last stage head_ms was measured on)."""
+        if n <= 0:
+            return 0.0
+        base = _interp(self.rows, self.head_ms, n)
+        if not self.head_ms_by_stage or stage_layers is None or stage_layers <= 1:
+            return base
+        sizes = [1, *sorted(int(k) for k in self.head_ms_by_stage)]
+        costs = [base, *(_interp(self.rows, self.head_ms_by_stage[str(k)], n) for k in sizes[1:])]
+        return _interp(sizes, costs, min(stage_layers, sizes[-1]))
 
     def draft_forward(self, n: int, context: Optional[int] = None) -> float:
         return self._table(self.draft_ms, n, context)
@@ -137,7 +184,8 @@ class CostProfile:
         if self.request_ms:
             overhead += sum(layers * _interp(self.contexts, self.request_ms, c) + self.request_overhead_ms
                             for c in others)
-        return layers * self.layer(n, context, layers) + (self.head(n if head is None else head) if last else 0.0) + overhead
+        head_ms = self.head(n if head is None else head, layers) if last else 0.0
+        return layers * self.layer(n, context, layers) + head_ms + overhead
 
     # ---- files ------------------------------------------------------------------------------
 

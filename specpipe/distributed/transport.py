@@ -120,6 +120,8 @@ class Transport:
         self._address = address
         self._connect_timeout_s = connect_timeout_s
         self.mesh: Optional[Mesh] = None
+        self._heartbeat: Optional[threading.Thread] = None
+        self._heartbeat_stop = threading.Event()
         self.bytes_sent = 0
         self.links = LinkClock(options)
         # The driver bounds its sends as it bounds its receives; a stage's send waits as long as
@@ -258,17 +260,18 @@ class Transport:
     def start_heartbeat(self) -> None:
         """Stages: publish a heartbeat from a thread with its own store connection."""
         store = self._new_store()
-        key = f"heartbeat/{self.rank}"
+        key, stop = f"heartbeat/{self.rank}", self._heartbeat_stop
 
         def beat() -> None:
-            while True:
+            while not stop.is_set():
                 try:
                     store.set(key, repr(time.time()))
                 except Exception:  # the driver is gone: nothing left to tell
                     return
-                time.sleep(HEARTBEAT_S)
+                stop.wait(HEARTBEAT_S)
 
-        threading.Thread(target=beat, name="specpipe-heartbeat", daemon=True).start()
+        self._heartbeat = threading.Thread(target=beat, name="specpipe-heartbeat", daemon=True)
+        self._heartbeat.start()
 
     def silent_ranks(self, max_age_s: float = 4 * HEARTBEAT_S) -> list[int]:
         """Driver: ranks whose heartbeat is older than `max_age_s` (dead or cut off)."""
@@ -283,6 +286,12 @@ class Transport:
         return out
 
     def close(self) -> None:
+        # The heartbeat stops before the process exits: a thread still inside the store's C++ call
+        # while the interpreter tears down aborted the process ("terminate called without an
+        # active exception"). Its store call gives up within the store's timeout at worst.
+        self._heartbeat_stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.join(timeout=2 * HEARTBEAT_S)
         if self.mesh is not None:
             self.mesh.close()
         if dist.is_initialized():

@@ -19,7 +19,7 @@ import sys
 import time
 from dataclasses import asdict
 
-from specpipe.costs.measure import DEFAULT_CONTEXTS, DEFAULT_ROWS
+from specpipe.costs.measure import DEFAULT_CONTEXTS, DEFAULT_IDLE_GAPS, DEFAULT_ROWS
 
 
 def _ints(text: str) -> list[int]:
@@ -30,6 +30,10 @@ def _ints(text: str) -> list[int]:
     if not values or values[0] < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def _gaps(text: str) -> list[int]:
+    return [] if text.strip().lower() == "none" else _ints(text)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,6 +53,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="measure a layer on middle stages of these sizes (default 8); add the sizes of the "
                         "stages you will run when their weights outgrow the caches, e.g. 8,15,29")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per point (median; default 3)")
+    p.add_argument("--idle-gaps", type=_gaps, default=DEFAULT_IDLE_GAPS[1:],
+                   help="also measure what a step costs more after the stage idled this many ms (default "
+                        f"{','.join(map(str, DEFAULT_IDLE_GAPS[1:]))}; 'none' to skip): on a machine whose caches "
+                        "others share, a pipeline stage waiting for the rest loses what it left there")
     p.add_argument("--probe-links", type=_ints, default=[],
                    help="also measure the link between local stage processes for these stage counts, "
                         "e.g. 1,2: idle (saved as loopback-sS) and while the stages compute (loopback-sS-busy)")
@@ -87,7 +95,7 @@ def main(args: argparse.Namespace) -> int:
             model = synthetic_checkpoint(args.synthetic, args.type_mix)
         prof = measure_checkpoint(model, args.draft, args.rows, args.contexts, args.device, args.dtype,
                                   args.threads, args.repeats, args.draft_vocab, args.draft_quantization,
-                                  args.stage_layers)
+                                  args.stage_layers, args.idle_gaps)
         if args.synthetic:
             describe_synthetic(prof, model)
         for S in args.probe_links:

@@ -107,6 +107,7 @@ def simulate(trace: Trace, profile: CostProfile, stage_layers: Optional[Sequence
         added_at.setdefault(r.get("step", 0), []).append(rid)
     seen: set[int] = set()
     finish = [0.0] * S  # when each stage finished its previous step
+    worked: list[Optional[float]] = [None] * S  # ... its previous step with rows
     collect = 0.0
     busy = {f"stage {s + 1}": 0.0 for s in range(S)} | {"draft": 0.0, "driver": 0.0}
     token_times: dict[int, list[float]] = {}
@@ -139,6 +140,10 @@ def simulate(trace: Trace, profile: CostProfile, stage_layers: Optional[Sequence
                 prev_out = before[s - 1] + link.transfer_ms(CONTROL_BYTES + profile.row_bytes * step.rows[s])
             start = max(control_at, prev_out, before[s])
             cost = profile.stage(layers[s], s == S - 1, step.rows[s], *_contexts(trace, k, s), head=step.head_rows)
+            if cost and worked[s] is not None:  # after an idle gap what it left in the caches has faded
+                cost += profile.idle(layers[s], s == S - 1, start - worked[s])
+            if cost:
+                worked[s] = start + cost
             row_span.append((start, start + cost))
             busy[f"stage {s + 1}"] += cost
             finish[s] = start + cost

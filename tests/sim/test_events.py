@@ -52,6 +52,26 @@ def test_pp_round_trip_by_hand():
     assert r.busy_ms["driver"] == 1.0
 
 
+def test_a_stage_that_idled_pays_what_the_profile_says_it_lost():
+    # The pp round trip above, with a profile whose layer costs 0.1 ms more after idling 2 ms and
+    # 0.3 ms more after 6 ms or longer: each stage waits for the other, so its second step (after
+    # an idle gap) costs more; its first step (nothing to fade) and an empty step do not.
+    t = trace_of(2, [{"rows": [1, 0], "sent": {0: 1}, "tokens": {0: 0}},
+                     {"rows": [0, 1], "tokens": {0: 1}},
+                     {"rows": [1, 0], "sent": {0: 1}, "tokens": {0: 1}},
+                     {"rows": [0, 1], "tokens": {0: 2}}])
+    busy = simulate(t, flat_profile(), [1, 1], Link("l", 0.5, 0), driver_ms=0.25)
+    p = flat_profile()
+    p.idle_gaps_ms, p.idle_layer_ms, p.idle_head_ms = [0, 2, 6], {"1": [0.0, 0.1, 0.3]}, []
+    idle = simulate(t, p, [1, 1], Link("l", 0.5, 0), driver_ms=0.25)
+    # stage 1 ran 0.75-1.75 and again from 4.5: 2.75 ms idle -> 0.1 + 0.75 / 4 x 0.2 = 0.1375 ms
+    # more, so it ends at 5.6375; stage 2 ran 2.25-3.25, its input arrives at 6.1375: 2.8875 ms
+    # idle -> 0.144375 ms more, ends at 7.281875, and the token reaches the driver 0.5 ms later.
+    assert idle.token_times[0][0] == busy.token_times[0][0] == 3.75
+    assert idle.token_times[0][1] == pytest.approx(7.781875)
+    assert busy.token_times[0][1] == 7.5
+
+
 def test_the_head_costs_only_the_rows_whose_token_is_wanted():
     # A 64-row prompt chunk wanting its last row's token pays the head for one row, not 64.
     profile = CostProfile("test", [1, 64], [[1.0, 1.0]], [1.0, 64.0], contexts=[256], model={"num_layers": 1})
