@@ -193,9 +193,10 @@ def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: in
     # of a 1-layer stage run back to back, not beside many layers' (SmolLM2: 2.0 ms against 3.3-4.2).
     lasts = {k: timer(L - k, L, last=True) for k in sizes}
     many = middles[K]
-    gaps = DEFAULT_IDLE_GAPS if idle_gaps is None else sorted(set([0, *idle_gaps]))
+    gaps = DEFAULT_IDLE_GAPS if idle_gaps is None else sorted({0, *idle_gaps})
+    measure_idle = idle_gaps != []
     total = len(contexts) * (len(rows) * (2 * len(sizes) + 2 + (draft is not None)) + 4)
-    total += len(sizes) + 2 if gaps != [] and idle_gaps != [] else 0
+    total += len(sizes) + 2 if measure_idle else 0
     done = 0
 
     def progress(what: str) -> None:
@@ -238,7 +239,7 @@ def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: in
         head_ms.append(heads)
         overhead_ms.append(overheads)
     idle_layer, idle_head = {}, []
-    if idle_gaps != []:
+    if measure_idle:
         # What a step costs more after an idle gap than back to back, at one row and the first
         # context: per layer from the middle stages (the 1-layer stage's own rise taken out, as the
         # layer cost above), and for the head from the last stage against the 1-layer stage.

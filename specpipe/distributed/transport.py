@@ -287,8 +287,9 @@ class Transport:
 
     def close(self) -> None:
         # The heartbeat stops before the process exits: a thread still inside the store's C++ call
-        # while the interpreter tears down aborted the process ("terminate called without an
-        # active exception"). Its store call gives up within the store's timeout at worst.
+        # while the interpreter tears down can abort the process ("terminate called without an
+        # active exception", seen once in 45 stage shutdowns). Its store call gives up within the
+        # store's timeout at worst.
         self._heartbeat_stop.set()
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=2 * HEARTBEAT_S)

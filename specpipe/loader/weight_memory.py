@@ -14,6 +14,7 @@ bytes are the same. SPECPIPE_HUGE_PAGES=0 turns the request off (for comparisons
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 
@@ -22,16 +23,18 @@ import torch
 HUGE_PAGE = 2 << 20  # x86-64's and most arm64 kernels' PMD page
 
 
-def huge_pages_wanted() -> bool:
-    return (hasattr(mmap, "MADV_HUGEPAGE")
+def on_huge_pages(nbytes: int) -> bool:
+    """Whether a weight buffer of `nbytes` asks for huge pages: at least one huge page long (a smaller
+    one would waste the rest of its page), on a platform that can ask, unless SPECPIPE_HUGE_PAGES=0."""
+    return (nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE")
             and os.environ.get("SPECPIPE_HUGE_PAGES", "1").strip().lower() not in ("0", "false", "no", "off"))
 
 
 def weight_buffer(nbytes: int):
     """A writable buffer of `nbytes` zero bytes that this process owns: an anonymous mapping advised
-    for huge pages when it is at least one huge page long (smaller ones would waste the rest of
-    their page), else a bytearray. The mapping is freed when the last view of it goes."""
-    if nbytes < HUGE_PAGE or not huge_pages_wanted():
+    for huge pages where on_huge_pages says so, else a bytearray. The mapping is freed when the
+    last view of it goes."""
+    if not on_huge_pages(nbytes):
         return bytearray(nbytes)
     buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
@@ -43,10 +46,7 @@ def weight_buffer(nbytes: int):
 
 def weight_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor in weight memory (see weight_buffer)."""
-    n = 1
-    for d in shape:
-        n *= d
-    nbytes = n * torch.empty((), dtype=dtype).element_size()
-    if nbytes < HUGE_PAGE or not huge_pages_wanted():
+    nbytes = math.prod(shape) * dtype.itemsize
+    if not on_huge_pages(nbytes):
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(weight_buffer(nbytes), dtype=dtype).view(shape)
