@@ -7,6 +7,8 @@ with their CPU affinity set as `taskset` on `ray start` would:
   mixed     three nodes: one alone on core 0, two sharing core 1 (each half a core). pp decode
             of one request with the planner's split, the even split (same counts on every node),
             and hand-picked splits, each once a round for `--rounds` rounds; tokens/s of each.
+            One request's stages compute in turn, so nodes sharing a core are not slower for it;
+            `--busy-core1` adds a busy loop on core 1, which makes them so (about half a core).
   overhead  two nodes, one core each: the same split as --cluster ray and as local stage processes
             (one thread per stage); ms per token of each.
   recovery  two nodes: a stage actor SIGKILLed mid-stream, `--trials` times over the modes; the
@@ -22,6 +24,7 @@ import json
 import os
 import signal
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -73,9 +76,18 @@ def base(args, **extra) -> EngineConfig:
     return EngineConfig(model=args.model, max_context=1024, max_num_seqs=4, kv_memory="256MiB", **extra)
 
 
+def busy_core(core: int) -> subprocess.Popen:
+    """A process spinning on `core` for as long as it lives: whatever else runs there gets about
+    half of it, as on a slower machine."""
+    return subprocess.Popen(["taskset", "-c", str(core), sys.executable, "-c", "while True: pass"])
+
+
 def mixed(args) -> dict:
+    hog = busy_core(1) if args.busy_core1 else None
     c = start_cluster([{0}, {1}, {1}])
-    out: dict = {"nodes": "core 0 alone; cores 1 shared by two nodes", "rounds": args.rounds, "splits": {}}
+    out: dict = {"nodes": "core 0 alone; cores 1 shared by two nodes"
+                          + ("; core 1 also runs a busy loop (its nodes get about half of it)" if hog else ""),
+                 "rounds": args.rounds, "splits": {}}
     layers = num_layers(args)
     splits = [("planned", {}), ("even", {"stage_layers": "even"}),
               *[(f"hand {s}", {"stage_layers": s}) for s in args.hand]]
@@ -109,6 +121,9 @@ def mixed(args) -> dict:
             out["planned_vs_best_hand"] = best_hand / s["planned"]["ms_per_token"]
     finally:
         stop_cluster(c)
+        if hog is not None:
+            hog.kill()
+            hog.wait()
     return out
 
 
@@ -195,6 +210,8 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=12, help="recovery: kills in all, spread over the modes")
     p.add_argument("--hand", nargs="*", default=[], help="mixed: hand-picked layer counts, e.g. 28 20,4,4")
     p.add_argument("--rounds", type=int, default=3, help="mixed: every split once a round (medians)")
+    p.add_argument("--busy-core1", action="store_true",
+                   help="mixed: a busy loop on core 1 too, so its two nodes are slower than core 0's")
     p.add_argument("--only", nargs="*", default=["mixed", "overhead", "recovery"])
     p.add_argument("--out", required=True)
     args = p.parse_args()
