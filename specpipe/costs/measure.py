@@ -63,8 +63,8 @@ class StageTimer:
 
     def ms(self, n: int, context: int, repeats: int, requests: int = 1) -> float:
         """n rows in all, split over `requests` requests at this context."""
-        self._once(n, context, requests)  # warm-up
-        return statistics.median(self._once(n, context, requests) for _ in range(max(1, repeats)))
+        self.step_ms(n, context, requests)  # warm-up
+        return statistics.median(self.step_ms(n, context, requests) for _ in range(max(1, repeats)))
 
     def idle_costs(self, gaps_ms: list[float], context: int, repeats: int) -> list[float]:
         """A one-row step's ms when the stage idles each of `gaps_ms` before every step, as a stage
@@ -78,12 +78,12 @@ class StageTimer:
             for i, gap in enumerate(gaps_ms):
                 for j in range(max(1, repeats) + 1):
                     time.sleep(gap / 1e3)
-                    ms = self._once(1, context)
+                    ms = self.step_ms(1, context)
                     if j:
                         times[i].append(ms)
         return [statistics.median(t) for t in times]
 
-    def _once(self, n: int, context: int, requests: int = 1) -> float:
+    def step_ms(self, n: int, context: int, requests: int = 1) -> float:
         """One timed step of n rows over `requests` requests at this context, pruned afterwards."""
         from specpipe.messages import Control, Prune
 
@@ -190,7 +190,8 @@ def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: in
     one, tail = timer(0, 1), timer(L - 1, L, last=True)
     middles = {k: timer(0, k) for k in sizes}
     # The head again on last stages of each size: on a CPU the head's weights stay in the caches
-    # of a 1-layer stage run back to back, not beside many layers' (SmolLM2: 2.0 ms against 3.3-4.2).
+    # of a 1-layer stage run back to back, not beside many layers' (SmolLM2: 1.8-1.9 ms against
+    # 2.4-4.5; benchmarks/stage_costs.py head).
     lasts = {k: timer(L - k, L, last=True) for k in sizes}
     many = middles[K]
     gaps = DEFAULT_IDLE_GAPS if idle_gaps is None else sorted({0, *idle_gaps})

@@ -33,13 +33,19 @@ def trace_of(S, steps) -> Trace:
                  [StepRecord(**{"context": 10, **s}) for s in steps])
 
 
+def pp_two_tokens() -> Trace:
+    """One request in pp at S = 2, two tokens: a row crosses stage 1 at steps 0 and 2, stage 2 at
+    steps 1 and 3."""
+    return trace_of(2, [{"rows": [1, 0], "sent": {0: 1}, "tokens": {0: 0}},
+                        {"rows": [0, 1], "tokens": {0: 1}},
+                        {"rows": [1, 0], "sent": {0: 1}, "tokens": {0: 1}},
+                        {"rows": [0, 1], "tokens": {0: 2}}])
+
+
 def test_pp_round_trip_by_hand():
     # One request in pp at S = 2: a row crosses stage 1 at step 0 and stage 2 at step 1; 1 ms
     # each, 0.5 ms per message hop, 0.25 ms driver per step.
-    t = trace_of(2, [{"rows": [1, 0], "sent": {0: 1}, "tokens": {0: 0}},
-                     {"rows": [0, 1], "tokens": {0: 1}},
-                     {"rows": [1, 0], "sent": {0: 1}, "tokens": {0: 1}},
-                     {"rows": [0, 1], "tokens": {0: 2}}])
+    t = pp_two_tokens()
     r = simulate(t, flat_profile(), [1, 1], Link("l", 0.5, 0), driver_ms=0.25)
     # step 0: submit .25, stage 1 .75-1.75, results of the empty last stage at 1.25 -> collect 1.25
     # step 1: submit 1.5, stage 2's input left stage 1 at 1.75 -> arrives 2.25, runs to 3.25,
@@ -56,10 +62,7 @@ def test_a_stage_that_idled_pays_what_the_profile_says_it_lost():
     # The pp round trip above, with a profile whose layer costs 0.1 ms more after idling 2 ms and
     # 0.3 ms more after 6 ms or longer: each stage waits for the other, so its second step (after
     # an idle gap) costs more; its first step (nothing to fade) and an empty step do not.
-    t = trace_of(2, [{"rows": [1, 0], "sent": {0: 1}, "tokens": {0: 0}},
-                     {"rows": [0, 1], "tokens": {0: 1}},
-                     {"rows": [1, 0], "sent": {0: 1}, "tokens": {0: 1}},
-                     {"rows": [0, 1], "tokens": {0: 2}}])
+    t = pp_two_tokens()
     busy = simulate(t, flat_profile(), [1, 1], Link("l", 0.5, 0), driver_ms=0.25)
     p = flat_profile()
     p.idle_gaps_ms, p.idle_layer_ms, p.idle_head_ms = [0, 2, 6], {"1": [0.0, 0.1, 0.3]}, []

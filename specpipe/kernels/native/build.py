@@ -90,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specpipe.kernels.native.build", description=__doc__.split("\n\n")[0])
     p.add_argument("--sanitize", choices=sorted(SANITIZE_FLAGS), help="build a sanitizer variant (not the library)")
     p.add_argument("--out", type=Path, help="where to write the library")
+    p.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                   help="a C macro for an experimental variant (e.g. SP_PF_BYTES=8192; use with --out)")
     args = p.parse_args(argv)
-    build(out=args.out, sanitize=args.sanitize)
+    build(out=args.out, sanitize=args.sanitize, extra_flags=[f"-D{d}" for d in args.define])
     return 0
 
 
