@@ -98,6 +98,13 @@ class QuantLinear(nn.Module):
     def kernel(self) -> str:
         return self._kernel.name
 
+    def use_packed(self, packed: torch.Tensor) -> None:
+        """Read the weights from `packed` from now on: a copy of `packed`'s bytes elsewhere in
+        memory (stage.py pack_weights), for a kernel that reads them as they are."""
+        if self.packed is None or packed.shape != self.packed.shape:
+            raise ValueError(f"the {self.kernel} kernel cannot take packed rows of shape {tuple(packed.shape)}")
+        self.prepared = self._kernel.prepare(packed, self.qtype, self.out_features, self.in_features)
+
     def weight_tensors(self) -> list[torch.Tensor]:
         return _tensors(self.prepared)
 
@@ -131,6 +138,12 @@ class QuantEmbedding(nn.Module):
     @property
     def weight_nbytes(self) -> int:
         return self.packed.numel()
+
+    def use_packed(self, packed: torch.Tensor) -> None:
+        """Read the rows from `packed` from now on (a copy of them: stage.py pack_weights)."""
+        if packed.shape != self.packed.shape:
+            raise ValueError(f"packed embedding has shape {tuple(packed.shape)}, not {tuple(self.packed.shape)}")
+        self.packed = packed
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return dequantize(self.packed.index_select(0, ids), self.qtype)  # (T, hidden) float32

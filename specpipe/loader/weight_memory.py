@@ -44,6 +44,17 @@ def weight_buffer(nbytes: int):
     return buf
 
 
+def weight_arena(nbytes: int) -> torch.Tensor:
+    """`nbytes` uninitialised bytes (uint8) in weight memory that start on a huge-page boundary, so
+    that every whole huge page inside them can be one (an unaligned mapping loses its first and
+    last partial ones)."""
+    if not on_huge_pages(nbytes):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    whole = torch.frombuffer(weight_buffer(nbytes + HUGE_PAGE), dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE
+    return whole[start:start + nbytes]
+
+
 def weight_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised CPU tensor in weight memory (see weight_buffer)."""
     nbytes = math.prod(shape) * dtype.itemsize

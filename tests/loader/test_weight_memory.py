@@ -88,3 +88,16 @@ def test_loaded_tensor_is_the_files_bytes(tmp_path):
     finally:
         f.close()
     assert np.array_equal(got, data)
+
+
+def test_arena_starts_on_a_huge_page():
+    from specpipe.loader.weight_memory import on_huge_pages, weight_arena
+
+    n = 3 * HUGE_PAGE + 12345
+    arena = weight_arena(n)
+    assert arena.dtype == torch.uint8 and arena.numel() == n
+    if on_huge_pages(n):
+        assert arena.data_ptr() % HUGE_PAGE == 0
+    arena[-1] = 5
+    assert int(arena[-1]) == 5
+    assert weight_arena(100).numel() == 100  # small: ordinary memory

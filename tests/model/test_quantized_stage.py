@@ -141,3 +141,56 @@ def test_stacking_groups_runs_of_one_type():
             x = torch.from_numpy(rng.standard_normal((t, 64)).astype(np.float32))
             for got, p in zip(stacked(x), parts):
                 assert torch.equal(got, p(x))
+
+
+def _packed_tensors(model):
+    """(module name, packed tensor) of each quantized module, a tied tensor once."""
+    seen, out = set(), []
+    for name, m in model.named_modules():
+        if isinstance(m, (QuantLinear, QuantEmbedding)) and m.packed.data_ptr() not in seen:
+            seen.add(m.packed.data_ptr())
+            out.append((name, m.packed))
+    return out
+
+
+@pytest.mark.skipif(not native.available(), reason="the fused layers run on the native kernel, not built here")
+def test_weights_packed_in_read_order_change_no_bit(smollm2, monkeypatch):
+    """build_stage moves every packed weight into one run of memory, layer by layer in the order
+    a step reads them (qkv, o, gate_up, down), the embedding last; no output changes."""
+    import specpipe.model.stage as stage
+
+    spec = StageSpec(0, 3, True, False)
+    monkeypatch.setattr(stage, "pack_weights", lambda model: 0)
+    loose = build_stage(smollm2, spec, kernel="native")
+    monkeypatch.undo()
+    packed = build_stage(smollm2, spec, kernel="native")
+    tensors = sorted(_packed_tensors(packed), key=lambda e: e[1].data_ptr())
+    names = [n for n, _ in tensors]
+    want = [f"layers.{i}.{p}" for i in range(3) for p in ("self_attn.qkv.groups.0", "self_attn.o_proj",
+                                                         "mlp.gate_up.groups.0", "mlp.down_proj")]
+    assert names == want + ["embed_tokens"]
+    for (_, a), (_, b) in zip(tensors, tensors[1:]):  # each right after the one before, on its own lines
+        assert b.data_ptr() == a.data_ptr() + -(-a.numel() // 64) * 64
+    assert weight_nbytes(packed) == weight_nbytes(loose)
+    for ids in (torch.tensor([1, 9690, 198, 504, 3575, 282, 4649]), torch.tensor([9690])):
+        assert torch.equal(forward(packed, ids), forward(loose, ids))
+
+
+def test_packing_frees_the_old_buffers(smollm2, monkeypatch):
+    """pack_weights leaves nothing holding the buffers the weights were read into (a view of one
+    kept alive by a tensor that was only repointed would hold the whole file twice)."""
+    import weakref
+
+    import specpipe.model.stage as stage
+
+    monkeypatch.setattr(stage, "pack_weights", lambda model: 0)
+    model = build_stage(smollm2, StageSpec(0, 2, True, False), stack=False)  # no fused layer: no raw pointers
+    monkeypatch.undo()
+    ids = torch.tensor([1, 9690, 198, 504])
+    before = forward(model, ids)
+    tensors = _packed_tensors(model)
+    size, old = sum(t.numel() for _, t in tensors), [weakref.ref(t) for _, t in tensors]
+    del tensors
+    assert stage.pack_weights(model) >= size
+    assert all(r() is None for r in old)
+    assert torch.equal(forward(model, ids), before)

@@ -174,7 +174,10 @@ static void quantize_group(const float *x, int64_t valid, int qb, int8_t *q, flo
                     folding's vectors below assume 8) */
 #define SP_TB 64 /* activation rows per pass over a weight tile (accumulators on the stack) */
 #ifndef SP_PF_BYTES
-#define SP_PF_BYTES 4096 /* one-row paths: software prefetch distance along the weights */
+/* one-row paths: software prefetch distance along the weights (Xeon Sapphire Rapids, one thread,
+ * Qwen2.5-Coder 1.5B's shapes from memory: 2-3 KB 7% faster than 4 KB; 1.5 KB and 8 KB slower;
+ * fetching each line once instead of one per 64 bytes of each block 7% slower) */
+#define SP_PF_BYTES 2560
 #endif
 
 typedef struct {
