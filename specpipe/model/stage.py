@@ -252,7 +252,8 @@ def pack_weights(model: nn.Module) -> int:
             found[t.data_ptr()][2].append(m)
             continue
         parts = name.split(".")
-        layer = int(parts[parts.index("layers") + 1]) if "layers" in parts else 1 << 30
+        at = parts.index("layers") + 1 if "layers" in parts else len(parts)
+        layer = int(parts[at]) if at < len(parts) and parts[at].isdigit() else 1 << 30  # the head: last
         rank = next((_READ_ORDER[p] for p in parts if p in _READ_ORDER), len(_READ_ORDER))
         found[t.data_ptr()] = [(layer, rank, i), t, [m]]
     order = sorted(found.values(), key=lambda e: e[0])
