@@ -8,10 +8,14 @@ runs, one thread, one process):
   matmuls  every quantized matmul of the model called alone in model order at one row (each reads
            its weights from memory), GB/s of the layers' and the head's, and one matmul called
            again at once (its weights still in the cache)
+  split    the whole model's one-row step against the same stage's matmuls alone (straight
+           through the native sp_matmul, in the order the step reads them), alternately, --steps
+           times: what the rest of the step (attention, norms, the Python around it) costs
 
   PYTHONPATH=. python benchmarks/stage_costs.py head --sizes 15,30
   PYTHONPATH=. python benchmarks/stage_costs.py idle --layers 15:30 --gaps 0,2,5,10,20
   PYTHONPATH=. python benchmarks/stage_costs.py matmuls --model TARGET
+  PYTHONPATH=. python benchmarks/stage_costs.py split --model TARGET --context 128 --steps 21
 """
 
 from __future__ import annotations
@@ -102,13 +106,40 @@ def matmuls(ckpt, args) -> None:
           f"called again at once {size[n] / warm / 1e6:.2f} GB/s")
 
 
+def split(ckpt, args) -> None:
+    from specpipe.kernels import native
+
+    t = timer(ckpt, StageSpec.whole(ckpt.config), args.context)
+    lib = native._require()
+    weights = sorted(((m.weight_tensors()[0], m) for m in t.model.modules() if isinstance(m, QuantLinear)),
+                     key=lambda e: e[0].data_ptr())  # the read order (model/stage.py pack_weights)
+    x, y = torch.randn(max(m.in_features for _, m in weights)), torch.empty(max(m.out_features for _, m in weights))
+    calls = [(int(m.qtype), m.in_features, w.data_ptr(), m.out_features, w.shape[1]) for w, m in weights]
+
+    def matmuls_ms() -> float:
+        t0 = time.perf_counter()
+        for qtype, k, w, n, row_bytes in calls:
+            if lib.sp_matmul(qtype, x.data_ptr(), 1, k, w, n, row_bytes, y.data_ptr(), 1, native._isa_code(None)):
+                raise RuntimeError("sp_matmul failed")
+        return (time.perf_counter() - t0) * 1e3
+
+    steps, alone = [], []
+    for _ in range(args.steps):
+        steps.append(t.step_ms(1, args.context))
+        alone.append(matmuls_ms())
+    nbytes = sum(w.numel() for w, _ in weights)
+    mid = statistics.median
+    print(f"one-row step {mid(steps):.1f} ms; its {len(calls)} matmuls alone {mid(alone):.1f} ms "
+          f"({nbytes / mid(alone) / 1e6:.2f} GB/s); the rest of the step {mid(s - a for s, a in zip(steps, alone)):.1f} ms")
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["head", "idle", "matmuls"])
+    ap.add_argument("what", choices=["head", "idle", "matmuls", "split"])
     ap.add_argument("--model", default=None, help="a GGUF file (default: the embedded SmolLM2)")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--sizes", type=_ints, default=[15, 30], help="head: last-stage sizes")
@@ -119,7 +150,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     ckpt = open_checkpoint(resolve_model(args.model))
-    {"head": head, "idle": idle, "matmuls": matmuls}[args.what](ckpt, args)
+    {"head": head, "idle": idle, "matmuls": matmuls, "split": split}[args.what](ckpt, args)
 
 
 if __name__ == "__main__":
