@@ -174,9 +174,10 @@ static void quantize_group(const float *x, int64_t valid, int qb, int8_t *q, flo
                     folding's vectors below assume 8) */
 #define SP_TB 64 /* activation rows per pass over a weight tile (accumulators on the stack) */
 #ifndef SP_PF_BYTES
-/* one-row paths: software prefetch distance along the weights (Xeon Sapphire Rapids, one thread,
- * Qwen2.5-Coder 1.5B's shapes from memory: 2-3 KB 7% faster than 4 KB; 1.5 KB and 8 KB slower;
- * fetching each line once instead of one per 64 bytes of each block 7% slower) */
+/* one-row paths: software prefetch distance along the weights (benchmarks/kernel_variants.py,
+ * Xeon Sapphire Rapids, one thread, rows read as one run: Qwen2.5-Coder 1.5B's layers' matmuls
+ * 74.0 ms at 4 KB, 69.4 ms at 2.5 KB; 1.5 KB and 8 KB slower, and fetching each line once instead
+ * of one per 64 bytes of each block 7% slower, in a C loop over the same shapes) */
 #define SP_PF_BYTES 2560
 #endif
 
@@ -1136,11 +1137,12 @@ static void run_parallel_tiles(tile_fn fn, const job *jb, int64_t ntiles, int th
 #ifdef SP_X86
 /* Rows [n0, n1) of y (one activation row): rows are contiguous in memory; the range is read as
  * SP_STREAMS runs of rows side by side, a row of each in turn, each block fetching the lines
- * SP_PF_BYTES ahead of it (past the end of the weights is harmless: a prefetch never faults).
- * Several runs keep the core's hardware prefetchers on several streams at once, which a core
- * busy unpacking blocks does not keep on one (Xeon Sapphire Rapids, one thread, Qwen2.5-Coder
- * 1.5B's shapes from memory: 1 run 13.3-13.5 GB/s, 2 runs 13.5-14.1, 3 or 4 runs 13.9-14.6,
- * docs/benchmarks.md §9).  Each row is computed as alone: the same bits.
+ * SP_PF_BYTES ahead of it (past the end of the weights is harmless: a prefetch never faults), each
+ * run's first lines fetched at the start (SP_PRIME).  A core busy unpacking blocks keeps fewer
+ * lines in flight on one stream than a plain read; several runs keep its hardware prefetchers on
+ * several at once (benchmarks/kernel_variants.py, Xeon Sapphire Rapids, one thread, Qwen2.5-Coder
+ * 1.5B: layers' matmuls 69.4 ms with one run, 64.7 with four, 62.8 primed; 3 runs as fast as 4,
+ * 6 or 8 slower in a C loop).  Each row is computed as alone: the same bits.
  * xk: the activations in Q4_K's nibble order (permute_k4). */
 #ifndef SP_STREAMS
 #define SP_STREAMS 4
