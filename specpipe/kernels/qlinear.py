@@ -19,7 +19,6 @@ import torch.nn as nn
 from specpipe.kernels.ggml_types import dequantize, row_bytes
 from specpipe.kernels.registry import Kernel, choose_kernel, get_kernel
 from specpipe.kernels.torch_kernels import invariant_linear
-from specpipe.loader.weight_memory import weight_tensor
 
 Q = gguf.GGMLQuantizationType
 
@@ -191,11 +190,7 @@ def _stackable(a: nn.Module, b: nn.Module) -> bool:
 
 
 def _stack(parts: list[QuantLinear]) -> QuantLinear:
-    if parts[0].packed.is_cpu:  # one buffer on huge pages, as the loader's own (weight_memory.py)
-        rows = sum(m.packed.shape[0] for m in parts)
-        packed = torch.cat([m.packed for m in parts], out=weight_tensor((rows, parts[0].packed.shape[1]), torch.uint8))
-    else:
-        packed = torch.cat([m.packed for m in parts])
+    packed = torch.cat([m.packed for m in parts])  # on a CPU, build_stage then moves it to huge pages (pack_weights)
     bias = None if parts[0].bias is None else torch.cat([m.bias for m in parts])
     return QuantLinear(packed, parts[0].qtype, parts[0].in_features, sum(m.out_features for m in parts),
                        bias, parts[0]._kernel)
