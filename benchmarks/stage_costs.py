@@ -8,6 +8,10 @@ runs, one thread, one process):
   matmuls  every quantized matmul of the model called alone in model order at one row (each reads
            its weights from memory), GB/s of the layers' and the head's, and one matmul called
            again at once (its weights still in the cache)
+  attention  one query row's attention over --context cached slots per layer of the model's
+           shape, after streaming 256 MB past the caches (as a decode step's layers do), the
+           median over --steps passes of all layers, us a layer (compare builds with
+           SPECPIPE_NATIVE_LIBRARY: `build --define SP_ATT_PREFETCH=0`)
   split    the whole model's one-row step against the same stage's matmuls alone (straight
            through the native sp_matmul, in the order the step reads them), alternately, --steps
            times: what the rest of the step (attention, norms, the Python around it) costs
@@ -16,6 +20,7 @@ runs, one thread, one process):
   PYTHONPATH=. python benchmarks/stage_costs.py idle --layers 15:30 --gaps 0,2,5,10,20
   PYTHONPATH=. python benchmarks/stage_costs.py matmuls --model TARGET
   PYTHONPATH=. python benchmarks/stage_costs.py split --model TARGET --context 128 --steps 21
+  PYTHONPATH=. python benchmarks/stage_costs.py attention --model TARGET --context 128 --steps 9
 """
 
 from __future__ import annotations
@@ -133,13 +138,32 @@ def split(ckpt, args) -> None:
           f"({nbytes / mid(alone) / 1e6:.2f} GB/s); the rest of the step {mid(s - a for s, a in zip(steps, alone)):.1f} ms")
 
 
+def attention(ckpt, args) -> None:
+    from specpipe.kernels import native
+
+    cfg = ckpt.config
+    q = torch.randn(1, cfg.num_heads, cfg.head_dim)
+    kv = [(torch.randn(args.context, cfg.num_kv_heads, cfg.head_dim), torch.randn(args.context, cfg.num_kv_heads, cfg.head_dim))
+          for _ in range(cfg.num_layers)]
+    flush = torch.randn(64 << 20)  # 256 MB
+    passes = []
+    for _ in range(args.steps):
+        flush.add_(1.0)
+        t0 = time.perf_counter()
+        for k, v in kv:
+            native.attention(q, k, v, None, cfg.head_dim ** -0.5, 1)
+        passes.append((time.perf_counter() - t0) / cfg.num_layers * 1e6)
+    print(f"attention of one row over {args.context} slots ({cfg.num_heads} / {cfg.num_kv_heads} heads of "
+          f"{cfg.head_dim}), its cache cold: {statistics.median(passes):.1f} us a layer")
+
+
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",")]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["head", "idle", "matmuls", "split"])
+    ap.add_argument("what", choices=["head", "idle", "matmuls", "split", "attention"])
     ap.add_argument("--model", default=None, help="a GGUF file (default: the embedded SmolLM2)")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--sizes", type=_ints, default=[15, 30], help="head: last-stage sizes")
@@ -150,7 +174,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     ckpt = open_checkpoint(resolve_model(args.model))
-    {"head": head, "idle": idle, "matmuls": matmuls, "split": split}[args.what](ckpt, args)
+    {"head": head, "idle": idle, "matmuls": matmuls, "split": split, "attention": attention}[args.what](ckpt, args)
 
 
 if __name__ == "__main__":

@@ -83,7 +83,8 @@ SP_INLINE v8f dot8(const float *q, const float *const k[8], int d) {
 /* Up to how many bytes of a KV head's keys and values attend_rows fetches at its start, before
  * the scores read them 8 slots at a time: a decode step's cache has left L2 while the layer's
  * weights streamed by, and one burst of fetches is paced by the memory, not by its latency
- * (128 slots of Qwen2.5-1.5B: 63-68 -> 46-54 us a layer, Xeon Sapphire Rapids, one thread).
+ * (benchmarks/stage_costs.py attention, 128 slots of Qwen2.5-1.5B's shape: 65 -> 45-48 us a layer,
+ * Xeon Sapphire Rapids, one thread).
  * Larger ones (long contexts) are read as they come: fetched at once they would not fit L2. */
 #ifndef SP_ATT_PREFETCH
 #define SP_ATT_PREFETCH (256 << 10)

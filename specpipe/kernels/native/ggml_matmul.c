@@ -176,8 +176,7 @@ static void quantize_group(const float *x, int64_t valid, int qb, int8_t *q, flo
 #ifndef SP_PF_BYTES
 /* one-row paths: software prefetch distance along the weights (benchmarks/kernel_variants.py,
  * Xeon Sapphire Rapids, one thread, rows read as one run: Qwen2.5-Coder 1.5B's layers' matmuls
- * 74.0 ms at 4 KB, 69.4 ms at 2.5 KB; 1.5 KB and 8 KB slower, and fetching each line once instead
- * of one per 64 bytes of each block 7% slower, in a C loop over the same shapes) */
+ * 74.0 ms at 4 KB, 69.4 ms at 2.5 KB; in a later run 65.2 at 1.5 KB, 63.1 at 2.5 KB, 67.9 at 8 KB) */
 #define SP_PF_BYTES 2560
 #endif
 
@@ -1141,8 +1140,9 @@ static void run_parallel_tiles(tile_fn fn, const job *jb, int64_t ntiles, int th
  * run's first lines fetched at the start (SP_PRIME).  A core busy unpacking blocks keeps fewer
  * lines in flight on one stream than a plain read; several runs keep its hardware prefetchers on
  * several at once (benchmarks/kernel_variants.py, Xeon Sapphire Rapids, one thread, Qwen2.5-Coder
- * 1.5B: layers' matmuls 69.4 ms with one run, 64.7 with four, 62.8 primed; 3 runs as fast as 4,
- * 6 or 8 slower in a C loop).  Each row is computed as alone: the same bits.
+ * 1.5B: layers' matmuls 69.4 ms with one run, 64.7 with four, 62.8 primed; in a later run 60.0
+ * with four against 58.1 / 62.2 / 60.9 with 3 / 6 / 8).  Each row is computed as alone: the same
+ * bits.
  * xk: the activations in Q4_K's nibble order (permute_k4). */
 #ifndef SP_STREAMS
 #define SP_STREAMS 4
