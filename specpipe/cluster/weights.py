@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -247,7 +248,13 @@ class CacheWriter:
     """One entry being written: a temporary directory beside the final one, holding the
     checkpoint's files at their full sizes as holes; `write` fills the needed ranges, `finish`
     checks the digest and renames the directory into place. Use as a context manager to abort on
-    an error."""
+    an error.
+
+    `write` may be called from several threads at once (the node agent serves a few calls
+    concurrently while the driver keeps chunks in flight). A shared seek() + write() put chunks at
+    each other's offsets; os.pwrite names its offset, and the lock (the disk is the bottleneck
+    anyway) keeps finish/abort from closing a file under a write, whose descriptor number the OS
+    could meanwhile give to another file."""
 
     def __init__(self, cache: WeightCache, sb: StageBytes, digest: str) -> None:
         _check_layout(sb)
@@ -257,6 +264,7 @@ class CacheWriter:
         self._root = _entry_root(self.tmp, sb)
         self._root.mkdir(exist_ok=True)
         self._files: dict[str, object] = {}
+        self._lock = threading.Lock()
         try:
             for rel, size in sb.files:
                 f = open(self._root / rel, "w+b")
@@ -279,18 +287,19 @@ class CacheWriter:
         if offset < 0 or i < 0 or offset + len(data) > spans[i][1]:
             raise WeightCacheError(f"{self.sb.name}: refusing to write {len(data)} bytes at {relpath!r} offset "
                                    f"{offset}: not inside a range the stage needs")
-        f = self._files.get(relpath)
-        if f is None:
-            raise WeightCacheError(f"{self.sb.name}: the entry is already finished or aborted")
-        f.seek(offset)
-        f.write(data)
+        with self._lock:
+            f = self._files.get(relpath)
+            if f is None:
+                raise WeightCacheError(f"{self.sb.name}: the entry is already finished or aborted")
+            view = memoryview(data)
+            while view:  # pwrite may write less than asked (a signal, a full pipe): go on from there
+                n = os.pwrite(f.fileno(), view, offset)
+                view, offset = view[n:], offset + n
 
     def finish(self) -> Path:
         """Check what was written against the digest and move the entry into place; the path to
         open. When another writer finished the same entry first, theirs is kept."""
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        self._close()
         try:
             got = _hash(self._root, self.sb)
         except (OSError, WeightCacheError) as e:
@@ -318,10 +327,14 @@ class CacheWriter:
 
     def abort(self) -> None:
         """Drop the unfinished entry."""
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
+        self._close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def _close(self) -> None:
+        with self._lock:
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
 
     def __enter__(self) -> "CacheWriter":
         return self

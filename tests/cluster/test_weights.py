@@ -259,3 +259,27 @@ def test_a_dead_writers_leftovers_are_swept(model):
     assert not dead.tmp.exists() and alive.tmp.exists()
     alive.abort()
     dead.abort()  # closes its files
+
+
+def test_chunks_written_at_once_land_at_their_own_offsets(tmp_path):
+    """The node agent serves several `write` calls at once (a Ray actor with max_concurrency > 1,
+    the driver keeping chunks in flight): each chunk must land at its own offset whatever the
+    others do meanwhile, so the entry's digest checks out (a shared seek() + write() did not)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from specpipe.loader.checkpoint import StageBytes
+
+    src = tmp_path / "src"
+    src.mkdir()
+    size, chunk = 24 << 20, 64 << 10  # 384 chunks: a stage of many chunks, as real stages are
+    (src / "model.gguf").write_bytes(os.urandom(size))
+    sb = StageBytes("model.gguf", False, [("model.gguf", size)], [("model.gguf", 4096, size - 4096)])
+    digest = stage_digest(src, sb)
+    chunks = list(iter_chunks(src, sb, chunk))
+    assert len(chunks) > 300
+    for attempt in range(3):  # a race: several tries, each must come out whole
+        with WeightCache(tmp_path / f"node{attempt}").writer(sb, digest) as w:
+            with ThreadPoolExecutor(8) as pool:
+                list(pool.map(lambda c: w.write(*c), chunks))
+            path = w.finish()  # raises where a chunk landed elsewhere (the digest differs)
+        assert path.read_bytes()[4096:] == (src / "model.gguf").read_bytes()[4096:]
