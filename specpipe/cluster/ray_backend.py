@@ -181,11 +181,20 @@ class RayBackend:
     def start(self) -> RemotePipeline:
         """Stage actors for the current plan, connected to this driver; after a failure, the plan
         again over the nodes still alive (PipelineError where nothing can host the stages)."""
+        import ray
+
+        from specpipe.cluster.weights import WeightCacheError
+
         try:
             return self._start()
         except (PlanError, ConfigError) as e:
             self.state = "failed"
             raise PipelineError(str(e)) from None
+        except (ray.exceptions.RayError, WeightCacheError) as e:
+            # A node agent lost while it took a stage's weights, a cache entry that would not
+            # verify: this attempt failed (engine/restart.py tries again, re-planning without a
+            # node that is gone), and the message says why in one line, not a remote traceback.
+            raise PipelineError(f"placing the stages failed: {_cause_line(e)}") from None
 
     def _start(self) -> RemotePipeline:
         import ray
@@ -283,10 +292,22 @@ def _ended(ref) -> str:
     except ray.exceptions.RayActorError:
         return "actor died (its process was killed or its node was lost)"
     except ray.exceptions.RayTaskError as e:
-        cause = e.cause if getattr(e, "cause", None) is not None else e
-        return f"failed: {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+        return f"failed: {_cause_line(e)}"
     except Exception as e:  # noqa: BLE001
         return f"ended: {type(e).__name__}"
+
+
+def _cause_line(e: BaseException) -> str:
+    """A Ray error in one line: for a remote exception the original's type and message (Ray's
+    own text carries the remote traceback), for a lost actor what that means."""
+    import ray
+
+    if isinstance(e, ray.exceptions.RayActorError):
+        return "a node agent or stage actor died (its process was killed or its node was lost)"
+    cause = getattr(e, "cause", None)
+    cause = cause if isinstance(cause, BaseException) else e
+    text = str(cause).strip()
+    return f"{type(cause).__name__}: {text.splitlines()[0]}" if text else type(cause).__name__
 
 
 def _dtype_name(config: EngineConfig) -> Optional[str]:

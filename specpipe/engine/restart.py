@@ -5,9 +5,10 @@
     pipeline from its prompt plus the tokens it already emitted, under a new pid
 
 Nothing is lost: sampling is keyed by seed and position, so a recomputed request goes on with
-exactly the tokens it would have produced. Only local stage processes are restarted (the driver
-owns them); under torchrun the driver cannot start a rank elsewhere, so the failure goes to the
-requests and the operator restarts the job.
+exactly the tokens it would have produced. A start that fails (whatever it raises) counts as one
+restart in a row, with its back-off, and the next one is tried. Only local stage processes and
+Ray stage actors are restarted (the driver owns them); under torchrun the driver cannot start a
+rank elsewhere, so the failure goes to the requests and the operator restarts the job.
 """
 
 from __future__ import annotations
@@ -98,8 +99,12 @@ class RestartingPipeline:
                 self._progress(f"{why}; starting the stages again ({self._in_a_row}/{self.restarts})")
             try:
                 self.inner = self._start()
-            except PipelineError as e:
-                why = str(e)
+            except Exception as e:  # noqa: BLE001  (KeyboardInterrupt and the like still stop it)
+                # Whatever failed while starting (a node lost while its weights streamed, a cache
+                # entry that would not verify, a stage that did not load) is one failed attempt:
+                # the next one, after its back-off, may place the stage elsewhere. Escaping here
+                # would instead end every request the core holds.
+                why = str(e) if isinstance(e, PipelineError) else f"starting the stages failed: {failure_line(e)}"
                 continue
             self.restarted += 1
             self._healthy = 0
@@ -109,6 +114,12 @@ class RestartingPipeline:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def failure_line(e: BaseException) -> str:
+    """An exception in one line: its type and its message's first line."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
 def backoff_s(in_a_row: int) -> float:

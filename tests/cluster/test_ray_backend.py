@@ -166,3 +166,28 @@ def test_a_lost_node_is_planned_around(cluster, model, reference):
         assert {st["node_id"] for st in placed} == now
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("raised", ["actor", "cache"])
+def test_a_failed_placement_is_a_pipeline_error_naming_its_cause(raised):
+    """What recovery's start raises through Ray (a node agent lost while provisioning, a remote
+    WeightCacheError) reaches engine/restart.py as one failed attempt with a one-line cause,
+    not a remote traceback; no cluster needed."""
+    from specpipe.cluster.ray_backend import RayBackend
+    from specpipe.cluster.weights import WeightCacheError
+    from specpipe.distributed.remote_pipeline import PipelineError
+
+    backend = object.__new__(RayBackend)
+
+    def fail():
+        if raised == "actor":
+            raise ray.exceptions.RayActorError()
+        raise ray.exceptions.RayTaskError("finish", "Traceback (most recent call last):\n  ...",
+                                          WeightCacheError("tiny.gguf: the stage bytes written hash to 00"))
+
+    backend._start = fail
+    with pytest.raises(PipelineError) as info:
+        backend.start()
+    text = str(info.value)
+    assert "\n" not in text and text.startswith("placing the stages failed: ")
+    assert ("died" in text) if raised == "actor" else ("WeightCacheError: tiny.gguf" in text)

@@ -135,3 +135,70 @@ def test_the_backoff_doubles_up_to_a_cap():
 
     waits = [backoff_s(n) for n in range(1, 12)]
     assert waits[:4] == [0.5, 1.0, 2.0, 4.0] and max(waits) == BACKOFF_MAX_S == waits[-1]
+
+
+class BrokenPipeline:
+    """A pipeline whose stages have died: its next collect fails."""
+
+    num_stages, concurrent, reported, steps = 2, True, None, 3
+
+    def submit(self, control, rows):
+        pass
+
+    def collect(self):
+        raise PipelineError("stage 2 died")
+
+    def close(self):
+        pass
+
+
+def restarting(starts, restarts, monkeypatch):
+    """A RestartingPipeline over a broken pipeline whose restarts run `starts` in turn (a
+    callable raises, anything else is the new pipeline); the waits and messages it made."""
+    from specpipe.engine import restart
+
+    waits, said = [], []
+    monkeypatch.setattr(restart.time, "sleep", waits.append)
+    attempts = iter([lambda: BrokenPipeline()] + starts)
+
+    def start():
+        step = next(attempts)
+        return step()
+
+    return restart.RestartingPipeline(start, restarts, said.append), waits, said
+
+
+def test_a_start_that_fails_with_any_error_is_one_failed_attempt(monkeypatch):
+    """Recovery can fail in ways that are not a PipelineError (a node agent lost while it takes a
+    stage's weights, a cache entry that will not verify, raised through Ray): that attempt counts
+    against --restart-stages with its back-off and the next one is tried, instead of the error
+    escaping and ending every request."""
+    from specpipe.cluster.weights import WeightCacheError
+    from specpipe.messages import StagesRestarted
+
+    def lost_node():
+        raise ConnectionError("the node agent died")
+
+    def bad_cache():
+        raise WeightCacheError("tiny.gguf: the stage bytes written hash to 00ff, expected 1234")
+
+    pipe, waits, said = restarting([lost_node, bad_cache, lambda: BrokenPipeline()], 3, monkeypatch)
+    with pytest.raises(StagesRestarted):
+        pipe.collect()
+    assert pipe.restarted == 1 and pipe.failed is None
+    assert waits == [0.5, 1.0, 2.0]  # each failed start waited its back-off
+    assert "ConnectionError: the node agent died" in said[1] and "WeightCacheError: tiny.gguf" in said[2]
+
+
+def test_starts_that_keep_failing_end_with_their_cause(monkeypatch):
+    from specpipe.cluster.weights import WeightCacheError
+
+    def bad_cache():
+        raise WeightCacheError("cannot create the stage's files (No space left on device)")
+
+    pipe, waits, _ = restarting([bad_cache, bad_cache], 2, monkeypatch)
+    with pytest.raises(PipelineError, match="No space left on device.*gave up after 2 restarts"):
+        pipe.collect()
+    assert waits == [0.5, 1.0] and "No space left" in pipe.failed
+    with pytest.raises(PipelineError):  # dead from then on, without trying again
+        pipe.submit(None, [])
