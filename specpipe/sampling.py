@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import secrets
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -86,6 +87,30 @@ def canonical_schema(schema: Any) -> str:
     return text
 
 
+# Bounds of the sampling parameters, checked when a request is made (the server's schema says
+# the same): every value crosses the links as an int64 and indexes tensors at the last stage, so
+# one out of range would fail a step of the whole pipeline, not just its own request.
+# 2**53: exact as a double, so a JSON schema that carries bounds as floats states this number.
+MAX_TOP_K = 2**53  # any k at or past the vocabulary keeps every token
+MAX_TOKENS = 2**53  # (the context and the KV pool bound it far lower, with the prompt)
+INT64_MAX = 2**63 - 1
+MAX_TEMPERATURE = 1e4  # beyond it the distribution is uniform to float precision
+# Below this a temperature is greedy: logits / 1e-300 overflow to inf and softmax gives NaN,
+# while argmax is the limit of sampling as the temperature goes to 0 (vLLM's _SAMPLING_EPS).
+GREEDY_BELOW = 1e-5
+
+
+def _check_int(name: str, v: Any, lo: int, hi: int) -> None:
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise ValueError(f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
+
+
+def _check_float(name: str, v: Any, lo: float, hi: float, lo_open: bool = False) -> None:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and lo <= v <= hi
+    if not ok or (lo_open and v == lo):
+        raise ValueError(f"{name} must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -101,22 +126,18 @@ class SamplingParams:
         if any(not isinstance(x, str) or not x for x in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check_float("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
+        _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_int("top_k", self.top_k, 0, MAX_TOP_K)
+        _check_int("max_tokens", self.max_tokens, 1, MAX_TOKENS)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0, INT64_MAX)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def resolved(self) -> "SamplingParams":
         """The same parameters with a concrete seed, so a sampled run can be reproduced."""

@@ -10,14 +10,17 @@ text and matches its stop strings; when one appears it ends the stream there (id
 dropped, so the output is what a step-by-step match gives) and tells the engine to stop the
 request ("stop" in the inbox), which costs at most the tokens of the steps in between.
 
-A slow client only lets its own queue grow: the step loop never waits for a reader. When the
-pipeline fails (a stage died), every request in it ends with the error, `dead` says why, and new
-requests are refused; the thread stays up to answer them.
+A slow client only lets its own queue grow: the step loop never waits for a reader. An error
+that belongs to one request (its grammar, its drafting, its text) ends that request alone
+(EngineCore._own_fault, and here `_handle_one` and `_run_outputs`). When the pipeline itself
+fails (a stage died), every request in it ends with the error, `dead` says why (in the log and
+in /health), and new requests are refused; the thread stays up to answer them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -32,6 +35,8 @@ from specpipe.sched.scheduler import QueueFull
 
 STAGE_REPORT_EVERY_S = 1.0  # the stages' counters ride on an ordinary step at most this often
 HEALTH_FRESH_S = 1.0  # a step that ended this recently proves that every stage answers
+
+log = logging.getLogger("specpipe.engine")
 
 
 class EngineDead(RuntimeError):
@@ -310,7 +315,8 @@ class AsyncEngine:
         try:
             self.core.step()
         except Exception as e:  # noqa: BLE001  (the pipeline is gone: fail everyone, stay up to refuse)
-            self._die(str(e) or type(e).__name__)
+            log.error("the pipeline failed; no request can be served", exc_info=True)
+            self._die(f"{type(e).__name__}: {e}" if str(e) else type(e).__name__)
         else:
             self.last_step_end = time.monotonic()
             if self.observer is not None:
@@ -329,6 +335,7 @@ class AsyncEngine:
             _call_soon(loop, _resolve, fut, None, self.core.stage_stats)
 
     def _die(self, why: str) -> None:
+        log.error("the engine is dead: %s", why)
         self.dead = why
         self._end_all("error", why)
         self._answer_reports()

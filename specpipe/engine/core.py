@@ -31,7 +31,7 @@ from specpipe.engine.modes.rounds import RoundsState
 from specpipe.engine.modes.specpipe import AUTO, AutoPlan, SpecPipeState, block_rows
 from specpipe.engine.observer import NO_OBSERVER, StepObserver
 from specpipe.engine.prefix_sharing import PrefixSharing
-from specpipe.messages import Control, Pipeline, Rows, Share, StagesRestarted
+from specpipe.messages import Admit, Control, Pipeline, Prune, Rows, Share, StagesRestarted
 from specpipe.request import Request
 from specpipe.sched.block_manager import BlockManager, window_need
 from specpipe.sched.prefix_cache import PrefixCache
@@ -214,22 +214,23 @@ class EngineCore:
         self._ended = []  # requests a fault of their own ended during this step
         running = [self.states[rid] for rid in self.scheduler.running]
         for st in running:
-            st.prepare(plan.grants[st.req.request_id])
+            self._own_fault(st, st.prepare, plan.grants[st.req.request_id], what="scheduling")
         self._draft(running, BEFORE)
-        running = [st for st in running if self._alive(st)]
-        rows = [self._masked(st, r) for st in running if (r := st.send()) is not None]
+        # Each request's part of the message is made whole before any of it is used, so one
+        # that fails half-way (its grammar, say) ends alone and sends nothing.
+        outgoing = [(st, out) for st in running
+                    if self._alive(st) and (out := self._own_fault(st, self._outgoing, st, what="sending")) is not None]
+        running = [st for st, _ in outgoing]
+        rows = [r for _, (r, _, _, _) in outgoing if r is not None]
         control = Control(release=self._release, report=self._report, share=self._share,
                           evict=self.scheduler.blocks.take_evicted())
         self._share = []
-        for st in running:
-            admit, prune = st.control()
+        for _, (_, admit, prune, shares) in outgoing:
             if admit is not None:
                 control.admit.append(admit)
             if prune is not None:
                 control.prune.append(prune)
-            st.floors.append(st.committed_sent())
-            if self.prefix is not None:
-                self.prefix.share(st, control.share, final=False)
+            control.share += shares
         self._release, self._report = [], False
 
         self.observer.submitted(self.pipe.steps + 1, control, rows, running)
@@ -276,12 +277,13 @@ class EngineCore:
             if res.failed:
                 self._stage_kv_failed(st)
             else:
-                st.receive(res)
+                self._own_fault(st, st.receive, res, what="reading its results")
+        for st in running:
+            if self._alive(st):
+                if st.started:
+                    st.req.stats.pipeline_steps += 1
+                self._own_fault(st, st.verify, what="verifying")
         live = [st for st in running if self._alive(st)]
-        for st in live:
-            if st.started:
-                st.req.stats.pipeline_steps += 1
-            st.verify()
         if error is None and self.drafter is None:
             self._draft([st for st in live if not st.req.finished], AFTER)
         else:
@@ -350,6 +352,18 @@ class EngineCore:
             self._draft_failed({st.pid: st for st, _ in calls})
         return list(drafted.values())
 
+    def _outgoing(self, st: ModeState) -> tuple[Optional[Rows], Optional[Admit], Optional[Prune], list[Share]]:
+        """One request's part of this step: its rows (masked), admit, pruning and shared blocks."""
+        rows = st.send()
+        if rows is not None:
+            rows = self._masked(st, rows)
+        admit, prune = st.control()
+        st.floors.append(st.committed_sent())
+        shares: list[Share] = []
+        if self.prefix is not None:
+            self.prefix.share(st, shares, final=False)
+        return rows, admit, prune, shares
+
     @staticmethod
     def _masked(st: ModeState, rows: Rows) -> Rows:
         """Structured output: a token mask for every head row, from the grammar's state after the
@@ -402,14 +416,17 @@ class EngineCore:
                 self._restart(req.request_id)
             self._draft_lost.pop(0)
 
-    def _own_fault(self, st: ModeState, fn: Callable, *args):
-        """Run one request's drafting step. An error there (say a NaN score from the draft, which
-        `TokenTree.expand` refuses) is that request's alone: it ends with the cause, and the step
-        and every other request go on. Its rows still in flight are dropped as results arrive."""
+    def _own_fault(self, st: ModeState, fn: Callable, *args, what: str = "drafting"):
+        """Run one request's part of the step (its state machine, its grammar, its drafting).
+        An error there (a NaN score from the draft, which `TokenTree.expand` refuses; a grammar
+        that gives up) is that request's alone: it ends with the cause, and the step and every
+        other request go on; its rows still in flight are dropped as results arrive. Only what
+        fails outside these calls (the pipeline's submit and collect, the scheduler) is the
+        engine's own fault."""
         try:
             return fn(*args)
         except Exception as e:  # noqa: BLE001  (KeyboardInterrupt and the like still stop the step)
-            st.req.end("error", f"drafting failed for this request: {type(e).__name__}: {e}")
+            st.req.end("error", f"{what} failed for this request: {type(e).__name__}: {e}")
             self._retire(st.req.request_id)
             self._ended.append(st.req)
             return None

@@ -14,6 +14,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator
 
+from specpipe.sampling import MAX_TOKENS, MAX_TOP_K
+
 # Stop strings are matched after every token of the request (on the output thread), so their
 # number and length are bounded: 4 as OpenAI allows, and 256 characters (longer than any useful
 # stop, short enough that the tail scanned per token stays small). Declared as constraints, so the
@@ -91,16 +93,25 @@ class NamedToolChoice(OpenAIModel):
 Text = Annotated[str, Field(min_length=1)]
 
 
-class SamplingFields(OpenAIModel):
-    """What completions and chat share."""
+# Any 64-bit seed a client sends, as far as the schema's (float) bound states exactly; the engine
+# keys on it modulo 2**63.
+MAX_SEED = 2**63
+MAX_TOOLS = 128  # as OpenAI allows
 
-    model: str
-    max_tokens: Optional[Num(int, ge=1)] = None
+
+class SamplingFields(OpenAIModel):
+    """What completions and chat share. Every number is bounded here, and so in the published
+    schema (sampling.py says why): a value the engine cannot use is a 400 at parsing, never a
+    failed step. max_tokens is bounded by the model's context too (in the schema the server
+    publishes, and checked with the prompt)."""
+
+    model: str = Field(max_length=256)
+    max_tokens: Optional[Num(int, ge=1, le=MAX_TOKENS)] = None
     temperature: Num(float, ge=0.0, le=2.0) = 1.0
     top_p: Num(float, gt=0.0, le=1.0) = 1.0
-    top_k: Num(int, ge=-1) = 0  # extension (as vLLM): 0 or -1 = off
+    top_k: Num(int, ge=-1, le=MAX_TOP_K) = 0  # extension (as vLLM): 0 or -1 = off
     ignore_eos: StrictBool = False  # extension (as vLLM): decode up to max_tokens whatever the model says
-    seed: Optional[Num(int, ge=0)] = None  # any size, as OpenAI's; the engine keys on it modulo 2^63
+    seed: Optional[Num(int, ge=0, le=MAX_SEED)] = None
     stop: Optional[Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]]] = None
     n: Int = Only(1, {"enum": [1]})
     stream: StrictBool = False
@@ -197,8 +208,8 @@ class ChatMessage(OpenAIModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[Num(int, ge=1)] = None
-    tools: Optional[list[ToolDef]] = None
+    max_completion_tokens: Optional[Num(int, ge=1, le=MAX_TOKENS)] = None
+    tools: Optional[Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[StrictBool] = None  # accepted; a model may write several calls either way
 
