@@ -14,6 +14,10 @@ One batch at a time, so the draft works through every request's calls in order a
 hold all requests' rows at once, as the synchronous DURING phase does. Tree mode drafts its round
 before sending it (the round needs its whole tree), so it keeps drafting synchronously through
 the same worker; this drives modes specpipe and specpipe-db.
+
+Structured output: each call carries the request's grammar masks, and the proposals that come
+back are filtered by the grammar as synchronous drafting's are (engine/core.py _draft), so a
+draft-ahead never puts a token the grammar forbids into the tree.
 """
 
 from __future__ import annotations
@@ -45,10 +49,15 @@ class AsyncDrafting:
             core.observer.draft_ready()
             for (st, call), props in zip(calls, outs):
                 if core._alive(st):
+                    if call.masks is not None and not st.req.grammar.closed:
+                        # as in synchronous drafting: no token the grammar forbids after its parent
+                        props = core._own_fault(st, core._allowed_proposals, st, call.want, call.k, props)
+                        if props is None:
+                            continue  # the filter failed: the request ended with the cause
                     core._own_fault(st, st.async_proposals, call, props)
             core._draft_failed({st.pid: st for st, _ in calls})
         calls = [(st, c) for st in states
-                 if core._alive(st) and (c := core._own_fault(st, st.async_call)) is not None]
+                 if core._alive(st) and (c := core._own_fault(st, self._next_call, st)) is not None]
         if not calls:
             return
         self.ticket, self._calls = self.source.submit([c for _, c in calls]), calls
@@ -56,5 +65,24 @@ class AsyncDrafting:
         for st, _ in calls:
             st.req.stats.draft_calls += 1
 
+    def _next_call(self, st: "ModeState"):
+        """The request's next draft call, masked by its grammar; first, the failure of one of its
+        earlier queued calls, if any, which ends this request alone (core._own_fault)."""
+        self.source.raise_failure(st.pid)
+        call = st.async_call()
+        if call is not None:
+            grammar_masks(st, call)
+        return call
+
     def in_flight(self) -> bool:
         return self.ticket is not None
+
+
+def grammar_masks(st: "ModeState", call) -> None:
+    """Structured output: the call's draft masks its logits with the request's grammar, from the
+    state after each wanted node's path (AsyncDraft.submit takes them on the driver's thread, since
+    the grammar moves on with the tree), so it proposes allowed tokens only."""
+    g = st.req.grammar
+    if g is not None and not g.closed:
+        call.masks = lambda nodes, g=g, tree=call.tree: g.masks(
+            [tree.path_tokens(n) if n in tree else None for n in nodes])

@@ -79,8 +79,10 @@ class AsyncDraft(TokenSource):
         self.tokenizer_fingerprint = inner.tokenizer_fingerprint
         self._failed: list[int] = []
         self._lock = threading.Lock()
-        self._error: Optional[BaseException] = None  # a queued start/observe/finish that failed
-        self._queue: "queue.Queue[Optional[tuple[Callable, Optional[Ticket]]]]" = queue.Queue()
+        # request id -> the failure of a queued start/observe/finish of that request, raised by its
+        # next call (so the engine ends that request, engine/core._own_fault), never another's
+        self._errors: dict[int, BaseException] = {}
+        self._queue: "queue.Queue[Optional[tuple[Callable, Optional[Ticket], object]]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
         if clock is None:
             self._thread = threading.Thread(target=self._work, name="specpipe-draft", daemon=True)
@@ -88,14 +90,25 @@ class AsyncDraft(TokenSource):
 
     # -- the source's interface, queued -------------------------------------------------------------
     def start(self, request_id):
-        self._run(lambda: self.inner.start(request_id))
+        self._run(request_id, lambda: self.inner.start(request_id))
 
     def observe(self, request_id, commit, drop):
         commit, drop = list(commit), list(drop)
-        self._run(lambda: self.inner.observe(request_id, commit, drop))
+        self._run(request_id, lambda: self.inner.observe(request_id, commit, drop))
 
     def finish(self, request_id):
-        self._run(lambda: self.inner.finish(request_id))
+        # The request is over: a failure of its earlier calls has nobody left to end (its tokens
+        # were verified by the target either way); the draft still frees what it holds for it.
+        with self._lock:
+            self._errors.pop(request_id, None)
+        self._run(request_id, lambda: self.inner.finish(request_id))
+
+    def raise_failure(self, request_id) -> None:
+        """Raise the failure of one of this request's queued calls, if one failed."""
+        with self._lock:
+            error = self._errors.pop(request_id, None)
+        if error is not None:
+            raise error
 
     def propose(self, request_id, tree, rows, want, k):
         return self.propose_many([ProposeCall(request_id, tree, rows, want, k)])[0]
@@ -113,7 +126,7 @@ class AsyncDraft(TokenSource):
             ticket._clock = self.clock
             context = max((max(c.rows.positions) + 1 for c in calls if c.rows.positions), default=1)
             ticket.ready_at_ms = self.clock.forward_done_ms(ticket.rows, context)
-        self._run(lambda: self.inner.propose_many(ticket.calls), ticket)
+        self._queue_call(lambda: self.inner.propose_many(ticket.calls), ticket)
         return ticket
 
     def take_failures(self) -> list[int]:
@@ -126,21 +139,24 @@ class AsyncDraft(TokenSource):
         return self.inner.has_room(tokens)
 
     # -- the worker -----------------------------------------------------------------------------------
-    def _run(self, fn: Callable, ticket: Optional[Ticket] = None) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-        if self._thread is None:
-            self._call(fn, ticket)
-        else:
-            self._queue.put((fn, ticket))
+    def _run(self, request_id, fn: Callable) -> None:
+        """One request's start/observe/finish: its own earlier failure first (raise_failure)."""
+        self.raise_failure(request_id)
+        self._queue_call(fn, None, request_id)
 
-    def _call(self, fn: Callable, ticket: Optional[Ticket]) -> None:
+    def _queue_call(self, fn: Callable, ticket: Optional[Ticket] = None, request_id=None) -> None:
+        if self._thread is None:
+            self._call(fn, ticket, request_id)
+        else:
+            self._queue.put((fn, ticket, request_id))
+
+    def _call(self, fn: Callable, ticket: Optional[Ticket], request_id=None) -> None:
         try:
             out = fn()
         except BaseException as e:  # noqa: BLE001  (handed to whoever waits on it)
             if ticket is None:
-                self._error = e
+                with self._lock:
+                    self._errors.setdefault(request_id, e)  # its first failure is the cause
             else:
                 ticket._finish(None, e)
             return
@@ -160,12 +176,10 @@ class AsyncDraft(TokenSource):
             self._queue.task_done()
 
     def drain(self) -> None:
-        """Wait until every queued call has run (the inner source is then the driver's to read)."""
+        """Wait until every queued call has run (the inner source is then the driver's to read).
+        A queued call's failure stays with its request (raise_failure)."""
         if self._thread is not None and self._thread.is_alive():
             self._queue.join()
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
 
     def close(self) -> None:
         """Run what is queued, then stop the worker."""

@@ -209,3 +209,120 @@ def test_async_draft_with_prefix_caching(tiny_model_dir):
         assert second.stats["cached_tokens"] > 0
     finally:
         engine.close()
+
+
+STRUCTURED = [  # (prompt, constraint): JSON with fixed keys and enums, a date by a regular expression
+    ("Pick a color and a size, as JSON.", {"json_schema": {
+        "type": "object", "additionalProperties": False, "required": ["color", "size"], "properties": {
+            "color": {"enum": ["red", "green", "blue"]}, "size": {"type": "string", "enum": ["S", "M", "L", "XL"]}}}}),
+    ("When is the meeting?", {"regex": r"(Monday|Tuesday|Friday), [0-9]{1,2} (May|June) 20[0-9]{2}"}),
+]
+
+
+def test_async_candidates_obey_the_grammar(smollm2, monkeypatch):
+    """Structured output under --draft-async: the draft-ahead masks its logits with the request's
+    grammar and its candidates are filtered as synchronous drafting's are, so no candidate that
+    reaches a tree is a token the grammar forbids after its parent; the tokens are pp's."""
+    from specpipe import LLM
+    from specpipe.engine.modes.specpipe import SpecPipeState
+    from specpipe.grammar import StructuredOutput
+    from specpipe.loader.default_model import default_model_path
+
+    model = str(default_model_path())
+    prompts = [p for p, _ in STRUCTURED]
+    params = [SamplingParams(max_tokens=24, structured=StructuredOutput(**c)) for _, c in STRUCTURED]
+    with LLM(model=model, mode="pp", transport="inproc", max_context=256, kv_memory="64MiB") as llm:
+        want = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    seen = {"candidates": 0, "forbidden": 0}
+    take = SpecPipeState.async_proposals
+
+    def checked(st, call, props):
+        g = st.req.grammar
+        for n, cands in props.items():
+            if n in st.tree and not g.closed:
+                seen["candidates"] += len(cands)
+                seen["forbidden"] += len(cands) - len(g.filter(st.tree.path_tokens(n), cands))
+        return take(st, call, props)
+
+    monkeypatch.setattr(SpecPipeState, "async_proposals", checked)
+    for mode in ("specpipe", "specpipe-db"):
+        with LLM(model=model, mode=mode, draft="self:8", draft_async=True, stages=2, transport="inproc",
+                 tree_width=4, max_context=256, kv_memory="64MiB") as llm:
+            got = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert got == want, mode
+    assert seen["candidates"] > 20 and seen["forbidden"] == 0, seen
+
+
+class FailingObserve(WrappedSource):
+    """A draft whose observe fails for one request."""
+
+    def __init__(self, inner, bad: int) -> None:
+        super().__init__(inner, inner.name)
+        self.bad, self.calls = bad, []
+
+    def observe(self, request_id, commit, drop):
+        self.calls.append(request_id)
+        if request_id == self.bad:
+            raise RuntimeError(f"draft state of request {request_id} is broken")
+        self.inner.observe(request_id, commit, drop)
+
+
+@pytest.mark.parametrize("worker", ["thread", "clock"])
+def test_a_queued_call_that_fails_is_raised_for_its_own_request_only(tiny8, worker):
+    """A start/observe/finish runs later on the draft's worker; when one fails, the failure goes to
+    that request's next call (the engine then ends that request alone), never to another
+    request's call that happens to come next; a request that finishes takes it away."""
+    target, _ = tiny8
+    inner = FailingObserve(self_draft(target, 2), bad=1)
+    source = AsyncDraft(inner, clock=LagClock(None, 0) if worker == "clock" else None)
+    try:
+        for rid in (1, 2, 3):
+            source.start(rid)
+        source.observe(1, [], [])
+        source.drain()  # the failure has happened; drain does not raise it for anybody
+        source.observe(2, [], [])  # another request's calls go on
+        source.start(4)
+        source.drain()
+        with pytest.raises(RuntimeError, match="request 1 is broken"):
+            source.observe(1, [], [])  # its own next call
+        source.observe(1, [], [])
+        source.drain()
+        source.finish(1)  # its second failure: the request is over, nobody else gets it
+        source.observe(3, [], [])
+        source.drain()
+        source.raise_failure(1)
+        assert inner.calls == [1, 2, 1, 3]
+    finally:
+        source.close()
+
+
+def test_reset_prefix_cache_empties_the_drafts_cache_too(tiny_model_dir):
+    """Engine.reset_prefix_cache (bench's "each run starts from an empty cache") forgets the
+    draft model's cached prefixes as well as the stages': the next request hits neither, and its
+    tokens are unchanged. With the draft on its worker thread too."""
+    from specpipe.config import EngineConfig
+    from specpipe.engine.engine import Engine
+
+    model = str(tiny_model_dir("llama", num_hidden_layers=4))
+    sampling = SamplingParams(temperature=0.0, max_tokens=8)
+    prompt = TINY_PROMPT * 3  # longer than a block, so a block of it is cached
+    for draft_async in (False, True):
+        engine = Engine(EngineConfig(model=model, mode="specpipe", draft="self:2", draft_async=draft_async,
+                                     enable_prefix_caching=True, transport="inproc", kv_memory="8MiB",
+                                     max_context=128, stages=2))
+        try:
+            draft = engine.source
+            first = engine.generate(prompt, sampling)
+            if engine.async_source is not None:
+                engine.async_source.drain()
+            assert len(draft.prefix.index) > 0 and draft.slots.cached  # warm
+            engine.reset_prefix_cache()
+            assert len(draft.prefix.index) == 0 and not draft.slots.cached, draft_async
+            hits = draft.prefix.index.stats.hits
+            second = engine.generate(prompt, sampling)
+            if engine.async_source is not None:
+                engine.async_source.drain()
+            assert second.stats["cached_tokens"] == 0 and draft.prefix.index.stats.hits == hits
+            assert second.token_ids == first.token_ids
+        finally:
+            engine.close()
