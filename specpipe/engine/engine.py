@@ -147,10 +147,17 @@ class Engine:
         return self._cores[key]
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix nobody reads now (the stages free their blocks with the next
-        step), e.g. so that one benchmark run does not start from another's cache."""
+        """Forget every cached prefix nobody reads now, the stages' (they free their blocks with
+        the next step) and the draft model's, e.g. so that one benchmark run does not start from
+        another's cache: a warm draft alone would make its drafting faster than a cold run's."""
         if self.prefix_cache is not None:
             self.prefix_cache.evict(len(self.prefix_cache))
+        if self.async_source is not None:
+            self.async_source.drain()  # the draft is its worker's until the queue has run
+        for s in getattr(self.source, "sources", [self.source]):
+            prefix = getattr(s, "prefix", None) if isinstance(s, DraftModelSource) else None
+            if prefix is not None:
+                prefix.make_room(prefix.available())  # room for everything: every unread block goes
 
     def run(self, requests: Iterable[Request], core: Optional[EngineCore] = None,
             on_finish: Optional[Callable[[Request], None]] = None) -> None:
