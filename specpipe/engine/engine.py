@@ -18,7 +18,7 @@ from specpipe.engine.core import EngineCore
 from specpipe.engine.kv_pool import held_weight_bytes
 from specpipe.sched.prefix_cache import PrefixCache
 from specpipe.engine.prompts import PromptProcessor
-from specpipe.engine.stage_plan import OnePrompt, cluster_blocks, cost_profile_of, plan_stages
+from specpipe.engine.stage_plan import OnePrompt, cluster_blocks, cost_profile_of, plan_stages, reported_pools
 from specpipe.engine.start_pipeline import start_pipeline
 from specpipe.loader import open_checkpoint
 from specpipe.loader.default_model import default_model_path
@@ -80,10 +80,10 @@ class Engine:
                 self._async_source()
         self.pipeline: Pipeline = start_pipeline(config, self.checkpoint, self.model_path, self.plan, rank_env,
                                                  progress, self.cluster)
+        cacheable = not self.window_blocks
         if rank_env is not None:
-            # Each stage sized its pools from its own machine's memory: admit against the smallest.
-            self.num_blocks = min([self.num_blocks] + [r["num_blocks"] for r in self.pipeline.ready])
-            self.window_blocks = min([self.window_blocks] + [r["window_blocks"] for r in self.pipeline.ready])
+            # Each stage sized its pools from its own machine's memory (stage_plan.reported_pools).
+            self.num_blocks, self.window_blocks, cacheable = reported_pools(self.plan.pools, self.pipeline.ready)
         if progress and (rank_env is not None or config.uses_processes() or self.cluster is not None):  # with the stages' own lines
             window = (f"; sliding-window layers: {self.window_blocks} blocks "
                       f"({self.window_blocks * self.block_size} tokens)" if self.window_blocks else "")
@@ -92,9 +92,8 @@ class Engine:
         self._pids = itertools.count()  # shared by every core: the stages see one id space
         # One prefix cache for every core, since they share the stages' pools. A sliding-window
         # pool forgets what the window has passed, so there a block cannot be reused.
-        self.prefix_cache = (PrefixCache(self.block_size)
-                             if config.enable_prefix_caching and not self.window_blocks else None)
-        if progress and config.enable_prefix_caching and self.window_blocks:
+        self.prefix_cache = PrefixCache(self.block_size) if config.enable_prefix_caching and cacheable else None
+        if progress and config.enable_prefix_caching and not cacheable:
             progress("prefix caching is off: the sliding-window layers keep a pool that forgets old positions")
         self._cores: dict[tuple, EngineCore] = {}
         self._stage_before: list[dict] = []  # the stages' counters when the last generate() began

@@ -84,6 +84,26 @@ def plan_stages(config: EngineConfig, ckpt: Checkpoint, profile: Optional[CostPr
     return StagePlan(tuple(specs), reserve, pools)
 
 
+class ReportedPools(NamedTuple):
+    """What the driver admits against once the stages have said what they hold."""
+
+    blocks: int  # the main pool: the smallest any stage holds
+    window_blocks: int  # the sliding-window pool: the smallest any stage that keeps one holds (0: none does)
+    prefix_caching: bool  # cached blocks can be served: no stage keeps a sliding-window pool
+
+
+def reported_pools(planned: KVPools, ready: Sequence[dict]) -> ReportedPools:
+    """The pools of stages that sized their own (torchrun ranks: each from its machine's free
+    memory), from every stage's readiness report (distributed/ranks.py READY_FIELDS); the main
+    pool no larger than the driver's own plan either. Machines with different free memory may
+    differ in whether they keep a sliding-window pool at all (kv_pool.pool_blocks); such a pool
+    forgets old positions, so a cached prefix cannot be admitted there: prefix caching needs
+    every stage without one, not the smallest report's 0."""
+    windows = [r["window_blocks"] for r in ready if r["window_blocks"] > 0]
+    return ReportedPools(min([planned.blocks] + [r["num_blocks"] for r in ready]),
+                         min(windows, default=0), not windows)
+
+
 def one_request(config: EngineConfig, need: Optional[int], reserve: int) -> EngineConfig:
     """The config a pool is sized by: for one request of `need` tokens (and no --kv-memory), a
     pool of exactly what admits it (blocks_admitting), instead of --max-num-seqs requests of
@@ -155,5 +175,5 @@ def serve_stage_rank(config: EngineConfig, env: RankEnv, one_prompt: Optional[On
                           load_cluster_key(config.cluster_key_file))
 
 
-__all__ = ["OnePrompt", "StagePlan", "split_layers", "plan_stages", "blocks_admitting", "cluster_blocks",
+__all__ = ["OnePrompt", "StagePlan", "split_layers", "plan_stages", "blocks_admitting", "cluster_blocks", "reported_pools",
            "cost_profile_of", "torchrun_rank", "serve_stage_rank", "parse_stage_layers"]

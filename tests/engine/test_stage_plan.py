@@ -114,3 +114,24 @@ def test_generate_for_one_prompt_gives_the_same_tokens(tiny_model_dir, family, m
     assert one_ids == whole_ids and len(one_ids) == 24
     need = len(out.prompt_token_ids) + 24 + spec_reserve(mode, 4, 4, 2)
     assert one_blocks == stage_plan.blocks_admitting(need, config.block_size) < whole_blocks
+
+
+# -- pools the stages report (torchrun: each rank sizes its own) ----------------------------------
+def ready(num_blocks: int, window_blocks: int) -> dict:
+    return {"num_blocks": num_blocks, "window_blocks": window_blocks}
+
+
+def test_prefix_caching_needs_every_stage_without_a_window_pool():
+    """Ranks on machines with different free memory: one keeps a sliding-window pool, another
+    (short of memory for it) keeps every layer in its main pool. The smallest window report is
+    0, yet a cached prefix could not be admitted at the first rank (KVStateError on
+    admit(cached)): caching is off, and the driver admits within the window pool that exists."""
+    from specpipe.engine.kv_pool import KVPools
+
+    planned = KVPools(500, 0, 500)
+    mixed = stage_plan.reported_pools(planned, [ready(300, 40), ready(200, 0)])
+    assert mixed == (200, 40, False)
+    assert stage_plan.reported_pools(planned, [ready(300, 40), ready(250, 24)]) == (250, 24, False)
+    assert stage_plan.reported_pools(planned, [ready(300, 0), ready(600, 0)]) == (300, 0, True)
+    # the driver's own plan bounds the main pool, but its window choice is no stage's
+    assert stage_plan.reported_pools(KVPools(100, 16, 120), [ready(300, 0), ready(600, 0)]) == (100, 0, True)
