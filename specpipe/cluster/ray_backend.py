@@ -52,13 +52,37 @@ class RayBackend:
         self.state = "starting"
         self._refresh_nodes()
         S_max = config.stages or len(self.reports)
-        self.num_blocks = blocks(S_max)
+        L = ckpt.config.num_layers
+        # Before the split is known, each node as if it held an even share of the layers.
+        self.num_blocks = min([blocks(S_max)] + [self._memory_blocks(r.free_bytes, -(-L // S_max), 0)
+                                                  for r in self.reports.values()])
         self.model = model_bytes(ckpt, config, self.num_blocks, weight_bytes)
         counts = config.stage_layers if isinstance(config.stage_layers, list) else None
         self.plan = self._plan(max_stages=config.stages or None, counts=counts)
-        self.num_blocks = blocks(len(self.plan.stages))
+        S = len(self.plan.stages)
+        self.num_blocks = min([self.num_blocks, blocks(S)] + [
+            self._memory_blocks(s.node.free_bytes, s.layers, s.bytes - s.layers * self.model.kv_bytes_per_layer)
+            for s in self.plan.stages])
+        if config.stages and S < config.stages:
+            why = (f"the cluster has {len(self.reports)} node{'s' if len(self.reports) > 1 else ''} with CPUs, "
+                   "and the plan puts at most one stage on a node" if len(self.reports) < config.stages else
+                   f"fewer stages are predicted faster for mode {config.mode} ({objective_for(config.mode)})")
+            self._say(f"planned {S} stage{'s' if S > 1 else ''}, not the {config.stages} --stages allows: {why}; "
+                      f"--stage-layers with {config.stages} counts places exactly that many")
         self.config = dataclasses.replace(config, stages=len(self.plan.stages),
                                           stage_layers=[s.layers for s in self.plan.stages])
+
+    def _memory_blocks(self, free_bytes: int, layers: int, held_bytes: int) -> int:
+        """KV blocks a stage of `layers` layers may take on a node with `free_bytes` free, holding
+        `held_bytes` of weights and runtime: without --kv-memory, --kv-memory-fraction of what is
+        left, as local stages get (engine/kv_pool.py); the pool is also capped at what
+        --max-num-seqs full contexts use (the `blocks` the engine passes), but for a small model
+        that cap alone reserved gigabytes (5.8 GB of KV for a 135M model)."""
+        c, cfg = self.config, self.ckpt.config
+        if c.kv_memory is not None:
+            return 1 << 62  # --kv-memory: the engine's cluster_blocks sized it already
+        per_block = layers * c.block_size * 2 * cfg.num_kv_heads * cfg.head_dim * _dtype_bytes(c)
+        return max(1, int(max(0, free_bytes - held_bytes) * c.kv_memory_fraction) // max(1, per_block))
 
     # -- nodes ---------------------------------------------------------------------------------
     def _say(self, msg: str) -> None:
@@ -200,9 +224,9 @@ class RayBackend:
         import ray
 
         from specpipe.cluster.placement import on_node
-        from specpipe.cluster.rendezvous import RayStore
         from specpipe.cluster.stage_actor import StageActor
         from specpipe.distributed.ranks import stage_failure, wait_ready
+        from specpipe.distributed.store import open_store
         from specpipe.distributed.transport import Transport
 
         if self.state != "starting":  # a restart: who is still there
@@ -216,8 +240,9 @@ class RayBackend:
         paths = [self._provision(s.node.node_id, spec, f"stage {i + 1}")
                  for i, (s, spec) in enumerate(zip(plan.stages, specs))]
         per_node = {nid: sum(s.node.node_id == nid for s in plan.stages) for nid in {s.node.node_id for s in plan.stages}}
-        store = RayStore.create(self.driver_node)
         key = secrets.token_bytes(32)  # fresh for every pipeline, handed over through Ray only
+        # The rendezvous: a keyed store on the driver's address, a new one for every pipeline.
+        store = open_store(0, S + 1, self.driver_ip, 0, key)
         actor_cls = ray.remote(num_cpus=0, max_concurrency=2, max_restarts=0)(StageActor)
         actors, refs = [], []
         for rank, (s, spec, path) in enumerate(zip(plan.stages, specs, paths), start=1):
@@ -225,7 +250,7 @@ class RayBackend:
             threads = max(1, self.nodes[nid]["cores"] // per_node[nid])
             actor = actor_cls.options(**on_node(nid)).remote()
             actors.append(actor)
-            refs.append(actor.serve.remote(rank, S + 1, store.clone(), key, path, spec, self.num_blocks,
+            refs.append(actor.serve.remote(rank, S + 1, (self.driver_ip, store.port), key, path, spec, self.num_blocks,
                                            c.block_size, c.device, _dtype_name(c), c.link(), threads, c.quantization))
 
         def exits() -> dict[int, str]:
@@ -242,8 +267,8 @@ class RayBackend:
                     pass
             store.close()
 
-        t = Transport(0, S + 1, "", 0, c.link(), c.device, use_nccl=False, store=store, address=self.driver_ip,
-                      key=key)
+        t = Transport(0, S + 1, self.driver_ip, store.port, c.link(), c.device, key=key, use_nccl=False, store=store,
+                      address=self.driver_ip)
         try:
             ready = wait_ready(store, S, exits, LOAD_TIMEOUT_S, self.progress)
             t.init_groups(abort=lambda: stage_failure(store, S, exits))

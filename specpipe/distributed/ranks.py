@@ -55,17 +55,21 @@ class RankEnv:
                        os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")) + 1)
 
 
-KEY_ENV = "SPECPIPE_CLUSTER_KEY"  # hex: how a local driver hands its stage processes the pipeline's key
 KEY_FILE_ENV = "SPECPIPE_CLUSTER_KEY_FILE"
 
 
-def load_cluster_key(path: Optional[str]) -> Optional[bytes]:
-    """The secret every rank of a torchrun job shares: the file `path` (--cluster-key-file), or
-    the one SPECPIPE_CLUSTER_KEY_FILE names; None where neither is given."""
+def load_cluster_key(path: Optional[str], required_for: Optional[str] = None) -> Optional[bytes]:
+    """The secret every rank of a job shares: the file `path` (--cluster-key-file), or the one
+    SPECPIPE_CLUSTER_KEY_FILE names; None where neither is given, unless `required_for` names
+    what needs one (a torchrun job: its ranks cannot agree on a key otherwise)."""
     from specpipe.config import ConfigError
 
     path = path or os.environ.get(KEY_FILE_ENV)
     if not path:
+        if required_for:
+            raise ConfigError(f"{required_for} needs a shared secret: give every rank --cluster-key-file FILE "
+                              "(the same file; e.g. `head -c 32 /dev/urandom > FILE; chmod 600 FILE`), so "
+                              "that no one else on the network can join or alter the pipeline")
         return None
     try:
         key = open(path, "rb").read().strip()
@@ -79,16 +83,21 @@ def load_cluster_key(path: Optional[str]) -> Optional[bytes]:
 
 class LocalStages:
     """Stage processes on this machine: `python -m <module> <argv_for_rank(r)>` for r in 1..S;
-    `key` reaches them in their environment (never on a command line others can read)."""
+    `key` reaches each through a pipe to its standard input, never its command line or its
+    environment (both readable by others: ps, /proc/PID/environ)."""
 
     def __init__(self, module: str, argv_for_rank: Callable[[int], list[str]], num_stages: int,
-                 key: Optional[bytes] = None) -> None:
+                 key: bytes) -> None:
         self.procs: dict[int, subprocess.Popen] = {}
-        env = {**os.environ, KEY_ENV: key.hex()} if key is not None else None
         try:
             for r in range(1, num_stages + 1):
-                self.procs[r] = subprocess.Popen([sys.executable, "-m", module, *argv_for_rank(r)],
-                                                 stdin=subprocess.DEVNULL, env=env)
+                p = subprocess.Popen([sys.executable, "-m", module, *argv_for_rank(r)], stdin=subprocess.PIPE)
+                self.procs[r] = p
+                try:
+                    p.stdin.write(key.hex().encode())
+                    p.stdin.close()
+                except OSError:
+                    pass  # it died at once: exits() says so
         except BaseException:
             self.stop(grace_s=0.0)
             raise
@@ -191,4 +200,4 @@ def stage_failure(store, num_stages: int, exits: Callable[[], dict[int, str]]) -
     return None
 
 
-__all__ = ["KEY_ENV", "LinkOptions", "LocalStages", "load_cluster_key", "RankEnv", "die_with_parent", "free_port", "stage_failure", "wait_ready"]
+__all__ = ["LinkOptions", "LocalStages", "load_cluster_key", "RankEnv", "die_with_parent", "free_port", "stage_failure", "wait_ready"]

@@ -95,12 +95,17 @@ class RemotePipeline:
             failed = {r: self._store_get(f"failed/{r}") for r in range(1, self.num_stages + 1)
                       if self._store_has(f"failed/{r}")}
             culprits = {r: f"failed: {why}" for r, why in failed.items()}
+            for r in range(1, self.num_stages + 1):  # a stage that refused what a peer sent blames the peer
+                if self._store_has(f"bad/{r}"):
+                    sender, _, why = self._store_get(f"bad/{r}").partition(" ")
+                    culprit = int(sender) if sender.isdigit() else r
+                    culprits.setdefault(culprit, f"sent stage {r} a message it refused: {why}")
             culprits.update({r: why for r, why in exits.items() if r not in lost and r not in culprits})
             silent = [r for r in self.t.silent_ranks() if r not in exits and r not in lost and r not in culprits]
             if culprits or silent or time.monotonic() >= deadline:
                 break
             time.sleep(0.1)
-        parts = [f"stage {r} {why}" for r, why in sorted(culprits.items())]
+        parts = [f"{'stage ' + str(r) if r else 'the driver'} {why}" for r, why in sorted(culprits.items())]
         parts += [f"stage {r} stopped responding (no heartbeat)" for r in silent]
         if not parts:
             gone = sorted(lost)

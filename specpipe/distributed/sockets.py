@@ -7,31 +7,32 @@ doubling pp's time per token (in a noisy spell of a 2-core VM; at parity when it
 docs/history.md, Part 2, §14). Here the thread that sends or receives does the system call
 itself, and a waiting receiver sleeps in the kernel.
 
-On the wire each message is a header (tag, payload bytes, due time) and its payload. Messages
+On the wire each message is a header (tag, payload bytes, due time), its payload and a MAC over
+both and the link's sequence number (channel.py: forged, altered, replayed, reordered or dropped
+frames are refused, naming the peer and its address). Messages
 between two ranks arrive in the order they were sent; a receive for one tag stores the messages
 of other tags it reads on the way (the driver's link to stage 1 carries control and rows).
 
 Set-up (`connect`): each rank listens on a free port (`addresses`: the address it publishes and
 the one it listens on), publishes it in the rendezvous store, connects to every lower rank and
-accepts every higher one.
+accepts every higher one; each connection proves the pipeline's key in a handshake of its own, so
+strangers at the port delay no real rank (acceptor.py).
 """
 
 from __future__ import annotations
 
 import collections
-import hashlib
-import hmac
 import os
-import secrets
+import queue
 import socket
 import struct
 import time
 from typing import Optional
 
+from specpipe.distributed.acceptor import Acceptor
+from specpipe.distributed.channel import LINK, BadFrame, Channel, ChannelError, introduce
+
 HEADER = struct.Struct("<iqq")  # tag, payload bytes, due time (time.time_ns; 0: no emulation)
-HELLO = struct.Struct("<i")  # the connecting rank
-NONCE_BYTES, MAC_BYTES = 16, 32
-HANDSHAKE_S = 5.0  # a connecting peer that has not proved itself by then is dropped
 STASH_LIMIT = 64  # messages of one tag kept while a receive waits for another (a step needs 2-3)
 DEFAULT_LIMIT = 64 << 20  # the largest payload of a tag without a limit of its own
 
@@ -40,182 +41,142 @@ class SocketError(RuntimeError):
     """A peer closed its connection, a receive timed out, or a message was not what was expected."""
 
 
+class MalformedFrame(SocketError):
+    """A frame no SpecPipe rank sends (a failed MAC, an unknown tag, an impossible length): the
+    sender or someone on the way is at fault, not the link's going down."""
+
+
 class Mesh:
-    def __init__(self, rank: int, world_size: int, store, address: str, bind: Optional[str] = None,
-                 key: Optional[bytes] = None, limits: Optional[dict[int, int]] = None) -> None:
+    def __init__(self, rank: int, world_size: int, store, address: str, key: bytes, bind: Optional[str] = None,
+                 limits: Optional[dict[int, int]] = None) -> None:
         """`address`: where the other ranks reach this one; `bind`: the address it listens on
         (default: `address`; "" for every interface); `key`: the pipeline's shared secret, which
-        every link proves it holds before it carries a message (None: links open to whoever
-        connects first with a rank); `limits`: the tags a message may carry, each with its largest
-        payload (None: any tag, DEFAULT_LIMIT bytes)."""
+        every link proves it holds and every frame carries a MAC of (channel.py); `limits`: the
+        tags a message may carry, each with its largest payload (None: any tag, DEFAULT_LIMIT
+        bytes)."""
+        if not key:
+            raise ValueError("a mesh needs the pipeline's key")
         self.rank, self.world_size, self.store, self.address = rank, world_size, store, address
         self.key, self.limits = key, limits
         self.bind = address if bind is None else bind
-        self.peers: dict[int, socket.socket] = {}
+        self.peers: dict[int, Channel] = {}
         self._stash: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
-        self._broken: dict[int, str] = {}  # peer -> why its stream can no longer be read in step
+        self._broken: dict[int, SocketError] = {}  # peer -> why its stream can no longer be read in step
 
     def connect(self, timeout_s: float) -> None:
         listener = socket.create_server((self.bind, 0), backlog=128)  # room for strangers beside the ranks
+        admitted: queue.Queue[Channel] = queue.Queue()
+        higher = lambda r: self.rank < r < self.world_size  # noqa: E731  (the ranks that connect to us)
+        acceptor = Acceptor(listener, self.key, LINK, self.rank, higher, admitted.put, name=f"rank {self.rank} links")
         try:
             self.store.set(f"sock/{self.rank}", f"{self.address}:{listener.getsockname()[1]}")
             for peer in range(self.rank):  # the store waits until each lower rank has published
-                host, port = self.store.get(f"sock/{peer}").decode().rsplit(":", 1)
+                where = self.store.get(f"sock/{peer}").decode()
+                host, port = where.rsplit(":", 1)
                 s = socket.create_connection((host, int(port)), timeout=timeout_s)
                 try:
-                    self._introduce(s, peer)
-                except (OSError, SocketError) as e:
+                    self.peers[peer] = introduce(s, self.key, LINK, self.rank, peer)
+                except (OSError, ChannelError) as e:
                     s.close()
-                    raise SocketError(f"rank {peer} refused this rank's link ({e or type(e).__name__}): "
+                    raise SocketError(f"rank {peer} at {where} refused this rank's link ({e or type(e).__name__}): "
                                       "do both hold the same key?") from None
-                self._add(peer, s)
             deadline = time.monotonic() + timeout_s
             while len(self.peers) < self.world_size - 1:
-                listener.settimeout(max(deadline - time.monotonic(), 1e-3))
-                s, _ = listener.accept()  # socket.timeout past the deadline: the caller reports it
-                peer = self._admit(s)
-                if peer is None:
-                    s.close()  # a stranger, a wrong key or a rank already here: nothing kept for it
+                try:
+                    ch = admitted.get(timeout=max(deadline - time.monotonic(), 1e-3))
+                except queue.Empty:
+                    missing = [r for r in range(self.world_size) if r != self.rank and r not in self.peers]
+                    raise socket.timeout(f"ranks {missing} did not connect within {timeout_s:g} s "
+                                         f"({acceptor.refused} other connections refused)") from None
+                if ch.peer in self.peers:
+                    ch.close()  # a second proof for a rank already here: keep the first
                 else:
-                    self._add(peer, s)
+                    self.peers[ch.peer] = ch
         finally:
-            listener.close()
+            acceptor.close()
+            while not admitted.empty():  # admitted after the last rank arrived: nobody's
+                ch = admitted.get()
+                if self.peers.get(ch.peer) is not ch:
+                    ch.close()
 
-    # -- the handshake: HELLO + nonce ->; <- nonce + MAC("accept"); MAC("connect") ->
-    def _mac(self, label: bytes, theirs: bytes, ours: bytes, lower: int, higher: int) -> bytes:
-        return hmac.new(self.key, label + theirs + ours + struct.pack("<ii", lower, higher), hashlib.sha256).digest()
-
-    def _introduce(self, s: socket.socket, peer: int) -> None:
-        """The connecting side: say who we are, and prove the key once the acceptor has."""
-        s.settimeout(HANDSHAKE_S)
-        if self.key is None:
-            s.sendall(HELLO.pack(self.rank))
-            return
-        mine = secrets.token_bytes(NONCE_BYTES)
-        s.sendall(HELLO.pack(self.rank) + mine)
-        reply = _read_exact(s, NONCE_BYTES + MAC_BYTES, time.monotonic() + HANDSHAKE_S)
-        theirs, mac = bytes(reply[:NONCE_BYTES]), bytes(reply[NONCE_BYTES:])
-        if not hmac.compare_digest(mac, self._mac(b"accept", mine, theirs, peer, self.rank)):
-            raise SocketError("it does not hold the pipeline's key")
-        s.sendall(self._mac(b"connect", theirs, mine, peer, self.rank))
-
-    def _admit(self, s: socket.socket) -> Optional[int]:
-        """The accepting side: the connecting rank once it has proved the key; None otherwise."""
-        deadline = time.monotonic() + HANDSHAKE_S
-        try:
-            (peer,) = HELLO.unpack(_read_exact(s, HELLO.size, deadline))
-            if not self.rank < peer < self.world_size or peer in self.peers:
-                return None
-            if self.key is None:
-                return peer
-            theirs = bytes(_read_exact(s, NONCE_BYTES, deadline))
-            mine = secrets.token_bytes(NONCE_BYTES)
-            s.settimeout(HANDSHAKE_S)
-            s.sendall(mine + self._mac(b"accept", theirs, mine, self.rank, peer))
-            mac = bytes(_read_exact(s, MAC_BYTES, deadline))
-            return peer if hmac.compare_digest(mac, self._mac(b"connect", mine, theirs, self.rank, peer)) else None
-        except (OSError, SocketError):
-            return None
-
-    def _add(self, peer: int, s: socket.socket) -> None:
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        s.settimeout(None)
-        self.peers[peer] = s
+    def where(self, peer: int) -> str:
+        """A peer as errors name it: its rank and address."""
+        ch = self.peers.get(peer)
+        return f"rank {peer} ({ch.where})" if ch is not None else f"rank {peer}"
 
     def send(self, dst: int, tag: int, due_ns: int, payload, timeout_s: Optional[float] = None) -> None:
         """Send `payload` (bytes or a buffer); blocks only while the peer's socket buffer is full."""
         if dst in self._broken:  # a message may have gone out in part: the stream is out of step
-            raise SocketError(self._broken[dst])
-        s = self.peers[dst]
-        data = memoryview(payload).cast("B")
-        s.settimeout(timeout_s)
+            raise self._broken[dst]
         try:
-            if data.nbytes <= 1 << 16:  # small: one write, one packet
-                s.sendall(HEADER.pack(tag, data.nbytes, due_ns) + data)
-            else:
-                s.sendall(HEADER.pack(tag, data.nbytes, due_ns))
-                s.sendall(data)
+            self.peers[dst].send_frame(HEADER.pack(tag, memoryview(payload).nbytes, due_ns), payload, timeout_s)
         except OSError as e:  # socket.timeout included
-            self._broken[dst] = f"a send to rank {dst} failed ({e or type(e).__name__})"
-            raise SocketError(self._broken[dst]) from None
+            self._broken[dst] = SocketError(f"a send to {self.where(dst)} failed ({e or type(e).__name__})")
+            raise self._broken[dst] from None
 
     def recv(self, src: int, tag: int, into: Optional[memoryview] = None,
              timeout_s: Optional[float] = None) -> tuple[int, memoryview]:
         """The next message with `tag` from `src`: (due time, payload). With `into`, the payload is
-        read into that buffer, which must be its exact size."""
+        read into that buffer, which must be its exact size. Its MAC is checked before it is
+        returned."""
         stashed = self._stash.get((src, tag))
         if stashed:
             due, data = stashed.popleft()
-            return due, _deliver(data, into, src, tag)
+            return due, _deliver(data, into, self.where(src), tag)
         if src in self._broken:
-            raise SocketError(self._broken[src])
+            raise self._broken[src]
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        s = self.peers[src]
+        ch = self.peers[src]
         try:
             while True:
-                got, n, due = HEADER.unpack(_read_exact(s, HEADER.size, deadline))
+                header = bytes(ch.read_header(HEADER.size, deadline))
+                got, n, due = HEADER.unpack(header)
                 if got == tag and into is not None:
                     if n != into.nbytes:
-                        raise SocketError(f"rank {src} sent {n} bytes with tag {tag}, {into.nbytes} were expected")
-                    _read_into(s, into, deadline)
+                        raise MalformedFrame(f"{self.where(src)} sent {n} bytes with tag {tag}, "
+                                             f"{into.nbytes} were expected")
+                    ch.read_body(header, into, deadline)
                     return due, into
                 self._check_frame(src, got, n)  # before a byte is allocated for it
                 data = memoryview(bytearray(n))
-                _read_into(s, data, deadline)
+                ch.read_body(header, data, deadline)
                 if got == tag:
                     return due, data
                 stash = self._stash[(src, got)]
                 if len(stash) >= STASH_LIMIT:
-                    raise SocketError(f"rank {src} sent more than {STASH_LIMIT} messages with tag {got} unread")
+                    raise MalformedFrame(f"{self.where(src)} sent more than {STASH_LIMIT} messages with tag {got} unread")
                 stash.append((due, data))
         except socket.timeout:
-            why = f"no message from rank {src} within {timeout_s:g} s"
-        except OSError as e:
-            why = f"the connection to rank {src} failed ({e})"
-        except SocketError as e:
-            why = str(e)
-        self._broken[src] = why  # a message may have been read in part: the stream is out of step
-        raise SocketError(why)
+            err = SocketError(f"no message from {self.where(src)} within {timeout_s:g} s")
+        except BadFrame as e:
+            err = MalformedFrame(str(e))
+        except MalformedFrame as e:
+            err = e
+        except (OSError, ChannelError) as e:
+            err = SocketError(f"the connection to {self.where(src)} failed ({e})")
+        self._broken[src] = err  # a message may have been read in part: the stream is out of step
+        raise err
 
     def _check_frame(self, src: int, tag: int, n: int) -> None:
         limit = DEFAULT_LIMIT if self.limits is None else self.limits.get(tag)
         if limit is None:
-            raise SocketError(f"rank {src} sent a message with unknown tag {tag}")
+            raise MalformedFrame(f"{self.where(src)} sent a message with unknown tag {tag}")
         if not 0 <= n <= limit:
-            raise SocketError(f"rank {src} sent a message of {n} bytes with tag {tag} (at most {limit})")
+            raise MalformedFrame(f"{self.where(src)} sent a message of {n} bytes with tag {tag} (at most {limit})")
 
     def close(self) -> None:
-        for s in self.peers.values():
-            try:
-                s.close()
-            except OSError:
-                pass
+        for ch in self.peers.values():
+            ch.close()
         self.peers.clear()
 
 
-def _deliver(data: memoryview, into: Optional[memoryview], src: int, tag: int) -> memoryview:
+def _deliver(data: memoryview, into: Optional[memoryview], who: str, tag: int) -> memoryview:
     if into is None:
         return data
     if data.nbytes != into.nbytes:
-        raise SocketError(f"rank {src} sent {data.nbytes} bytes with tag {tag}, {into.nbytes} were expected")
+        raise MalformedFrame(f"{who} sent {data.nbytes} bytes with tag {tag}, {into.nbytes} were expected")
     into[:] = data
     return into
-
-
-def _read_into(s: socket.socket, buf: memoryview, deadline: Optional[float] = None) -> None:
-    got = 0
-    while got < buf.nbytes:
-        s.settimeout(None if deadline is None else max(deadline - time.monotonic(), 1e-3))
-        n = s.recv_into(buf[got:])
-        if n == 0:
-            raise SocketError("connection closed by the peer")
-        got += n
-
-
-def _read_exact(s: socket.socket, n: int, deadline: Optional[float] = None) -> bytearray:
-    buf = bytearray(n)
-    _read_into(s, memoryview(buf), deadline)
-    return buf
 
 
 def addresses(master_addr: str, rank: int) -> tuple[str, str]:

@@ -16,6 +16,9 @@ machine and across network namespaces (which do not virtualize CLOCK_REALTIME); 
 hosts clock skew would shift every arrival, but there the network is real anyway. Without
 emulation the stamp is 0 and nobody waits.
 
+Security: the rendezvous store admits only holders of the pipeline's key (store.py), and every
+link proves it and carries a MAC on every frame (sockets.py, channel.py).
+
 Liveness: every stage keeps a heartbeat in the rendezvous store; when a receive fails or times
 out, the driver reads the heartbeats to name the stage that stopped.
 """
@@ -33,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from specpipe.config import LinkOptions
-from specpipe.distributed.sockets import Mesh, SocketError, addresses
+from specpipe.distributed.sockets import MalformedFrame, Mesh, SocketError, addresses
+from specpipe.distributed.store import open_store
 
 TAG_CONTROL, TAG_ROWS, TAG_RESULTS, TAG_REPORT = 1, 2, 3, 4
 HEARTBEAT_S = 0.5
@@ -50,7 +54,12 @@ class LinkError(RuntimeError):
 
 
 class MalformedMessage(LinkError):
-    """A peer sent what no SpecPipe rank of this version sends: the link cannot be trusted."""
+    """A peer sent what no SpecPipe rank of this version sends: the link cannot be trusted.
+    `sender`: the rank whose message it was (None: this rank's own fault, named in the text)."""
+
+    def __init__(self, message: str, sender: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.sender = sender
 
 
 def short_error(e: BaseException, limit: int = 200) -> str:
@@ -90,16 +99,16 @@ def _hold_until(due_ns: int) -> None:
 
 class Transport:
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int,
-                 options: LinkOptions = LinkOptions(), device: str = "cpu",
+                 options: LinkOptions = LinkOptions(), device: str = "cpu", *, key: bytes,
                  connect_timeout_s: float = 300.0, use_nccl: Optional[bool] = None, store=None,
-                 address: Optional[str] = None, key: Optional[bytes] = None,
+                 address: Optional[str] = None,
                  frame_limits: Optional[dict[int, int]] = FRAME_LIMITS) -> None:
-        """`store`: the rendezvous store to use instead of a TCPStore at master_addr:master_port
-        (the Ray backend's, cluster/rendezvous.py: anything with set/get/check/clone); `address`:
-        the address this rank publishes and listens on (default: found from master_addr);
-        `key`: the pipeline's secret, which every link proves it holds before it carries a
-        message (sockets.py); None: links open to whoever connects first with a rank;
-        `frame_limits`: the tags a link carries and their largest payloads (FRAME_LIMITS)."""
+        """`key`: the pipeline's secret: the rendezvous admits only its holders, every link proves
+        it and every frame carries a MAC made with it (store.py, channel.py); `store`: an open
+        store client to use instead of the one at master_addr:master_port (rank 0 starts that
+        store's server; port 0: any free one, `store.port` says which); `address`: the address
+        this rank publishes and listens on (default: found from master_addr); `frame_limits`: the
+        tags a link carries and their largest payloads (FRAME_LIMITS)."""
         self.rank, self.world_size, self.options = rank, world_size, options
         self.key, self.frame_limits = key, frame_limits
         self.device = torch.device(device)
@@ -109,12 +118,8 @@ class Transport:
         # links join only once every stage has loaded its layers (init_groups), so a stage that
         # fails while loading is reported instead of leaving the others waiting.
         if store is None:
-            store = dist.TCPStore(master_addr, master_port, world_size, is_master=rank == 0,
-                                  timeout=datetime.timedelta(seconds=connect_timeout_s), wait_for_workers=False)
-            self._new_store = lambda: dist.TCPStore(master_addr, master_port, world_size, is_master=False,
-                                                    timeout=datetime.timedelta(seconds=30))
-        else:
-            self._new_store = store.clone
+            bind = addresses(master_addr, 0)[1] if rank == 0 else None  # where the mesh's rank 0 listens too
+            store = open_store(rank, world_size, master_addr, master_port, key, connect_timeout_s, bind)
         self.store = store
         self._addr, self._port = master_addr, master_port
         self._address = address
@@ -159,7 +164,7 @@ class Transport:
 
     def _init_groups(self) -> None:
         where = (self._address, self._address) if self._address else addresses(self._addr, self.rank)
-        mesh = Mesh(self.rank, self.world_size, self.store, *where, key=self.key, limits=self.frame_limits)
+        mesh = Mesh(self.rank, self.world_size, self.store, where[0], self.key, bind=where[1], limits=self.frame_limits)
         mesh.connect(self._connect_timeout_s)
         self.mesh = mesh
         if self.use_nccl:
@@ -226,6 +231,8 @@ class Transport:
     def _recv(self, src: int, tag: int, into, timeout_s: Optional[float]):
         try:
             return self.mesh.recv(src, tag, into, timeout_s)
+        except MalformedFrame as e:  # the sender's fault (or a stranger's on the way), not a lost link
+            raise MalformedMessage(str(e), sender=src) from None
         except SocketError as e:
             raise LinkError(f"receive from rank {src} failed: {e}") from None
 
@@ -259,7 +266,7 @@ class Transport:
     # -- liveness ---------------------------------------------------------------------------------
     def start_heartbeat(self) -> None:
         """Stages: publish a heartbeat from a thread with its own store connection."""
-        store = self._new_store()
+        store = self.store.clone()
         key, stop = f"heartbeat/{self.rank}", self._heartbeat_stop
 
         def beat() -> None:
@@ -295,6 +302,7 @@ class Transport:
             self._heartbeat.join(timeout=2 * HEARTBEAT_S)
         if self.mesh is not None:
             self.mesh.close()
+        self.store.close()
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

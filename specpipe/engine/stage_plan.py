@@ -165,6 +165,7 @@ def serve_stage_rank(config: EngineConfig, env: RankEnv, one_prompt: Optional[On
     from specpipe.loader import open_checkpoint
     from specpipe.loader.default_model import default_model_path
 
+    key = load_cluster_key(config.cluster_key_file, required_for="a torchrun job")  # before any loading
     path = config.model or str(default_model_path())
     ckpt = open_checkpoint(path)
     need = None if one_prompt is None else PromptProcessor.of(path, ckpt.config, config.max_context).need(*one_prompt)
@@ -172,7 +173,7 @@ def serve_stage_rank(config: EngineConfig, env: RankEnv, one_prompt: Optional[On
     plan = plan_stages(config, ckpt, cost_profile_of(config), need, sharing=sharing)
     return torchrun_stage(env, path, list(plan.specs), plan.pools, config.block_size, config.device,
                           config.torch_dtype(), config.link(), config.quantization,
-                          load_cluster_key(config.cluster_key_file))
+                          key=key)
 
 
 __all__ = ["OnePrompt", "StagePlan", "split_layers", "plan_stages", "blocks_admitting", "cluster_blocks", "reported_pools",

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from specpipe.config import EngineConfig, LinkOptions, StageSpec
-from specpipe.distributed.ranks import LocalStages, RankEnv, free_port, load_cluster_key, stage_failure, wait_ready
+from specpipe.distributed.ranks import LocalStages, RankEnv, load_cluster_key, stage_failure, wait_ready
 from specpipe.distributed.remote_pipeline import PipelineError, RemotePipeline
 from specpipe.distributed.transport import Transport
 from specpipe.engine.kv_pool import KVPools
@@ -44,13 +44,13 @@ def start_pipeline(config: EngineConfig, ckpt: Checkpoint, model_path: Path, pla
             else cluster.start()
     if rank_env is not None:
         return torchrun_driver(rank_env, config.stages, config.device, config.link(), progress=progress,
-                               key=load_cluster_key(config.cluster_key_file))
+                               key=load_cluster_key(config.cluster_key_file, required_for="a torchrun job"))
     if config.uses_processes():
         def start() -> RemotePipeline:
             return local_processes(model_path, specs, num_blocks, config.block_size, config.device,
                                    config.torch_dtype(), config.link(), progress=progress,
                                    threads=config.stage_threads, quantization=config.quantization,
-                                   window_blocks=window_blocks)
+                                   window_blocks=window_blocks, key=load_cluster_key(config.cluster_key_file))
         # The driver owns local stages, so it can start them again when one dies (engine/restart.py).
         return RestartingPipeline(start, config.restart_stages, progress) if config.restart_stages else start()
     return in_process(ckpt, specs, num_blocks, config.block_size, config.device, config.torch_dtype(),
@@ -67,13 +67,17 @@ def in_process(ckpt: Checkpoint, specs: list[StageSpec], num_blocks: int, block_
 def local_processes(model_path: Path, specs: list[StageSpec], num_blocks: int, block_size: int, device: str,
                     dtype: torch.dtype, link: LinkOptions, load_timeout_s: float = 600.0,
                     progress: Progress = None, threads: int = 0,
-                    quantization: Optional[str] = None, window_blocks: int = 0) -> RemotePipeline:
+                    quantization: Optional[str] = None, window_blocks: int = 0,
+                    key: Optional[bytes] = None) -> RemotePipeline:
     """Start one process per stage on this machine; the caller's process is the driver.
-    `threads`: CPU threads per stage (0: the machine's cores shared out among the stages)."""
-    S, port = len(specs), free_port()
+    `threads`: CPU threads per stage (0: the machine's cores shared out among the stages);
+    `key`: the pipeline's secret (--cluster-key-file; default: a fresh one for every pipeline,
+    so a restarted one has a new key). The rendezvous listens on loopback only."""
+    S = len(specs)
     use_nccl = device.startswith("cuda") and torch.cuda.device_count() >= S
-    key = secrets.token_bytes(32)  # fresh for every pipeline: a restarted one has a new key
-    t = Transport(0, S + 1, "127.0.0.1", port, link, device, use_nccl=use_nccl, key=key)
+    key = key or secrets.token_bytes(32)
+    t = Transport(0, S + 1, "127.0.0.1", 0, link, device, key=key, use_nccl=use_nccl)
+    port = t.store.port
     threads = threads or max(1, (os.cpu_count() or 1) // S)  # the stages share this machine's cores
     stages = LocalStages(
         "specpipe.worker.stage_main",
@@ -96,8 +100,8 @@ def local_processes(model_path: Path, specs: list[StageSpec], num_blocks: int, b
 
 
 def torchrun_driver(env: RankEnv, num_stages: int, device: str, link: LinkOptions,
-                    load_timeout_s: float = 600.0, progress: Progress = None,
-                    key: Optional[bytes] = None) -> RemotePipeline:
+                    load_timeout_s: float = 600.0, progress: Progress = None, *,
+                    key: bytes) -> RemotePipeline:
     """Rank 0 of a torchrun job: the stages are the other ranks, possibly on other machines;
     `key` (--cluster-key-file): the secret every link must prove it holds."""
     if env.world_size != num_stages + 1:
@@ -117,7 +121,7 @@ def torchrun_driver(env: RankEnv, num_stages: int, device: str, link: LinkOption
 
 def torchrun_stage(env: RankEnv, model_path: Path, specs: list[StageSpec], pools: KVPools, block_size: int,
                    device: str, dtype: Optional[torch.dtype], link: LinkOptions,
-                   quantization: Optional[str] = None, key: Optional[bytes] = None) -> int:
+                   quantization: Optional[str] = None, *, key: bytes) -> int:
     """Ranks 1..S of a torchrun job: serve one stage until the driver shuts the pipeline down."""
     if not 1 <= env.rank <= len(specs):
         print(f"specpipe: rank {env.rank} has no stage (--stages {len(specs)})", file=sys.stderr)

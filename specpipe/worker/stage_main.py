@@ -6,7 +6,13 @@
 A local driver starts each stage as a program of its own, `python -m specpipe.worker.stage_main
 --rank R ...` (`stage_argv` writes the arguments, `main` reads them), never by re-importing the
 user's script: so scripts without a main guard, scripts on standard input and notebooks work.
-Everything a stage needs is on its command line; the rest comes through the TCP store.
+Everything a stage needs is on its command line, except the pipeline's key, which comes through
+a pipe on its standard input; the rest comes through the rendezvous store.
+
+Blame: a message that does not decode or that the stage refuses is its sender's fault (the driver
+for Control, the previous rank for Rows) and is noted as `bad/R` = "SENDER why"; anything else
+that goes wrong here is this stage's own, `failed/R`; a link that went is `lost/R` (a
+consequence elsewhere). The driver reads these notes to name the culprit (remote_pipeline.py).
 """
 
 from __future__ import annotations
@@ -71,13 +77,13 @@ def run_stage(t: Transport, model_path: str, spec: StageSpec, num_blocks: int, b
     hidden = model.cfg.hidden_size
     while True:
         t0 = time.perf_counter()
-        with from_peer(rank, 0):
+        with from_peer(0):
             control = decode_control(t.recv_ints(0, TAG_CONTROL))
         if control.shutdown:
             return
         t.end_step()
         batch = []
-        with from_peer(rank, prev):
+        with from_peer(prev):
             for rows, shape, dt in decode_rows_header(t.recv_ints(prev, TAG_ROWS), hidden, worker.slots.num_slots):
                 if shape is not None:  # a failure marker carries no tensor
                     rows.data = t.recv_tensor(prev, TAG_ROWS, shape, dt)
@@ -85,7 +91,7 @@ def run_stage(t: Transport, model_path: str, spec: StageSpec, num_blocks: int, b
                         rows.masks = t.recv_tensor(prev, TAG_ROWS, tuple(rows.masks.shape), torch.long)
                 batch.append(rows)
         stats.wait_s += time.perf_counter() - t0
-        with from_peer(rank, prev):  # rows whose tree the slot table refuses (a cycle, a lost parent)
+        with refused_by_stage(prev):  # a Control or Rows the stage's state refuses (a cycle, a lost parent)
             out = worker.step(control, batch)
         if nxt == 0:
             t.send_ints(0, TAG_RESULTS, encode_results(out))
@@ -98,14 +104,33 @@ def run_stage(t: Transport, model_path: str, spec: StageSpec, num_blocks: int, b
 
 
 @contextlib.contextmanager
-def from_peer(rank: int, peer: int):
-    """A message from `peer` that does not decode, or that the slot table refuses, is the peer's
-    fault or a corrupted link: a MalformedMessage naming both, which ends this stage as a dead
-    one would (the driver starts the stages again), never a stage left computing garbage."""
+def from_peer(peer: int):
+    """A message from `peer` that does not decode is the peer's fault (or a version mismatch): a
+    MalformedMessage naming it, which ends this stage as a dead one would (the driver starts the
+    stages again), never a stage left computing garbage."""
     try:
         yield
-    except (WireError, KVStateError, ValueError, struct.error) as e:
-        raise MalformedMessage(f"stage {rank}: malformed message from rank {peer}: {e}") from None
+    except (WireError, ValueError, struct.error) as e:
+        raise MalformedMessage(f"malformed message from {_who(peer)}: {e}", sender=peer) from None
+
+
+@contextlib.contextmanager
+def refused_by_stage(prev: int):
+    """While a step is applied: an error that says which message broke the stage's rules
+    (`source`: "control" from the driver, "rows" from the previous rank) blames that sender;
+    any other error is this stage's own and propagates as it is."""
+    try:
+        yield
+    except (KVStateError, WireError, ValueError) as e:
+        source = getattr(e, "source", None)
+        if source is None:
+            raise
+        sender = 0 if source == "control" else prev
+        raise MalformedMessage(f"{_who(sender)} sent a step this stage refuses: {e}", sender=sender) from None
+
+
+def _who(rank: int) -> str:
+    return "the driver" if rank == 0 else f"rank {rank}"
 
 
 def cuda_index(rank: int, device_count: int, local_rank: str | None) -> int:
@@ -121,9 +146,9 @@ def stage_process_main(rank: int, world_size: int, master_addr: str, master_port
                        spec: StageSpec, num_blocks: int, block_size: int, device: str, dtype: torch.dtype, link,
                        threads: int = 0, managed: bool = False, parent: int = 0,
                        quantization: Optional[str] = None, window_blocks: int = 0,
-                       key: Optional[bytes] = None) -> None:
+                       key: bytes = b"") -> None:
     """Entry point of a stage process (started by a local driver, or one rank under torchrun);
-    `key`: the pipeline's secret, which every link proves it holds.
+    `key`: the pipeline's secret (the rendezvous and every link check it).
 
     `managed`: started by a local driver, which owns the stages' lifetime. Such a stage ignores
     Ctrl-C (the terminal sends it to the whole process group; the driver finishes the step and
@@ -148,8 +173,8 @@ def stage_process_main(rank: int, world_size: int, master_addr: str, master_port
         device = f"cuda:{cuda_index(rank, count, os.environ.get('LOCAL_RANK'))}"
         use_nccl = count >= world_size - 1 or "LOCAL_RANK" in os.environ
     try:
-        serve_stage(rank, lambda: Transport(rank, world_size, master_addr, master_port, link, device,
-                                            use_nccl=use_nccl, key=key),
+        serve_stage(rank, lambda: Transport(rank, world_size, master_addr, master_port, link, device, key=key,
+                                            use_nccl=use_nccl),
                     model_path, spec, num_blocks, block_size, device, dtype, quantization, window_blocks)
     except KeyboardInterrupt:
         pass
@@ -174,7 +199,10 @@ def serve_stage(rank: int, open_transport: Callable[[], Transport], *stage_args,
         t = open_transport()
         run_stage(t, *stage_args, **stage_kw)
     except MalformedMessage as e:
-        _store_note(t, f"failed/{rank}", str(e))
+        if e.sender is None:
+            _store_note(t, f"failed/{rank}", str(e))
+        else:
+            _store_note(t, f"bad/{rank}", f"{e.sender} {e}")
         raise
     except LinkError as e:
         _store_note(t, f"lost/{rank}", str(e))
@@ -230,16 +258,19 @@ def main(argv: list[str] | None = None) -> None:
                        a.num_blocks, a.block_size, a.device, None if a.dtype == "auto" else getattr(torch, a.dtype),
                        LinkOptions(a.delay_ms, a.bandwidth_mbps, a.timeout_s), a.threads, managed=True,
                        parent=a.parent, quantization=a.quantization, window_blocks=a.window_blocks,
-                       key=_key_from_env())
+                       key=_key_from_stdin())
 
 
-def _key_from_env() -> Optional[bytes]:
-    """The key a local driver handed over in this process's environment, removed from it (so a
-    child of the stage does not inherit it)."""
-    from specpipe.distributed.ranks import KEY_ENV
-
-    value = os.environ.pop(KEY_ENV, None)
-    return bytes.fromhex(value) if value else None
+def _key_from_stdin() -> bytes:
+    """The key a local driver writes, in hex, to this process's standard input (then closes)."""
+    text = sys.stdin.buffer.read(8192).strip()
+    try:
+        key = bytes.fromhex(text.decode())
+    except (UnicodeDecodeError, ValueError):
+        key = b""
+    if len(key) < 16:
+        sys.exit("specpipe stage: no pipeline key on standard input (this program is started by a SpecPipe driver)")
+    return key
 
 
 def _store_note(t, key: str, value: str) -> None:

@@ -59,7 +59,7 @@ def _barrier(t: Transport, name: str) -> None:
 
 
 def _rank(rank: int, port: int, out: mp.Queue) -> None:
-    t = Transport(rank, 4, "127.0.0.1", port, connect_timeout_s=60, frame_limits=None)  # its own tags
+    t = Transport(rank, 4, "127.0.0.1", port, key=b"k" * 32, connect_timeout_s=60, frame_limits=None)  # its own tags
     try:
         t.init_groups()
         for name, (options, plan) in SCENARIOS.items():

@@ -301,9 +301,9 @@ def namespaces():
                 _ip("link", "del", f"spp{tag}{i}", check=False)
 
 
-def _three_hosts(namespaces, tiny_llama_dir, port: int) -> list[Run]:
+def _three_hosts(namespaces, tiny_llama_dir, port: int, key_file: Path) -> list[Run]:
     """The driver and two stage ranks, each in its namespace, run to the end (stages started
-    first: they wait for the driver's store)."""
+    first: they wait for the driver's store); every rank holds the same key file."""
     procs: list[Run] = []
     try:
         for rank in (1, 2, 0):
@@ -311,7 +311,7 @@ def _three_hosts(namespaces, tiny_llama_dir, port: int) -> list[Run]:
             env = clean_env(RANK=str(rank), WORLD_SIZE="3", MASTER_ADDR=namespaces[0][2],
                             MASTER_PORT=str(port))
             procs.append(Run(["generate", "--model", str(tiny_llama_dir), "--stages", "2", "--no-chat", "--json",
-                              "--max-tokens", "12", "--link-delay-ms", "3", PROMPT],
+                              "--max-tokens", "12", "--link-delay-ms", "3", "--cluster-key-file", str(key_file), PROMPT],
                              env=env, cmd_prefix=["ip", "netns", "exec", ns]))
         for run in procs:
             if run.wait(120) != 0:
@@ -328,10 +328,23 @@ def _three_hosts(namespaces, tiny_llama_dir, port: int) -> list[Run]:
 TORCH_START_ABORT = "terminate called without an active exception"
 
 
-def test_three_hosts_over_network_namespaces(namespaces, runs, tiny_llama_dir):
-    procs = _three_hosts(namespaces, tiny_llama_dir, 29400)
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_torchrun_rank_without_a_key_is_refused(tiny_llama_dir, rank):
+    """Ranks of a torchrun job share no secret unless given one, and without it anyone who reaches
+    the ports could join or alter the pipeline: each rank refuses to start, saying what to do."""
+    proc = subprocess.run([sys.executable, "-m", "specpipe.entrypoints.cli", "generate", "--model",
+                           str(tiny_llama_dir), "--stages", "2", "--max-tokens", "2", PROMPT],
+                          env=clean_env(RANK=rank, WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT="29410"),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--cluster-key-file" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_three_hosts_over_network_namespaces(namespaces, runs, tiny_llama_dir, tmp_path):
+    key_file = tmp_path / "cluster.key"
+    key_file.write_bytes(os.urandom(32))
+    procs = _three_hosts(namespaces, tiny_llama_dir, 29400, key_file)
     if any(r.proc.returncode == -6 and TORCH_START_ABORT in r.stderr for r in procs):
-        procs = _three_hosts(namespaces, tiny_llama_dir, 29401)
+        procs = _three_hosts(namespaces, tiny_llama_dir, 29401, key_file)
     for run in procs:
         assert run.proc.returncode == 0, "\n---\n".join(r.stderr for r in procs)
     driver = procs[-1]

@@ -4,23 +4,22 @@ peer is an error naming it, never a hang."""
 
 from __future__ import annotations
 
-import datetime
 import threading
 
 import pytest
-import torch.distributed as dist
 
-from specpipe.distributed.ranks import free_port
 from specpipe.distributed.sockets import Mesh, SocketError, addresses
+from specpipe.distributed.store import open_store
+
+KEY = b"k" * 32
 
 
 @pytest.fixture
 def meshes():
     """Three connected ranks in this process (the connections are real loopback TCP)."""
-    port = free_port()
-    stores = [dist.TCPStore("127.0.0.1", port, 3, is_master=r == 0, timeout=datetime.timedelta(seconds=30),
-                            wait_for_workers=False) for r in range(3)]
-    out = [Mesh(r, 3, stores[r], "127.0.0.1") for r in range(3)]
+    first = open_store(0, 3, "127.0.0.1", 0, KEY, timeout_s=30)
+    stores = [first] + [open_store(r, 3, "127.0.0.1", first.port, KEY, timeout_s=30) for r in (1, 2)]
+    out = [Mesh(r, 3, stores[r], "127.0.0.1", KEY) for r in range(3)]
     threads = [threading.Thread(target=m.connect, args=(30.0,)) for m in out]
     for th in threads:
         th.start()
@@ -29,6 +28,8 @@ def meshes():
     yield out
     for m in out:
         m.close()
+    for st in reversed(stores):
+        st.close()
 
 
 def test_every_pair_is_connected(meshes):
@@ -59,7 +60,7 @@ def test_a_buffer_of_the_wrong_size_is_an_error(meshes):
 
 def test_a_silent_peer_times_out_and_names_itself(meshes):
     _, b, _ = meshes
-    with pytest.raises(SocketError, match="no message from rank 2 within"):
+    with pytest.raises(SocketError, match=r"no message from rank 2 \(127.0.0.1:\d+\) within"):
         b.recv(2, 1, timeout_s=0.2)
     with pytest.raises(SocketError, match="rank 2"):  # the stream may be out of step: stays failed
         b.recv(2, 1, timeout_s=5)
