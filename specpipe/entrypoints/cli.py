@@ -77,6 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-concurrency", type=int, default=None,
                    help="connections served at once (through uvicorn's limit_concurrency); beyond them, "
                         "HTTP 503 (default: no limit)")
+    s.add_argument("--max-connections-per-client", type=int, default=256,
+                   help="connections one client address may hold open at once; beyond them the new one gets "
+                        "HTTP 503 and is closed (default 256)")
+    s.add_argument("--header-timeout", type=float, default=5.0,
+                   help="seconds a connection has to send a complete request head before it is closed (default 5)")
     s.add_argument("--max-body-bytes", default="1MiB",
                    help="request bodies larger than this get HTTP 413 before they are parsed (default 1MiB)")
     s.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model file's name)")
@@ -304,7 +309,12 @@ def _server_options(args: argparse.Namespace, env_keys: Optional[str]):
     if body < MIN_BODY_BYTES:
         raise ConfigError(f"--max-body-bytes must be a size of at least {MIN_BODY_BYTES} bytes (e.g. 1MiB), "
                           f"got {args.max_body_bytes!r}")
-    return ServerOptions(keys, args.metrics_need_key, body, args.max_concurrency)
+    if args.max_connections_per_client < 1:
+        raise ConfigError(f"--max-connections-per-client must be at least 1, got {args.max_connections_per_client}")
+    if not 0 < args.header_timeout <= 3600:
+        raise ConfigError(f"--header-timeout must be in (0, 3600] seconds, got {args.header_timeout}")
+    return ServerOptions(keys, args.metrics_need_key, body, args.max_concurrency, header_timeout_s=args.header_timeout,
+                         max_connections_per_client=args.max_connections_per_client)
 
 
 def _summary(s: dict, n: int) -> str:

@@ -1,9 +1,13 @@
 """Constraints compiled for one tokenizer, with llguidance, and cached.
 
-Building llguidance's view of a vocabulary takes about a second (once per tokenizer and process);
-turning a constraint into a checked grammar takes under a millisecond and is cached by the
-constraint (an LRU of `CACHE_SIZE`), so a server that sees the same schema again compiles it once.
-A constraint that does not compile is a `GrammarSpecError` with llguidance's message.
+Building llguidance's view of a vocabulary takes about a second (once per tokenizer and process).
+A constraint seen for the first time is checked in a child process under a deadline
+(sandbox.py: conversion, validation, the matcher and a probe of it, all bounded), so one that is
+too slow, too large, or that gives up on what it allows is a `GrammarSpecError` (a 400) before
+its request is queued, and no thread of the server is held. The checked grammar is then built
+here and cached by the constraint: at most `CACHE_SIZE` of them and `CACHE_CHARS` of grammar
+text, least recently used first out, so a server that sees the same schema again compiles it once
+and one that sees many different ones keeps a bounded memory.
 """
 
 from __future__ import annotations
@@ -13,15 +17,14 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import llguidance
-from llguidance.gbnf_to_lark import any_to_lark
 
+from specpipe.grammar import sandbox
 from specpipe.sampling import GrammarSpecError, StructuredOutput
 from specpipe.tokenizer.tokenizer import Tokenizer
 
 CACHE_SIZE = 256
-# JSON as json.dumps writes it ('{"a": 1, "b": [2, 3]}'): no free whitespace, which small models
-# otherwise fill with newlines until max_tokens. A schema's "x-guidance" options override this.
-JSON_OPTIONS = {"whitespace_flexible": False}
+CACHE_CHARS = 32 << 20  # llguidance grammar text held by the cache, over all its entries
+COMPILE_TIMEOUT_S = 10.0  # a constraint's first compilation (sandbox.py) ends with a 400 after this
 
 
 @dataclass(frozen=True)
@@ -40,26 +43,16 @@ class CompiledGrammar:
     def matcher(self) -> llguidance.LLMatcher:
         with self._lock:
             if not self._prototype:
-                m = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0)
+                m = llguidance.LLMatcher(self.tokenizer, self.grammar, log_level=0, limits=sandbox.limits())
                 if m.is_error():
                     raise GrammarSpecError(f"{self.spec.kind}: {m.get_error()}")
                 self._prototype.append(m)
             return self._prototype[0].deep_copy()
 
 
-def grammar_text(spec: StructuredOutput) -> str:
-    """The constraint as llguidance grammar text (not yet checked)."""
-    M = llguidance.LLMatcher
-    try:
-        if spec.json_schema is not None:
-            return M.grammar_from_json_schema(spec.json_schema, defaults=JSON_OPTIONS)
-        if spec.json_object:
-            return M.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
-        if spec.regex is not None:
-            return M.grammar_from_regex(spec.regex)
-        return M.grammar_from_lark(any_to_lark(spec.grammar))  # Lark as is; GBNF converted
-    except Exception as e:  # noqa: BLE001  (llguidance's converters raise ValueError and their own errors)
-        raise GrammarSpecError(f"{spec.kind}: {e}") from None
+def _spec_text(spec: StructuredOutput) -> str:
+    """What the child converts (json_object needs none)."""
+    return spec.json_schema or spec.regex or spec.grammar or ""
 
 
 class GrammarCompiler:
@@ -68,11 +61,13 @@ class GrammarCompiler:
     _tokenizers: dict[tuple[str, int], llguidance.LLTokenizer] = {}
     _tokenizers_lock = threading.Lock()
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, timeout_s: float = COMPILE_TIMEOUT_S) -> None:
+        self.tokenizer, self.vocab_size, self.timeout_s = tokenizer, vocab_size, timeout_s
         self._cache: OrderedDict[StructuredOutput, CompiledGrammar] = OrderedDict()
+        self._cache_chars = 0
         self._lock = threading.Lock()
         self._ll: llguidance.LLTokenizer | None = None
+        self._sandbox: sandbox.Sandbox | None = None
 
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
         """llguidance's view of the vocabulary, built once per tokenizer and process."""
@@ -87,21 +82,39 @@ class GrammarCompiler:
         return self._ll
 
     def compile(self, spec: StructuredOutput) -> CompiledGrammar:
-        """The checked grammar for `spec` (cached); GrammarSpecError when it does not compile."""
+        """The checked grammar for `spec` (cached); GrammarSpecError when it does not compile,
+        passes a limit, or gives up on what it allows (sandbox.py)."""
         with self._lock:
             hit = self._cache.get(spec)
             if hit is not None:
                 self._cache.move_to_end(spec)
                 return hit
-        ll = self.ll_tokenizer()
-        text = grammar_text(spec)
-        err = llguidance.LLMatcher.validate_grammar(text, ll)
-        if err:
-            raise GrammarSpecError(f"{spec.kind}: {err.strip()}")
-        compiled = CompiledGrammar(spec, text, ll, self.vocab_size)
-        compiled.matcher()  # builds the lexer: an error that only shows there is raised now, not mid-request
+        try:
+            text = self._checker().check(spec.kind, _spec_text(spec))
+        except sandbox.SandboxError as e:
+            raise GrammarSpecError(f"{spec.kind}: {e}") from None
+        compiled = CompiledGrammar(spec, text, self.ll_tokenizer(), self.vocab_size)
+        compiled.matcher()  # built from the checked text: as the child built it, within its deadline
         with self._lock:
-            self._cache[spec] = compiled
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            if spec not in self._cache:
+                self._cache[spec] = compiled
+                self._cache_chars += len(text)
+            while len(self._cache) > CACHE_SIZE or (self._cache_chars > CACHE_CHARS and len(self._cache) > 1):
+                _, old = self._cache.popitem(last=False)
+                self._cache_chars -= len(old.grammar)
         return compiled
+
+    def close(self) -> None:
+        """Stop the child process (a compilation in progress ends with a GrammarSpecError)."""
+        with self._lock:
+            box, self._sandbox = self._sandbox, None
+        if box is not None:
+            box.close()
+
+    def _checker(self) -> sandbox.Sandbox:
+        with self._lock:
+            if self._sandbox is None:
+                n = max(self.vocab_size, self.tokenizer.vocab_size)
+                self._sandbox = sandbox.Sandbox(self.tokenizer._backend.to_str(), n,
+                                                list(self.tokenizer.eos_token_ids), self.timeout_s)
+            return self._sandbox

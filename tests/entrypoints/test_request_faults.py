@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 
 import httpx
 import pytest
@@ -121,3 +122,39 @@ def test_a_pipeline_fault_is_logged_and_health_says_why(engine, caplog):  # noqa
         assert any("stage 2 is gone" in rec.getMessage() for rec in caplog.records)
     finally:
         s.stop()
+
+
+# -- connections (issue 57, finding 9) ------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def strict_server(engine):  # noqa: F811
+    s = LiveServer(engine, ServerOptions(header_timeout_s=1.0, max_connections_per_client=2))
+    yield s
+    s.stop()
+
+
+def test_a_connection_that_sends_half_a_head_is_closed(strict_server):
+    import socket
+
+    with socket.create_connection(("127.0.0.1", strict_server.port), timeout=10) as c:
+        c.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # the blank line never comes
+        t0 = time.monotonic()
+        assert c.recv(1024) == b""  # closed by the server
+        assert time.monotonic() - t0 < 5
+    assert strict_server.get("/health").status_code == 200
+
+
+def test_one_address_holds_a_bounded_number_of_connections(strict_server):
+    import socket
+
+    held = [socket.create_connection(("127.0.0.1", strict_server.port), timeout=10) for _ in range(2)]
+    try:
+        with socket.create_connection(("127.0.0.1", strict_server.port), timeout=10) as c:
+            assert c.recv(1024).startswith(b"HTTP/1.1 503")
+    finally:
+        for c in held:
+            c.close()
+    deadline = time.monotonic() + 5
+    while strict_server.get("/health").status_code != 200:  # the held ones are gone: served again
+        assert time.monotonic() < deadline
+        time.sleep(0.1)

@@ -26,7 +26,7 @@ from specpipe.engine.async_engine import AsyncEngine
 from specpipe.engine.core import EngineCore
 from specpipe.engine.engine import Engine
 from specpipe.engine.metrics import EngineMetrics
-from specpipe.entrypoints.openai.api_server import ServerOptions, build_app
+from specpipe.entrypoints.openai.api_server import ServerOptions, build_app, uvicorn_config
 
 NAME = "tiny"
 KEYS = ("key-a", "key-b")
@@ -72,7 +72,7 @@ class LiveServer:
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn_config(self.app, options, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         while not self.server.started:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -31,6 +32,7 @@ from specpipe.engine.async_engine import AsyncEngine
 from specpipe.engine.engine import Engine
 from specpipe.engine.metrics import EngineMetrics
 from specpipe.entrypoints.openai import protocol as p
+from specpipe.entrypoints.openai.connections import HEADER_TIMEOUT_S, MAX_CONNECTIONS_PER_CLIENT, http_protocol
 from specpipe.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, BodyLimit, key_index
 from specpipe.entrypoints.openai.serving import ApiError, OpenAIServing
 
@@ -44,6 +46,8 @@ class ServerOptions:
     metrics_need_key: bool = False  # the keys guard /health and /metrics too
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger bodies get 413 before they are parsed
     max_concurrency: Optional[int] = None  # uvicorn's limit_concurrency: beyond it, a bare 503
+    header_timeout_s: float = HEADER_TIMEOUT_S  # a request head not complete by then: the connection is closed
+    max_connections_per_client: Optional[int] = MAX_CONNECTIONS_PER_CLIENT  # open at once from one address
 
 
 ERROR_STATUSES = {
@@ -260,8 +264,6 @@ def _validation_error(e: RequestValidationError) -> ApiError:
 def serve(config, host: str, port: int, options: ServerOptions, model_name: Optional[str],
           log_level: str = "info", rank_env=None) -> int:
     """Bind the port, load the model and bring up the stages, then serve until Ctrl-C / SIGTERM."""
-    import uvicorn
-
     sock = _bind(host, port)  # before the (slow) model load: a taken port fails at once
     say = lambda msg: print(f"specpipe: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     if config.device == "cpu":
@@ -278,13 +280,10 @@ def serve(config, host: str, port: int, options: ServerOptions, model_name: Opti
         aengine = AsyncEngine(engine.core(), observer=metrics, admit_timeout_s=config.stage_timeout_s + 10.0)
         app = build_app(engine, aengine, metrics, name, options)
         bound_host, bound_port = sock.getsockname()[:2]
-        say(f"serving {name!r} ({config.mode}, {config.stages} stage{'s' if config.stages > 1 else ''}) "
-            f"on http://{bound_host}:{bound_port}")
-        # uvicorn counts the arriving connection itself against limit_concurrency: + 1, so that
-        # --max-concurrency N serves N connections at once.
-        limit = options.max_concurrency + 1 if options.max_concurrency is not None else None
-        server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=10,
-                                               limit_concurrency=limit))
+        stages = engine.pipeline.num_stages  # as planned and started (config.stages may be 0: "plan it")
+        server = _Server(uvicorn_config(app, options, log_level), lambda: say(
+            f"serving {name!r} ({config.mode}, {stages} stage{'s' if stages != 1 else ''}) "
+            f"on http://{bound_host}:{bound_port}"))
         # uvicorn stops on Ctrl-C or SIGTERM and then raises the signal again; as KeyboardInterrupt
         # both end here, so the stages are shut down instead of the process dying on the spot.
         signal.signal(signal.SIGTERM, _interrupt)
@@ -300,6 +299,30 @@ def serve(config, host: str, port: int, options: ServerOptions, model_name: Opti
             aengine.shutdown()
         engine.close()
     return 0
+
+
+def uvicorn_config(app: FastAPI, options: ServerOptions, log_level: str = "info") -> uvicorn.Config:
+    """uvicorn's settings for the app: its h11 protocol with the head deadline and the bound per
+    client address (connections.py), and --max-concurrency."""
+    # uvicorn counts the arriving connection itself against limit_concurrency: + 1, so that
+    # --max-concurrency N serves N connections at once.
+    limit = options.max_concurrency + 1 if options.max_concurrency is not None else None
+    return uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=10, limit_concurrency=limit,
+                          http=http_protocol(options.header_timeout_s, options.max_connections_per_client))
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which says it serves once its socket listens (a client that reads the
+    line and connects at once is never refused)."""
+
+    def __init__(self, config: uvicorn.Config, on_listening) -> None:
+        super().__init__(config)
+        self._on_listening = on_listening
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            self._on_listening()
 
 
 def _interrupt(_signum, _frame) -> None:

@@ -43,12 +43,19 @@ class OpenAIServing:
         # Tokenizing and rendering the chat template take time in proportion to the body: on the
         # event loop, one big prompt would stall every other stream.
         self._tokenize = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="specpipe-tokenize")
+        # Constraints compile one at a time in a child process, each within its deadline
+        # (grammar/sandbox.py): their own thread, so a slow one never holds up tokenizing.
+        self._compile = ThreadPoolExecutor(1, thread_name_prefix="specpipe-grammar")
 
-    async def _off_loop(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._tokenize, fn, *args)
+    async def _off_loop(self, fn, *args, pool: Optional[ThreadPoolExecutor] = None):
+        return await asyncio.get_running_loop().run_in_executor(pool or self._tokenize, fn, *args)
 
     def close(self) -> None:
+        """Stop the threads and the grammar compiler's child (a compilation in progress ends
+        at once, so shutdown never waits for one)."""
         self._tokenize.shutdown(wait=False, cancel_futures=True)
+        self._compile.shutdown(wait=False, cancel_futures=True)
+        self.engine.prompts.grammars.close()
 
     def models(self) -> p.ModelList:
         return p.ModelList(data=[p.ModelCard(id=self.model_name, max_model_len=self.engine.max_context)])
@@ -103,7 +110,7 @@ class OpenAIServing:
             raise ApiError(400, str(e), param=e.param) from None
         if structured is not None:
             try:
-                await self._off_loop(self.engine.prompts.grammars.compile, structured)
+                await self._off_loop(self.engine.prompts.grammars.compile, structured, pool=self._compile)
             except GrammarSpecError as e:
                 raise ApiError(400, f"the output constraint does not compile: {e}",
                                param=param_of(body, forced is not None)) from None

@@ -122,15 +122,27 @@ def parse_tool_calls(text: str, funcs: dict[str, dict]) -> tuple[str, list[ToolC
         return text[:text.index("<tool_call>")].strip(), calls
     body = text.strip()
     if body.startswith(("{", "[")):  # Llama 3.x: bare JSON, maybe several objects joined by ';'
-        parts = [body] if body.startswith("[") else [s for s in body.split(";") if s.strip()]
-        objs = []
-        try:
-            for s in parts:
-                v = json.loads(s)
-                objs.extend(v if isinstance(v, list) else [v])
-        except json.JSONDecodeError:
+        objs = _json_values(body)
+        if objs is None:
             return text, []
         calls = [_call_of(o, funcs) for o in objs]
         if calls and all(c is not None for c in calls):
             return "", calls
     return text, []
+
+
+def _json_values(body: str) -> Optional[list]:
+    """The JSON values of `body`, one after another and optionally separated by ';' (a list's
+    items count one by one); None unless the whole body is such values. Each value is read by the
+    JSON decoder, so a ';' inside a string (an argument) is never taken for a separator."""
+    decoder, objs, i = json.JSONDecoder(), [], 0
+    while True:
+        try:
+            v, i = decoder.raw_decode(body, i)
+        except json.JSONDecodeError:
+            return None
+        objs.extend(v if isinstance(v, list) else [v])
+        while i < len(body) and (body[i].isspace() or body[i] == ";"):
+            i += 1
+        if i == len(body):
+            return objs
