@@ -191,3 +191,39 @@ def test_a_failed_placement_is_a_pipeline_error_naming_its_cause(raised):
     text = str(info.value)
     assert "\n" not in text and text.startswith("placing the stages failed: ")
     assert ("died" in text) if raised == "actor" else ("WeightCacheError: tiny.gguf" in text)
+
+
+def backend_on(nodes, monkeypatch, messages, **extra):
+    """A RayBackend planned over `nodes` (NodeReports) without a cluster: joining, probing and
+    calibrating are replaced by the reports given."""
+    from specpipe.cluster import placement
+    from specpipe.cluster.ray_backend import RayBackend
+    from specpipe.engine.kv_pool import held_weight_bytes
+    from specpipe.engine.stage_plan import cluster_blocks
+    from specpipe.loader import open_checkpoint
+    from specpipe.loader.default_model import default_model_path
+
+    monkeypatch.setattr(placement, "connect", lambda address: None)
+    monkeypatch.setattr(placement, "driver_node_id", lambda: "driver")
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    monkeypatch.setattr(RayBackend, "_refresh_nodes", lambda self: self.reports.update({n.node_id: n for n in nodes}))
+    path = default_model_path()
+    ckpt = open_checkpoint(path)
+    c = EngineConfig(model=str(path), cluster="ray", mode="specpipe", draft="ngram", **extra)
+    return RayBackend(c, ckpt, path, lambda S: cluster_blocks(c, ckpt.config, S), held_weight_bytes(ckpt, c),
+                      messages.append)
+
+
+def test_the_kv_pool_is_a_share_of_free_memory_and_fewer_stages_are_said(smollm2, monkeypatch):
+    """SmolLM2-135M on one node with 8 GiB free: the KV pool is --kv-memory-fraction of what the
+    stage leaves free, as local stages get, not the 5.8 GB that --max-num-seqs full contexts
+    could use; --stages 2 on one node plans one stage and says so."""
+    from specpipe.cluster.planner import NodeReport
+
+    GiB = 2**30
+    messages: list[str] = []
+    b = backend_on([NodeReport("n1", "node-1", 8 * GiB, 1.0, 2)], monkeypatch, messages, stages=2)
+    cfg = smollm2.config
+    kv = b.num_blocks * b.config.block_size * 2 * cfg.num_kv_heads * cfg.head_dim * 4 * cfg.num_layers
+    assert len(b.plan.stages) == 1 and kv <= 0.25 * 8 * GiB, kv / GiB  # was 5.67 GiB
+    assert any("planned 1 stage, not the 2 --stages allows" in m and "--stage-layers" in m for m in messages)
