@@ -52,10 +52,11 @@ class Sealer:
     """One direction of a channel: the MAC of each frame, in order."""
 
     def __init__(self, key: bytes) -> None:
-        self.key, self.seq = key, 0
+        self._keyed, self.seq = hmac.new(key, digestmod="sha256"), 0  # copied per frame: no re-keying
 
     def mac(self, header: bytes, body) -> bytes:
-        h = hmac.new(self.key, SEQ.pack(self.seq), "sha256")
+        h = self._keyed.copy()
+        h.update(SEQ.pack(self.seq))
         h.update(header)
         h.update(body)
         self.seq += 1
