@@ -9,6 +9,7 @@ message is an error, not a crash.
 from __future__ import annotations
 
 import struct
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -20,7 +21,31 @@ DTYPES = [torch.long, torch.float32, torch.bfloat16, torch.float16]
 
 
 class WireError(RuntimeError):
-    """A message that does not decode: a version mismatch or a corrupted link."""
+    """A message that does not decode: a version mismatch or a corrupted link; the sender's fault.
+    `source`: "rows" when it is known to be a Rows message (see RowsMalformed), else None."""
+
+    source: Optional[str] = None
+
+
+class RowsMalformed(WireError):
+    """Rows outside what the receiving stage accepts (RowLimits): token ids sent past stage 1 or
+    activations into it, a width or type not the model's, token ids outside the vocabulary, masks
+    not the vocabulary's width, more rows than its KV pool holds. Raised as the header is decoded,
+    before anything is allocated for it, and by the stage worker for Rows handed over in-process."""
+
+    source = "rows"
+
+
+@dataclass(frozen=True)
+class RowLimits:
+    """What one stage accepts in a step's Rows, from its model and its KV pool."""
+
+    first: bool  # stage 1 takes token ids (T,); every later stage activations (T, hidden)
+    hidden: int  # the model's width
+    dtype: torch.dtype  # the activations' type (the model's)
+    vocab_size: int  # token ids are < it
+    mask_words: int  # int64 words in a token mask row: the vocabulary's width (grammar/bitmask.py)
+    max_rows: int  # the KV pool's slots: more rows in one step could never be placed
 
 
 def _f2i(x: float) -> int:
@@ -103,7 +128,7 @@ def decode_control(values: list[int]) -> Control:
 
 FAILED = 1  # flag of a Rows or Results: the request ran out of KV at some stage (no rows)
 MASKED = 2  # flag of a Rows: a second tensor follows, its head rows' token masks (int64 bits)
-MAX_MASK_WORDS = 1 << 16  # int64 words per mask row: vocabularies up to 4M tokens
+MAX_MASK_WORDS = 1 << 16  # int64 words per mask row without RowLimits: vocabularies up to 4M tokens
 
 
 def _flags(values: _Reader, what: str) -> bool:
@@ -137,13 +162,17 @@ def encode_rows(batch: list[Rows]) -> tuple[list[int], list[torch.Tensor]]:
     return out, tensors
 
 
-def decode_rows_header(values: list[int], hidden: Optional[int] = None, max_rows: Optional[int] = None
+def decode_rows_header(values: list[int], hidden: Optional[int] = None, max_rows: Optional[int] = None,
+                       limits: Optional[RowLimits] = None
                        ) -> list[tuple[Rows, Optional[tuple[int, ...]], Optional[torch.dtype]]]:
     """The Rows (data still empty) with the shape and dtype of the tensor to receive for each;
     (marker, None, None) for a failure marker, which has no tensor. Rows that carry token masks
-    come with `masks` an empty int64 tensor of the shape to receive next (see `recv_rows`). `hidden` and `max_rows` (a
-    stage's model width and the most rows a step brings): activations of any other shape are
-    refused before anything is allocated for them."""
+    come with `masks` an empty int64 tensor of the shape to receive next (after the activations).
+    `limits`: the receiving stage's (StageWorker.limits): rows it would refuse raise
+    RowsMalformed before anything is allocated for them. Without them only `hidden` and
+    `max_rows` are checked (the model's width, the most rows a step brings)."""
+    if limits is not None:
+        hidden, max_rows = limits.hidden, limits.max_rows
     r = _Reader(values)
     rows_in_all = 0
     out = []
@@ -153,37 +182,72 @@ def decode_rows_header(values: list[int], hidden: Optional[int] = None, max_rows
             out.append((Rows.failure(rid), None, None))
             continue
         t, n_heads = r.count(), r.one()
+        if max_rows is not None and rows_in_all + t > max_rows:
+            raise RowsMalformed(f"{rows_in_all + t} rows in one step, at most {max_rows} can come")
+        rows_in_all += t
         if n_heads < -1:
             raise WireError(f"bad head-row count {n_heads}")
         heads = None if n_heads == -1 else r.take(n_heads)
-        if heads is not None and any(not 0 <= h < t for h in heads):
-            raise WireError(f"head rows {heads} out of range for {t} rows")
         node_ids, parent_ids, positions = r.take(t), r.take(t), r.take(t)
         dtype_code, ndim = r.take(2)
         if not 0 <= dtype_code < len(DTYPES) or ndim not in (1, 2):
             raise WireError(f"bad activation descriptor ({dtype_code}, {ndim})")
         shape = tuple(r.take(ndim))
-        if shape[0] != t:
-            raise WireError(f"activation has {shape[0]} rows for {t} nodes")
-        if any(d < 0 for d in shape):
-            raise WireError(f"bad activation shape {shape}")
-        if hidden is not None and ndim == 2 and shape[1] != hidden:
-            raise WireError(f"activation of width {shape[1]}, the model's hidden size is {hidden}")
-        if hidden is not None and ndim == 1 and DTYPES[dtype_code] != torch.long:
-            raise WireError(f"1-D activation of type {DTYPES[dtype_code]} (only token ids are 1-D)")
-        rows_in_all += t
-        if max_rows is not None and rows_in_all > max_rows:
-            raise WireError(f"{rows_in_all} rows in one step, at most {max_rows} can come")
-        masks = None
-        if r.masked:
-            n_masks, words = r.take(2)
-            if n_masks != (t if heads is None else len(heads)) or not 0 < words <= MAX_MASK_WORDS:
-                raise WireError(f"bad token masks ({n_masks} x {words}) for {t} rows")
-            masks = torch.empty((n_masks, words), dtype=torch.long)
+        mask_shape = tuple(r.take(2)) if r.masked else None
+        check_rows_shape(rid, t, heads, shape, DTYPES[dtype_code], mask_shape, limits)
+        if limits is None:
+            if hidden is not None and ndim == 2 and shape[1] != hidden:
+                raise RowsMalformed(f"activation of width {shape[1]}, the model's hidden size is {hidden}")
+            if hidden is not None and ndim == 1 and DTYPES[dtype_code] != torch.long:
+                raise RowsMalformed(f"1-D activation of type {DTYPES[dtype_code]} (only token ids are 1-D)")
+            if mask_shape is not None and not 0 < mask_shape[1] <= MAX_MASK_WORDS:
+                raise RowsMalformed(f"bad token masks {mask_shape} for request {rid}")
+        masks = None if mask_shape is None else torch.empty(mask_shape, dtype=torch.long)
         out.append((Rows(rid, node_ids, parent_ids, positions, torch.empty(0), heads, masks=masks),
                     shape, DTYPES[dtype_code]))
     r.done()
     return out
+
+
+def check_rows_shape(rid: int, t: int, heads: Optional[list[int]], shape: tuple[int, ...], dtype: torch.dtype,
+                     mask_shape: Optional[tuple[int, ...]], limits: Optional[RowLimits]) -> None:
+    """One Rows entry's shapes against what the stage accepts (RowsMalformed): the header's as it
+    is decoded (nothing allocated yet), or an in-process Rows' tensors (StageWorker)."""
+    if any(d < 0 for d in shape) or shape[0] != t:
+        raise RowsMalformed(f"request {rid}: activation of shape {shape} for {t} rows")
+    if heads is not None and (len(set(heads)) != len(heads) or any(not 0 <= h < t for h in heads)):
+        raise RowsMalformed(f"request {rid}: head rows {heads} are not distinct rows of {t}")
+    n_heads = t if heads is None else len(heads)
+    if mask_shape is not None and (len(mask_shape) != 2 or mask_shape[0] != n_heads):
+        raise RowsMalformed(f"request {rid}: token masks of shape {mask_shape} for {n_heads} head rows")
+    if limits is None:
+        return
+    if limits.first and (len(shape) != 1 or dtype != torch.long):
+        raise RowsMalformed(f"request {rid}: stage 1 takes token ids (T,) int64, got {tuple(shape)} {dtype}")
+    if not limits.first and (len(shape) != 2 or shape[1] != limits.hidden or dtype != limits.dtype):
+        raise RowsMalformed(f"request {rid}: this stage takes activations ({t}, {limits.hidden}) {limits.dtype}, "
+                            f"got {tuple(shape)} {dtype}" + (" (token ids go to stage 1 only)" if len(shape) == 1 else ""))
+    if mask_shape is not None and mask_shape[1] != limits.mask_words:
+        raise RowsMalformed(f"request {rid}: token masks of {mask_shape[1]} words a row, the vocabulary of "
+                            f"{limits.vocab_size} tokens takes {limits.mask_words}")
+
+
+def check_rows(rows: Rows, limits: RowLimits) -> None:
+    """A Rows handed over in-process (no header was decoded) against what the stage accepts, and
+    stage 1's token ids against the vocabulary (an id past it would index the embedding out of
+    range deep inside the model): RowsMalformed."""
+    if rows.failed:
+        return
+    t, data = len(rows.node_ids), rows.data
+    if len(rows.parent_ids) != t or len(rows.positions) != t:
+        raise RowsMalformed(f"request {rows.request_id}: {t} rows with {len(rows.parent_ids)} parents and "
+                            f"{len(rows.positions)} positions")
+    if rows.masks is not None and rows.masks.dtype != torch.long:
+        raise RowsMalformed(f"request {rows.request_id}: token masks of type {rows.masks.dtype}, not int64")
+    check_rows_shape(rows.request_id, t, rows.head_rows, tuple(data.shape), data.dtype,
+                     None if rows.masks is None else tuple(rows.masks.shape), limits)
+    if limits.first and t and not 0 <= int(data.min()) <= int(data.max()) < limits.vocab_size:
+        raise RowsMalformed(f"request {rows.request_id}: token ids outside the vocabulary of {limits.vocab_size}")
 
 
 def encode_results(results: list[Results]) -> list[int]:

@@ -47,7 +47,7 @@ def run_packed(model: LlamaStage, kv: KVCache, table: SlotTable, parts: Sequence
             plans.append(None)
             continue
         try:
-            plans.append(table.plan(rid, rows.node_ids, rows.parent_ids))
+            plans.append(table.plan(rid, rows.node_ids, rows.parent_ids, rows.positions))
         except KVCacheFull:
             # Only this request fails: free its KV here (parts of it planned earlier in this
             # call included) so the others keep their blocks and go on.

@@ -66,7 +66,26 @@ class KVCacheFull(RuntimeError):
 
 
 class KVStateError(RuntimeError):
-    """The driver and a stage disagree about a request's tree (a bug, never user error)."""
+    """The driver and a stage disagree about a request's tree (a bug, never user error).
+    `source`: which message broke the table's rules, when the check knows: "control" (the
+    driver's Control) or "rows" (the Rows from the previous rank, or the driver for stage 1);
+    None for a fault found later, the stage's own."""
+
+    source: Optional[str] = None
+
+
+class ControlRefused(KVStateError):
+    """The driver's Control contradicts this stage's state (an unknown request or cache id, a run
+    not settled here, a request admitted twice): refused before anything changed."""
+
+    source = "control"
+
+
+class RowsRefused(KVStateError):
+    """Rows whose tree contradicts this stage's state (a parent it does not hold, a node declared
+    twice, a position that is not its parent's + 1): refused before anything changed."""
+
+    source = "rows"
 
 
 class BlockPool:
@@ -94,7 +113,7 @@ class BlockPool:
 @dataclass
 class RequestSlots:
     committed: list[int] = field(default_factory=list)
-    spec: dict[int, tuple[int, int]] = field(default_factory=dict)  # node -> (slot, parent)
+    spec: dict[int, tuple[int, int, int]] = field(default_factory=dict)  # node -> (slot, parent, position)
     pending: deque = field(default_factory=deque)
     dropped: dict[int, int] = field(default_factory=dict)  # node -> the table's step when pruned
     blocks: list[int] = field(default_factory=list)
@@ -102,9 +121,18 @@ class RequestSlots:
     failed: bool = False
     evicted: int = 0  # committed positions no longer held (a sliding-window table): committed[0]'s position
     cached: list[int] = field(default_factory=list)  # cache ids of the blocks it reads (not its own)
+    # The node id of the last committed position: the one parent outside `spec` a new row may
+    # name. NO_PARENT before anything is committed; None while unknown (a prefix read from cached
+    # blocks, whose node ids this table never saw: the first row that names one teaches it).
+    tip: Optional[int] = NO_PARENT
 
     def num_slots(self) -> int:
         return len(self.committed) + len(self.spec)
+
+    @property
+    def held(self) -> int:
+        """Committed positions, evicted ones included: the position of the tip's child."""
+        return self.evicted + len(self.committed)
 
 
 @dataclass
@@ -190,7 +218,7 @@ class SlotTable:
             raise KVStateError(f"request {request_id}: cached blocks adopted after its rows")
         self._read_cached(r, cached)
         for _ in range(min(len(r.committed), len(r.pending))):
-            r.pending.popleft()
+            r.tip = r.pending.popleft()  # the commits told before: the cached positions' own ids
 
     def _read_cached(self, r: RequestSlots, cached: list[int]) -> None:
         bs = self.block_size
@@ -200,6 +228,8 @@ class SlotTable:
             b = self.cached[c]
             r.committed.extend(range(b * bs, (b + 1) * bs))
         r.cached = list(cached)
+        if cached:
+            r.tip = None  # the cached positions' node ids are the driver's: learned from the first row
 
     def release(self, request_id: int) -> None:
         r = self.requests.pop(request_id, None)
@@ -247,30 +277,44 @@ class SlotTable:
             # it again without the cache.
             self.lost.update(ids)
             return []
+        runs, moves = self.share_plan(request_id, blocks, ids, final)
         bs = self.block_size
+        for k, c, b in runs:
+            r.committed[k * bs:(k + 1) * bs] = range(b * bs, (b + 1) * bs)  # as it was, or copied there
+            r.blocks.remove(b)
+            self.cached[c] = b
+            self.readers[c] += 1
+            r.cached.append(c)
+        return moves
+
+    def share_plan(self, request_id: int, blocks: list[int], ids: list[int], final: bool,
+                   taken: frozenset = frozenset()) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+        """What `share` would do, changing nothing: (run, cache id, the block that will hold it)
+        for each run, and the copies (from slot, to slot) into spare blocks, all to be made at
+        once (every read before any write: a spare block may hold another run's sources).
+        KVStateError when the driver asks for what cannot be. `taken`: cache ids claimed by an
+        earlier Share of the same step (kv/step_check.py)."""
+        r, bs = self.requests[request_id], self.block_size
+        if len(blocks) != len(ids) or len(set(blocks)) != len(blocks) or len(set(ids)) != len(ids):
+            raise KVStateError(f"request {request_id}: runs {blocks} shared as cache ids {ids}")
         runs = []
         for k, c in zip(blocks, ids):
-            if c in self.cached or (k + 1) * bs > len(r.committed):
+            if c in self.cached or c in taken or not 0 <= k or (k + 1) * bs > len(r.committed):
                 raise KVStateError(f"request {request_id}: run {k} shared as cache id {c}, but it is "
-                                   f"{'cached already' if c in self.cached else 'not settled here'}")
+                                   f"{'cached already' if c in self.cached or c in taken else 'not settled here'}")
             runs.append((k, c, self.whole_block(request_id, k)))
         claimed = {b for _, _, b in runs if b is not None}
         spare = [b for b in r.blocks if b not in claimed]
-        moves = []
+        out, moves = [], []
         for k, c, b in runs:
             if b is None:
                 if not final or not spare:
                     raise KVStateError(f"request {request_id}: run {k} is not one block's slots in order")
                 b = spare.pop(0)
                 src = r.committed[k * bs:(k + 1) * bs]
-                dst = list(range(b * bs, (b + 1) * bs))
-                moves += [(a, d) for a, d in zip(src, dst) if a != d]
-                r.committed[k * bs:(k + 1) * bs] = dst
-            r.blocks.remove(b)
-            self.cached[c] = b
-            self.readers[c] += 1
-            r.cached.append(c)
-        return moves
+                moves += [(a, d) for a, d in zip(src, range(b * bs, (b + 1) * bs)) if a != d]
+            out.append((k, c, b))
+        return out, moves
 
     def evict(self, ids: list[int]) -> None:
         """Forget cached blocks nobody reads; their blocks go back to the pool."""
@@ -314,7 +358,8 @@ class SlotTable:
         # Commits arrive in path order; a node not yet computed here waits at the head.
         before = len(r.committed)
         while r.pending and r.pending[0] in r.spec:
-            r.committed.append(r.spec.pop(r.pending.popleft())[0])
+            r.tip = r.pending.popleft()
+            r.committed.append(r.spec.pop(r.tip)[0])
         settled = len(r.committed) - before
         if settled and self.evict_behind is not None:
             self._evict(r)
@@ -349,58 +394,47 @@ class SlotTable:
         # The ids stay until the horizon: a pruned node's children, which follow it, are refused too.
         return [i for i, n in enumerate(node_ids) if n not in r.dropped]
 
-    def plan(self, request_id: int, node_ids: list[int], parent_ids: list[int]) -> RowPlan:
+    def plan(self, request_id: int, node_ids: list[int], parent_ids: list[int],
+             positions: Optional[list[int]] = None) -> RowPlan:
         """Allocate slots for new rows (at least one) and derive what each may attend to: the
         committed prefix, its own ancestors among the live tree nodes, and itself. With a window
-        table, the same rows are planned there too (`RowPlan.window`).
+        table, the same rows are planned there too (`RowPlan.window`). `positions`: the rows'
+        positions as sent, checked against the tree's (`check_tree`); the table derives them
+        from the parents either way.
 
-        Everything is checked before any slot is taken, so a refused plan (KVStateError, or
+        Everything is checked before any slot is taken, so a refused plan (RowsRefused, or
         KVCacheFull when the pool has too few blocks) leaves the table as it was."""
-        r = self._check(request_id, node_ids, parent_ids)
+        checked = self._check(request_id, node_ids, parent_ids, positions)
         if self.window is not None:
-            self.window._check(request_id, node_ids, parent_ids)
-        plan = self._place(r, node_ids, parent_ids)
+            window = self.window._check(request_id, node_ids, parent_ids, positions)
+        plan = self._place(*checked, node_ids, parent_ids)
         if self.window is not None:
-            plan.window = self.window._place(self.window.requests[request_id], node_ids, parent_ids)
+            plan.window = self.window._place(*window, node_ids, parent_ids)
         return plan
 
-    def _check(self, request_id: int, node_ids: list[int], parent_ids: list[int]) -> RequestSlots:
-        r = self.requests[request_id]
+    def _check(self, request_id: int, node_ids: list[int], parent_ids: list[int],
+               positions: Optional[list[int]]) -> tuple[RequestSlots, list[int], Optional[int]]:
+        """The request, each row's position and the committed tip (`check_tree`), when the rows may be placed."""
+        r = self.requests.get(request_id)
+        if r is None:
+            raise RowsRefused(f"rows for request {request_id}, which this stage does not hold")
         if r.failed:
-            raise KVStateError(f"request {request_id}: rows planned after it failed at this stage")
-        if not node_ids or len(parent_ids) != len(node_ids):
-            raise KVStateError(f"request {request_id}: {len(node_ids)} rows with {len(parent_ids)} parents")
-        if len(set(node_ids)) != len(node_ids) or any(n in r.spec for n in node_ids):
-            raise KVStateError(f"request {request_id}: a node computed twice at this stage ({node_ids})")
-        # The tree's edges point back in time: following parents from any new row must leave this
-        # message (to a committed node or one computed here before) or end. A row that is its own
-        # parent, or rows that are each other's ancestors, would make the ancestor walk (_chain)
-        # go round for ever. (Rows may come before their parents within a message.)
-        parent_of = dict(zip(node_ids, parent_ids))
-        done: set[int] = set()
-        for n in node_ids:
-            path: set[int] = set()
-            while n in parent_of and n not in done:
-                if n in path:
-                    raise KVStateError(f"request {request_id}: the rows' parent ids form a cycle through node {n}")
-                path.add(n)
-                n = parent_of[n]
-            done |= path
-        for n, p in zip(node_ids, parent_ids):
-            if p != NO_PARENT and p in r.dropped:
-                raise KVStateError(f"request {request_id}: node {n} arrived after its parent {p} was pruned")
+            raise RowsRefused(f"request {request_id}: rows planned after it failed at this stage")
+        at, tip = check_tree(r, request_id, node_ids, parent_ids, positions)
         new_blocks = -(-max(0, len(node_ids) - len(r.free)) // self.block_size)
         if new_blocks > self.pool.num_free():
             what = "sliding-window KV" if self.evict_behind is not None else "KV cache"
             raise KVCacheFull(
                 f"{what} full: request {request_id} needs {new_blocks} more blocks of {self.block_size} "
                 f"slots, {self.pool.num_free()} of {self.pool.num_blocks} free")
-        return r
+        return r, at, tip
 
-    def _place(self, r: RequestSlots, node_ids: list[int], parent_ids: list[int]) -> RowPlan:
+    def _place(self, r: RequestSlots, at: list[int], tip: Optional[int], node_ids: list[int],
+               parent_ids: list[int]) -> RowPlan:
         slots = self._alloc(r, len(node_ids))
-        for n, p, s in zip(node_ids, parent_ids, slots):
-            r.spec[n] = (s, p)
+        for n, p, s, pos in zip(node_ids, parent_ids, slots, at):
+            r.spec[n] = (s, p, pos)
+        r.tip = tip
         if _is_chain(node_ids, parent_ids) and parent_ids[0] not in r.spec:
             # Prefill or plain decode: rows extend the committed prefix one after another.
             read = r.committed + slots
@@ -453,8 +487,13 @@ class SlotTable:
         return self._settle(r)
 
     def _chain(self, r: RequestSlots, node: int) -> list[int]:
+        """The node and its live ancestors, nearest first. `check_tree` keeps the parent links
+        acyclic; the bound is a second line of defence: a walk longer than the live nodes is a
+        loop, an error instead of a stage that spins for ever while its heartbeat says alive."""
         out = []
         while node in r.spec:
+            if len(out) == len(r.spec):
+                raise KVStateError(f"the ancestors of node {out[0]} loop back on themselves (through {node})")
             out.append(node)
             node = r.spec[node][1]
         return out
@@ -472,3 +511,47 @@ class SlotTable:
 
 def _is_chain(node_ids: list[int], parent_ids: list[int]) -> bool:
     return all(parent_ids[i] == node_ids[i - 1] for i in range(1, len(node_ids)))
+
+
+def check_tree(r: RequestSlots, request_id: int, node_ids: list[int], parent_ids: list[int],
+               positions: Optional[list[int]] = None) -> tuple[list[int], Optional[int]]:
+    """The rule every new row obeys, so that the parent links stay a tree across messages:
+    its parent is a node the stage already holds (a live node, or the committed tip: the last
+    committed position's node) or a row EARLIER in the same message, and its own id is new here
+    (not live, not the tip, not the parent of a live node). Then no chain of parents can close
+    into a loop: a loop needs a link into a new row, and only later rows of the same message may
+    name one. Its position is its parent's + 1 (the tip's: `held`), so positions stay within the
+    context the stage holds. `r` may be a RequestSlots or a view of one (kv/step_check.py).
+    Returns each row's position and the committed tip (learned when it was unknown). Pure."""
+    if not node_ids or len(parent_ids) != len(node_ids) or (positions is not None and len(positions) != len(node_ids)):
+        raise RowsRefused(f"request {request_id}: {len(node_ids)} rows with {len(parent_ids)} parents"
+                          + ("" if positions is None else f" and {len(positions)} positions"))
+    tip, spec, sent = r.tip, r.spec, set(node_ids)
+    referenced = {v[1] for v in spec.values()}  # ids the live nodes take as committed or live
+    at: dict[int, int] = {}  # this message's rows -> position
+    for i, (n, p) in enumerate(zip(node_ids, parent_ids)):
+        if n in at or n in spec:
+            raise RowsRefused(f"request {request_id}: node {n} computed twice at this stage")
+        if n == NO_PARENT or n == tip or n in referenced:
+            raise RowsRefused(f"request {request_id}: node {n} is already held here "
+                              f"({'the committed tip' if n == tip else 'a live node names it as parent'}): "
+                              "it cannot be declared again")
+        if p in at:
+            pos = at[p] + 1
+        elif p in spec:
+            pos = spec[p][2] + 1
+        elif p in r.dropped:
+            raise RowsRefused(f"request {request_id}: node {n} arrived after its parent {p} was pruned")
+        elif p in sent:
+            raise RowsRefused(f"request {request_id}: node {n}'s parent {p} comes after it in the message "
+                              "(parents come first: a cycle otherwise)")
+        elif p == tip or tip is None:
+            tip, pos = p, r.held
+        else:
+            raise RowsRefused(f"request {request_id}: node {n}'s parent {p} is neither a node this stage holds "
+                              f"(the committed tip {tip}, {len(spec)} live nodes) nor an earlier row")
+        if positions is not None and positions[i] != pos:
+            raise RowsRefused(f"request {request_id}: node {n} at position {positions[i]}, "
+                              f"but its parent {p} is at {pos - 1}")
+        at[n] = pos
+    return [at[n] for n in node_ids], tip

@@ -10,6 +10,14 @@ torch.distributed stage process (stage_main.py) both drive it the same way.
 When the KV pool runs out for a request, only that request fails: its KV is freed here, its later
 rows are dropped, and a `Rows.failure` marker goes downstream in its place; the last stage turns
 the marker into `Results(failed=True)` for the driver.
+
+A step is checked whole before anything changes (`check`), so a refused one leaves the stage as
+it was; the error says whose message was at fault (its `source`):
+  ControlRefused  (KVStateError, "control")  the driver's Control contradicts the stage's state
+  RowsRefused     (KVStateError, "rows")     Rows whose tree contradicts it (a parent not held...)
+  RowsMalformed   (WireError, "rows")        Rows outside the stage's RowLimits (shape, type,
+                                             token ids, mask width, row count)
+Anything else raised by `step` is the stage's own fault.
 """
 
 from __future__ import annotations
@@ -25,7 +33,10 @@ from specpipe.model.stage import weight_nbytes
 from specpipe.grammar.bitmask import apply_masks
 from specpipe.sampling import SamplingParams, target_tokens
 from specpipe.kv.packed_forward import run_packed
+from specpipe.distributed.wire import RowLimits, RowsMalformed, check_rows
+from specpipe.grammar.bitmask import row_words
 from specpipe.kv.slot_table import MAX_HORIZON, SlotTable
+from specpipe.kv.step_check import StepView, check_control
 from specpipe.worker.memory import process_memory
 
 
@@ -54,6 +65,27 @@ class StageWorker:
         # (step, start, end) of each step that computed rows, perf_counter_ns (CLOCK_MONOTONIC on
         # Linux: one clock for every process of a machine); drained by each report.
         self.spans: collections.deque[tuple[int, int, int]] = collections.deque(maxlen=SPAN_LOG)
+        cfg = model.cfg
+        self.limits = RowLimits(first=model.spec.first, hidden=cfg.hidden_size, dtype=model.act_dtype,
+                                vocab_size=cfg.vocab_size, mask_words=row_words(cfg.vocab_size),
+                                max_rows=self.slots.num_slots)
+
+    def check(self, control: Control, incoming: list[Rows]) -> list[list[int]]:
+        """Refuse the step (see the module) or say which rows of each Rows this stage computes
+        (those not pruned in flight, of requests still held here). Changes nothing."""
+        check_control(self.slots, control)
+        if sum(len(rows) for rows in incoming) > self.limits.max_rows:
+            raise RowsMalformed(f"{sum(len(rows) for rows in incoming)} rows in one step, "
+                                f"at most {self.limits.max_rows} can come")
+        view, keep = StepView(self.slots, control), []
+        for rows in incoming:
+            check_rows(rows, self.limits)
+            if rows.failed:
+                view.fail(rows.request_id)
+                keep.append([])
+            else:
+                keep.append(view.rows(rows.request_id, rows.node_ids, rows.parent_ids, rows.positions))
+        return keep
 
     def apply(self, control: Control) -> None:
         """In the driver's order: blocks joining the prefix cache, releases, evictions, admits
@@ -78,15 +110,16 @@ class StageWorker:
             self.stats.rows_committed += self.slots.commit(p.request_id, p.commit)
 
     def step(self, control: Control, incoming: list[Rows]) -> list[Rows | Results]:
-        """One pipeline step of this stage."""
+        """One pipeline step of this stage: checked whole (`check`), then applied."""
         start = time.perf_counter_ns()
+        live = self.check(control, incoming)
         self.slots.tick()
         self.apply(control)
         self.stats.steps += 1
         out: list[Rows | Results] = [self._failure(rid) for rid in self._admit_failed]
         self._admit_failed = []
         parts = []
-        for rows in incoming:
+        for rows, keep in zip(incoming, live):
             r = self.slots.requests.get(rows.request_id)
             if r is None:
                 continue  # released while these rows were in flight (EOS or max tokens mid-tree)
@@ -95,7 +128,7 @@ class StageWorker:
                     self.slots.fail(rows.request_id)
                     out.append(self._failure(rows.request_id))
                 continue
-            rows = rows.select(self.slots.live_rows(rows.request_id, rows.node_ids))
+            rows = rows.select(keep)  # the rows pruned in flight left out (SlotTable.live_rows)
             if len(rows):
                 parts.append(rows)
         if parts:

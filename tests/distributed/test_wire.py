@@ -9,7 +9,10 @@ import pytest
 import torch
 
 from specpipe.distributed.wire import (
+    RowLimits,
+    RowsMalformed,
     WireError,
+    check_rows,
     decode_control,
     decode_floats,
     decode_results,
@@ -354,3 +357,58 @@ def test_wait_ready_reports_each_stage_in_a_line():
     assert [r["num_blocks"] for r in ready] == [64, 64]
     assert lines == ["stage 1/2 ready: weights 3 MiB, KV 2 MiB, resident 1 MiB",
                      "stage 2/2 ready: weights 3 MiB, KV 2 MiB, resident 2 MiB"]
+
+
+# -- what a stage accepts (RowLimits): refused before anything is allocated -----------------------
+
+LIMITS = dict(hidden=8, dtype=torch.float32, vocab_size=49152, mask_words=768, max_rows=64)
+
+
+def _header(rows: Rows) -> list[int]:
+    return torch.tensor(encode_rows([rows])[0], dtype=torch.long).tolist()
+
+
+def test_masks_must_be_the_vocabulary_width():
+    """Issue 57 finding 6: 65,536 words a mask row were accepted where the vocabulary takes 768;
+    512 such rows took a stage past 3 GB. Now any other width is refused at the header."""
+    later = RowLimits(first=False, **LIMITS)
+    rows = Rows(1, [0, 1], [NO_PARENT, 0], [0, 1], torch.zeros(2, 8), masks=torch.zeros(2, 1 << 16, dtype=torch.long))
+    with pytest.raises(RowsMalformed, match="65536 words a row, the vocabulary of 49152 tokens takes 768"):
+        decode_rows_header(_header(rows), limits=later)
+    rows.masks = torch.zeros(2, 769, dtype=torch.long)
+    with pytest.raises(RowsMalformed, match="769 words"):
+        decode_rows_header(_header(rows), limits=later)
+    rows.masks = torch.zeros(2, 768, dtype=torch.long)
+    (decoded, shape, dtype), = decode_rows_header(_header(rows), limits=later)
+    assert decoded.masks.shape == (2, 768) and shape == (2, 8) and dtype == torch.float32
+
+
+def test_token_ids_past_stage_one_and_activations_into_it_are_refused():
+    """Issue 57 finding 8: 1-D token ids sent to stage 2 became 'RuntimeError' inside the model."""
+    ids = Rows(1, [0, 1], [NO_PARENT, 0], [0, 1], torch.tensor([3, 4]))
+    hidden = Rows(1, [0, 1], [NO_PARENT, 0], [0, 1], torch.zeros(2, 8))
+    with pytest.raises(RowsMalformed, match="token ids go to stage 1 only"):
+        decode_rows_header(_header(ids), limits=RowLimits(first=False, **LIMITS))
+    with pytest.raises(RowsMalformed, match="stage 1 takes token ids"):
+        decode_rows_header(_header(hidden), limits=RowLimits(first=True, **LIMITS))
+    with pytest.raises(RowsMalformed, match="bfloat16"):
+        decode_rows_header(_header(Rows(1, [0], [NO_PARENT], [0], torch.zeros(1, 8, dtype=torch.bfloat16))),
+                           limits=RowLimits(first=False, **LIMITS))
+    decode_rows_header(_header(ids), limits=RowLimits(first=True, **LIMITS))
+    decode_rows_header(_header(hidden), limits=RowLimits(first=False, **LIMITS))
+    check_rows(ids, RowLimits(first=True, **LIMITS))
+    with pytest.raises(RowsMalformed, match="outside the vocabulary"):
+        check_rows(Rows(1, [0], [NO_PARENT], [0], torch.tensor([49152])), RowLimits(first=True, **LIMITS))
+    with pytest.raises(RowsMalformed, match="token ids go to stage 1 only"):
+        check_rows(ids, RowLimits(first=False, **LIMITS))
+
+
+def test_more_rows_than_the_pool_holds_and_repeated_head_rows_are_refused():
+    limits = RowLimits(first=False, **{**LIMITS, "max_rows": 3})
+    two = Rows(1, [0, 1], [NO_PARENT, 0], [0, 1], torch.zeros(2, 8))
+    header, _ = encode_rows([two, Rows(2, [0, 1], [NO_PARENT, 0], [0, 1], torch.zeros(2, 8))])
+    with pytest.raises(RowsMalformed, match="4 rows in one step, at most 3"):
+        decode_rows_header(header, limits=limits)
+    with pytest.raises(RowsMalformed, match="head rows"):
+        decode_rows_header(_header(Rows(1, [0, 1], [NO_PARENT, 0], [0, 1], torch.zeros(2, 8), head_rows=[1, 1])),
+                           limits=limits)

@@ -55,9 +55,10 @@ def test_every_tree_row_reads_its_slots_in_position_order():
     m.commit(1, [-2, 0])
     m.computed(1)
     m.plan(1, [1, 2], [0, 0])  # layer 1 of the tree (its parent 0 committed)
-    # a later message: layer 2 and, in the same rows, layer 3 (children listed before parents'
-    # siblings, so a column order taken from the rows' own order would not be position order)
-    nodes, parents = [5, 3, 6, 4, 7], [3, 1, 4, 2, 5]
+    # a later message: layer 2 and, in the same rows, layer 3 (each after its parent, but before
+    # its parent's siblings, so a column order taken from the rows' own order would not be
+    # position order)
+    nodes, parents = [3, 5, 4, 6, 7], [1, 3, 2, 4, 5]
     plan = m.plan(1, nodes, parents)
     depth = {0: 0, 1: 1, 2: 1, 3: 2, 4: 2, 5: 3, 6: 3, 7: 4}
     node_of = {m.requests[1].spec[n][0]: n for n in m.requests[1].spec}
@@ -163,13 +164,13 @@ def test_paged_table_invariants(ops, num_blocks, block_size):
             peak[rid] = 0
         r = m.requests[rid]
         if op == "grow" and not r.failed:
-            # n new nodes, each under a random live node (or the committed prefix).
+            # n new nodes, each under a random live node (or the committed tip).
             live = list(r.spec)
             nodes, parents = [], []
             for i in range(n):
                 nodes.append(next(next_node))
                 options = live + nodes[:-1]
-                parents.append(options[(nodes[-1] * 7) % len(options)] if options else NO_PARENT)
+                parents.append(options[(nodes[-1] * 7) % len(options)] if options else r.tip)
             state = (dict(r.spec), list(r.free), list(r.blocks), m.pool.num_free())
             try:
                 plan = m.plan(rid, nodes, parents)
@@ -190,7 +191,7 @@ def test_paged_table_invariants(ops, num_blocks, block_size):
             peak[rid] = 0
         held = []
         for q, rq in m.requests.items():
-            slots = rq.committed + [s for s, _ in rq.spec.values()]
+            slots = rq.committed + [v[0] for v in rq.spec.values()]
             held += slots
             owned = {s for b in rq.blocks for s in range(b * block_size, (b + 1) * block_size)}
             assert set(slots) <= owned and set(rq.free) == owned - set(slots)
@@ -258,3 +259,93 @@ def test_rows_whose_parents_form_a_cycle_are_refused_untouched(nodes, parents):
     th.join(10)
     assert not th.is_alive(), "the plan never returned"
     assert "cycle" in str(errors[0].value) and m.pool.num_free() == free and not set(nodes) & set(m.requests[1].spec)
+
+
+def _refused_in_time(m: SlotTable, *plans) -> KVStateError:
+    """Run the plans in a thread (the old ancestor walk never returned): one must be refused."""
+    import threading
+
+    errors = []
+
+    def run():
+        try:
+            for p in plans:
+                m.plan(*p)
+        except KVStateError as e:
+            errors.append(e)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(10)
+    assert not th.is_alive(), "the plan never returned"
+    assert errors, "the plan was not refused"
+    return errors[0]
+
+
+def test_a_parent_cycle_across_two_messages_is_refused():
+    """Issue 57 finding 5: step k A's parent B, step k+1 B's parent A passed the per-message check
+    and the ancestor walk looped for ever. A row's parent must be a node held here (live, or the
+    committed tip) or an earlier row, so A is refused at once, and B could not be declared after."""
+    m = SlotTable(16, 4)
+    m.admit(1)
+    m.plan(1, [0], [NO_PARENT])
+    m.commit(1, [0])
+    e = _refused_in_time(m, (1, [10], [11]), (1, [11], [10]))
+    assert "parent 11 is neither a node this stage holds" in str(e) and e.source == "rows"
+    assert set(m.requests[1].spec) == set() and m.requests[1].tip == 0
+
+
+def test_a_node_held_as_a_parent_cannot_be_declared_again():
+    """A hostile driver commits around a live node (no drop): the node keeps the old tip as its
+    parent; declaring that id again as the node's child would close a loop."""
+    m = SlotTable(16, 4)
+    m.admit(1)
+    m.plan(1, [0, 1], [NO_PARENT, 0])
+    m.commit(1, [0])
+    m.plan(1, [2], [1])
+    m.commit(1, [1])  # tip 1; node 2 lives on under it
+    m.plan(1, [3], [1])  # a sibling of 2, never pruned
+    m.commit(1, [3])
+    e = _refused_in_time(m, (1, [1], [2]))
+    assert "already held here" in str(e)
+
+
+def test_after_a_cached_prefix_the_first_parent_named_becomes_the_tip():
+    """Cached positions' node ids are the driver's: the first row names the tip, and that id
+    cannot come back as a row below it."""
+    m = SlotTable(16, 4)
+    m.admit(1)
+    m.plan(1, [-2, -3, -4, -5], [NO_PARENT, -2, -3, -4])
+    m.commit(1, [-2, -3, -4, -5])
+    m.computed(1)
+    m.share(1, [0], [9])
+    m.admit(2, [9])
+    assert m.requests[2].tip is None
+    plan = m.plan(2, [7], [-5], positions=[4])
+    assert plan.write_slots and m.requests[2].tip == -5
+    _refused_in_time(m, (2, [-5], [7]))
+    with pytest.raises(KVStateError, match="parent 6 is neither"):
+        m.plan(2, [8], [6])
+
+
+def test_positions_follow_the_parents():
+    m = SlotTable(16, 4)
+    m.admit(1)
+    with pytest.raises(KVStateError, match="position 1"):
+        m.plan(1, [0], [NO_PARENT], positions=[1])
+    m.plan(1, [0, 1], [NO_PARENT, 0], positions=[0, 1])
+    with pytest.raises(KVStateError, match=r"node 2 at position 1000000000000, but its parent 1 is at 1"):
+        m.plan(1, [2], [1], positions=[10**12])
+    m.plan(1, [2, 3, 4], [1, 1, 3], positions=[2, 2, 3])
+    assert {n: v[2] for n, v in m.requests[1].spec.items()} == {0: 0, 1: 1, 2: 2, 3: 2, 4: 3}
+
+
+def test_the_ancestor_walk_is_bounded_by_the_live_nodes():
+    """A second line of defence: should links ever form a loop, the walk is an error, not a hang."""
+    m = SlotTable(16, 4)
+    m.admit(1)
+    m.plan(1, [0, 1, 2], [NO_PARENT, 0, 1])
+    r = m.requests[1]
+    r.spec[1] = (r.spec[1][0], 2, 1)  # corrupt: 1 <-> 2
+    e = _refused_in_time(m, (1, [5], [2]))
+    assert "loop" in str(e)
