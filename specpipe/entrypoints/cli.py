@@ -171,8 +171,10 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--ray-address", default="auto",
                    help="--cluster ray: the cluster's address (default auto: the one `ray start` made or joined here)")
     g.add_argument("--cluster-key-file", default=None,
-                   help="torchrun: a file holding a secret shared by every rank; each link between ranks proves it "
-                        "holds the key before it carries a message (also SPECPIPE_CLUSTER_KEY_FILE)")
+                   help="a file holding the pipeline's secret (at least 16 bytes; required under torchrun, the same "
+                        "file on every rank; local stages use it instead of a fresh key): the rendezvous admits "
+                        "only its holders and every frame on every link carries a MAC made with it (also "
+                        "SPECPIPE_CLUSTER_KEY_FILE)")
     g.add_argument("--max-num-seqs", type=_positive_int, default=32, help="requests in the pipeline at once (default 32)")
     g.add_argument("--max-step-rows", type=_positive_int, default=64,
                    help="pp-cb/specpipe-db: rows entering stage 1 per step, prefill chunks included (default 64)")
