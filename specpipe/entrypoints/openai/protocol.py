@@ -93,9 +93,10 @@ class NamedToolChoice(OpenAIModel):
 Text = Annotated[str, Field(min_length=1)]
 
 
-# Any 64-bit seed a client sends, as far as the schema's (float) bound states exactly; the engine
-# keys on it modulo 2**63.
-MAX_SEED = 2**63
+# The schema carries bounds as floats, and above 2**53 a float bound is not the integer it means
+# (a generator then finds seeds the schema allows and the model refuses): seeds are integers a
+# double holds exactly, as JavaScript clients can send them anyway.
+MAX_SEED = 2**53
 MAX_TOOLS = 128  # as OpenAI allows
 
 

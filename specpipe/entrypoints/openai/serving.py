@@ -143,7 +143,7 @@ class OpenAIServing:
                            code="context_length_exceeded")
         try:
             sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                                      seed=None if body.seed is None else body.seed % 2**63,  # any size, as OpenAI
+                                      seed=body.seed,
                                       max_tokens=max_tokens, stop=tuple(body.stop or ()), structured=structured)
             req = self.engine.prompts.make_request(prompt_ids, sampling, ignore_eos=body.ignore_eos)
         except PromptError as e:  # empty, or token ids outside the vocabulary
