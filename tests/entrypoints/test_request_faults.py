@@ -158,3 +158,21 @@ def test_one_address_holds_a_bounded_number_of_connections(strict_server):
     while strict_server.get("/health").status_code != 200:  # the held ones are gone: served again
         assert time.monotonic() < deadline
         time.sleep(0.1)
+
+
+# -- grammars (issue 57, finding 7) ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("field, value", [
+    ("guided_regex", "a{1000}{1000}"),  # gave a 500 mid-stream: "the grammar refuses committed token"
+    ("guided_grammar", "start: " + " | ".join(f'"w{i}"' for i in range(3000))),  # a row over llguidance's 2,000
+])
+def test_a_grammar_that_cannot_follow_itself_is_a_400_before_queueing(server, field, value):
+    steps = server.core.steps
+    assert_error(server.post("/v1/completions", json=completion(**{field: value})), 400, param=field)
+    assert server.core.steps == steps  # nothing was queued (the server was idle)
+    assert server.post("/v1/completions", json=completion()).status_code == 200
+
+
+def test_an_astral_character_in_a_regex_is_served(server):
+    r = server.post("/v1/completions", json=completion(guided_regex="x𝄞y", max_tokens=12))
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "x𝄞y", r.text
