@@ -165,7 +165,7 @@ def test_one_address_holds_a_bounded_number_of_connections(strict_server):
 @pytest.mark.parametrize("field, value", [
     ("guided_regex", "a{1000}{1000}"),  # gave a 500 mid-stream: "the grammar refuses committed token"
     ("guided_grammar", "start: " + " | ".join(f'"w{i}"' for i in range(3000))),  # a row over llguidance's 2,000
-])
+], ids=["nested-repeat", "wide-lark"])
 def test_a_grammar_that_cannot_follow_itself_is_a_400_before_queueing(server, field, value):
     steps = server.core.steps
     assert_error(server.post("/v1/completions", json=completion(**{field: value})), 400, param=field)
