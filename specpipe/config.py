@@ -69,17 +69,36 @@ class LongRope:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """Sparse MLP: a router picks `top_k` of `num_experts` SwiGLU experts per row."""
+    """Sparse MLP: a router picks `top_k` of `num_experts` SwiGLU experts per row (the rule:
+    model/routing.py). The defaults are Mixtral's / Qwen3-MoE's router; DeepSeek V2/V3, GLM-4.5
+    and MiniMax-M2 set the fields below them."""
 
     num_experts: int
     top_k: int
     intermediate_size: int  # of one expert
     norm_topk_prob: bool  # renormalise the chosen experts' weights to sum 1 (Mixtral always)
     layers: tuple[int, ...]  # the layers whose MLP is sparse; the others are dense
+    scoring: str = "softmax"  # softmax (Mixtral, Qwen3-MoE, DeepSeek V2) | sigmoid (DeepSeek V3, GLM-4.5, MiniMax-M2)
+    correction_bias: bool = False  # e_score_correction_bias added to the scores to choose, never to weigh
+    num_groups: int = 1  # experts in this many equal groups (n_group); 1 = no groups
+    top_groups: int = 1  # a row chooses only within its best topk_group groups
+    group_score: str = "top2_sum"  # a group's score: sum of its best two (V3, GLM) | max (V2)
+    scaling_factor: float = 1.0  # routed_scaling_factor: the chosen weights times this
+    shared_intermediate_size: int = 0  # an always-on shared expert of this width (0 = none)
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts or self.intermediate_size <= 0:
             raise ConfigError(f"model config: bad mixture of experts {self}")
+        if self.scoring not in ("softmax", "sigmoid") or self.group_score not in ("top2_sum", "max"):
+            raise ConfigError(f"model config: unknown expert scoring {self.scoring!r} / group score {self.group_score!r}")
+        groups, per_group = self.num_groups, self.num_experts // max(self.num_groups, 1)
+        if (groups < 1 or self.num_experts % groups or not 1 <= self.top_groups <= groups
+                or self.top_groups * per_group < self.top_k or (self.group_score == "top2_sum" and groups > 1
+                                                                 and per_group < 2)):
+            raise ConfigError(f"model config: {self.num_experts} experts cannot be chosen {self.top_k} at a time "
+                              f"from the best {self.top_groups} of {groups} groups")
+        if self.shared_intermediate_size < 0:
+            raise ConfigError(f"model config: bad shared expert width {self.shared_intermediate_size}")
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
 """The gated MLP (SwiGLU / GeGLU) and the sparse mixture of experts built from it.
 
-SparseMoE (Mixtral, Qwen3-MoE): a router scores every expert for each row; the row takes its
-top-k experts, their softmax weights (renormalised to sum 1 when norm_topk_prob), and the
-weighted sum of their outputs. Rows are grouped per expert, so each expert runs once per call on
-exactly the rows that chose it, whatever mix of committed tokens, prompt chunks and tree nodes of
-several requests the call packs.
+SparseMoE (Mixtral, Qwen3-MoE, DeepSeek V2/V3): a router (model/routing.py: softmax or sigmoid
+scores, an optional selection bias, optional expert groups) picks each row's top-k experts and
+their weights; the row gets the weighted sum of their outputs, plus an always-on shared expert
+when the model has one (DeepSeek, GLM-4.5). Rows are grouped per expert, so each expert runs once
+per call on exactly the rows that chose it, whatever mix of committed tokens, prompt chunks and
+tree nodes of several requests the call packs.
 
 Batch invariance (the lossless property, docs/design.md §7): a row's routing is a function of its own
 router logits; each expert is a linear layer on the quantized-linear seam (FloatLinear /
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from specpipe.config import ModelConfig
 from specpipe.kernels.native import layer as native_layer
 from specpipe.kernels.qlinear import FloatLinear, StackedLinear
+from specpipe.model.routing import Router
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 # torch's vectorised elementwise kernels (silu, gelu) on this AVX-512 CPU give an element other
@@ -66,17 +68,15 @@ class SparseMoE(nn.Module):
         super().__init__()
         moe = cfg.moe
         assert moe is not None
-        self.top_k, self.norm_topk_prob = moe.top_k, moe.norm_topk_prob
-        self.gate = FloatLinear(cfg.hidden_size, moe.num_experts, bias=False)  # the router
+        self.gate = Router(cfg.hidden_size, moe)
         self.experts = nn.ModuleList(MLP(cfg.hidden_size, moe.intermediate_size, cfg.hidden_act)
                                      for _ in range(moe.num_experts))
+        self.shared_experts = (MLP(cfg.hidden_size, moe.shared_intermediate_size, cfg.hidden_act)
+                               if moe.shared_intermediate_size else None)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's chosen experts (T, k) and their weights (T, k), from its own logits only."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)  # (T, E)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # (T, k) each
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        chosen, weights = self.gate(x)
         return chosen, weights.to(x.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -86,4 +86,6 @@ class SparseMoE(nn.Module):
             rows, k = torch.nonzero(chosen == e, as_tuple=True)  # the rows that chose e, and in which place
             y = self.experts[e](x.index_select(0, rows)) * weights[rows, k, None]  # (rows, H)
             out.index_add_(0, rows, y)
+        if self.shared_experts is not None:  # the routed sum first, then the shared expert, as transformers adds them
+            out = out + self.shared_experts(x)
         return out

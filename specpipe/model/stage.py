@@ -30,6 +30,7 @@ from specpipe.loader.weight_memory import weight_arena
 from specpipe.model.fused import fuse_layers
 from specpipe.model.llama import Attention, LlamaStage
 from specpipe.model.moe import MLP
+from specpipe.model.routing import FLOAT32_PARAMS
 
 Q = gguf.GGMLQuantizationType
 QUANTIZATIONS = {"int8": Q.Q8_0, "int4": Q.Q4_0}
@@ -194,13 +195,16 @@ def build_stage(ckpt: Checkpoint, spec: StageSpec, device: torch.device | str = 
             model.lm_head = QuantLinear(emb.packed, emb.qtype, cfg.hidden_size, cfg.vocab_size, None, k)
         else:
             model.lm_head.weight = emb.weight
-    # Everything else (norms, biases of float projections) in the activations' type.
+    # Everything else (norms, biases of float projections) in the activations' type; the router's
+    # weight and selection bias in float32, as transformers keeps them (a bfloat16 bias would move
+    # experts' choices: model/routing.py).
     for name, param in list(model.named_parameters()):
         if param.device.type != "meta":
             continue
         checked(name, param.shape)
         parent, attr = _parent(model, name)
-        setattr(parent, attr, nn.Parameter(ckpt.load(name).to(act).to(device), requires_grad=False))
+        keep = torch.float32 if name.endswith(FLOAT32_PARAMS) else act
+        setattr(parent, attr, nn.Parameter(ckpt.load(name).to(keep).to(device), requires_grad=False))
     if stack:
         stack_projections(model)
     pack_weights(model)
