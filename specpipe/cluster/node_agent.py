@@ -3,8 +3,12 @@ copy of each stage's weights (cluster/weights.py), before any stage starts there
 
     driver  --probe-->  free memory, cores, address
             --find(stage bytes, digest, the driver's path)-->  a local path, or None
-            --begin / write(chunk) ... / finish-->  the cache entry the driver streamed
+            --begin-->  the chunks it holds verified from an interrupted transfer (resume)
+            --write(chunk, its hash) ... / finish-->  the cache entry the driver streamed
+              (cluster/streaming.py; suspend: keep what landed for the next attempt)
             --calibrate(path, layer)-->  ms of one layer's step at 1 and W rows
+            --probe_open / measure(peer) / probe_close-->  round trip and rate to each other node
+              (cluster/links.py)
 """
 
 from __future__ import annotations
@@ -51,21 +55,52 @@ class NodeAgent:
         found = self.cache.find(sb, digest, local if shared and local.exists() else None)
         return None if found is None else str(found)
 
-    def begin(self, sb, digest: str) -> None:
+    def begin(self, sb, digest: str) -> list[tuple[str, int, int]]:
+        """A writer for `digest`; the chunks (path, offset, length) it already holds, verified:
+        what an earlier transfer left here before it was cut off."""
         if digest in self._writers:
-            self._writers.pop(digest).abort()
-        self._writers[digest] = self.cache.writer(sb, digest)
+            self._writers.pop(digest).suspend()
+        w = self._writers[digest] = self.cache.writer(sb, digest)
+        return w.held
 
-    def write(self, digest: str, relpath: str, offset: int, data: bytes) -> None:
-        self._writers[digest].write(relpath, offset, data)
+    def write(self, digest: str, relpath: str, offset: int, data: bytes, chunk_digest: Optional[str] = None) -> None:
+        self._writers[digest].write(relpath, offset, data, chunk_digest)
 
     def finish(self, digest: str) -> str:
         return str(self._writers.pop(digest).finish())
+
+    def suspend(self, digest: str) -> None:
+        """The transfer stopped (the driver's error or interruption): keep what landed."""
+        w = self._writers.pop(digest, None)
+        if w is not None:
+            w.suspend()
 
     def abort(self, digest: str) -> None:
         w = self._writers.pop(digest, None)
         if w is not None:
             w.abort()
+
+    # -- links ---------------------------------------------------------------------------------
+    def probe_open(self) -> tuple[str, int, bytes]:
+        """A link probe server on this node's address, for the other nodes to measure against."""
+        import ray
+
+        from specpipe.cluster.links import ProbeServer
+
+        self.probe_close()
+        self._probe = ProbeServer(ray.util.get_node_ip_address())
+        return self._probe.address, self._probe.port, self._probe.token
+
+    def probe_close(self) -> None:
+        probe, self._probe = getattr(self, "_probe", None), None
+        if probe is not None:
+            probe.close()
+
+    def measure(self, address: str, port: int, token: bytes) -> tuple[float, float]:
+        """(round trip ms, bytes/s) from this node to a probe server."""
+        from specpipe.cluster.links import measure
+
+        return measure(address, port, token)
 
     # -- speed ---------------------------------------------------------------------------------
     def calibrate(self, path: str, layer: int, rows: list[int], threads: int, device: str = "cpu",

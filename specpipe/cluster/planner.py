@@ -18,6 +18,15 @@ Two objectives, by how the mode uses the pipeline:
 Ties go to the other objective. Several stages on one node (more stages asked than nodes) share
 its memory and cores: each such slot gets its share of both.
 
+The network: `links` maps (from, to) node ids ("driver" for the driver) to a measured Link
+(round trip, bytes per second; cluster/links.py). A hop costs half the round trip plus what
+crosses it over the rate: the new tokens from the driver into stage 1, a hidden state per row
+between stages, the target's tokens from the last stage back. A stage's step is then its input
+hop plus its compute (it cannot start before its rows arrive), and the return hop is the
+driver's: so the latency objective adds every hop of the order, and the throughput objective
+takes the slowest of these. The order of the nodes therefore matters, not only the split: a slow
+link belongs where little crosses it (next to the driver) or nowhere.
+
 Pure: no Ray, no torch; `cluster/ray_backend.py` measures the reports and runs the plan.
 """
 
@@ -25,13 +34,29 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from specpipe.config import ConfigError, StageSpec
 from specpipe.loader.partition import partition_layers
 
 LATENCY_MODES = ("pp", "tree")
 GiB = 2**30
+
+
+DRIVER = "driver"  # the driver's id in a link matrix
+FRAME_BYTES = 256  # what a step's frame carries besides the rows: header, MAC, node ids, positions
+TOKEN_BYTES = 16  # a row's token to stage 1, or its target token back to the driver
+
+
+@dataclass(frozen=True)
+class Link:
+    """One direction between two endpoints, as measured."""
+
+    rtt_ms: float
+    bytes_per_s: float
+
+    def ms(self, nbytes: int) -> float:
+        return self.rtt_ms / 2 + 1e3 * nbytes / max(1.0, self.bytes_per_s)
 
 
 class PlanError(ConfigError):
@@ -58,6 +83,7 @@ class ModelBytes:
     head_bytes: int  # final norm + LM head (last stage; the embedding again when tied)
     kv_bytes_per_layer: int  # one layer's share of the KV pool every stage holds
     runtime_bytes: int = GiB // 2  # a stage process: interpreter, torch, buffers
+    row_bytes: int = 0  # one row's hidden state between stages, as sent
 
     @property
     def num_layers(self) -> int:
@@ -80,7 +106,8 @@ class StagePlan:
     start: int
     end: int
     bytes: int
-    predicted_ms: float
+    predicted_ms: float  # its compute
+    hop_in_ms: float = 0.0  # its rows reaching it from the previous stage (the driver for stage 1)
 
     @property
     def layers(self) -> int:
@@ -92,6 +119,8 @@ class Plan:
     stages: tuple[StagePlan, ...]
     objective: str
     link_ms: float = 0.0
+    hop_out_ms: float = 0.0  # the last stage's tokens reaching the driver
+    links: Optional[Mapping[tuple[str, str], Link]] = None
 
     def specs(self) -> list[StageSpec]:
         """The stages as every other split is made (loader/partition.py), from the planned counts."""
@@ -100,18 +129,25 @@ class Plan:
     @property
     def step_ms(self) -> float:
         """The predicted step: the slowest stage (throughput) or the sum with the hops (latency)."""
-        times = [s.predicted_ms for s in self.stages]
-        if self.objective == "throughput":
-            return max(times)
-        return sum(times) + self.link_ms * (len(times) - 1)
+        return _value(self.objective, [s.predicted_ms + s.hop_in_ms for s in self.stages], self.hop_out_ms)[0]
 
     def describe(self) -> list[str]:
         lines = [f"plan ({self.objective}: {len(self.stages)} stage{'s' if len(self.stages) > 1 else ''}, "
                  f"predicted {self.step_ms:.1f} ms per step):"]
         for i, s in enumerate(self.stages):
+            hop = f", its input {s.hop_in_ms:.2f} ms over the link" if self.links else ""
             lines.append(f"  stage {i + 1}: node {s.node.name}, layers {s.start}-{s.end - 1} ({s.layers}), "
                          f"{s.bytes / GiB:.2f} GB of {s.node.free_bytes / GiB:.2f} GB free, "
-                         f"{s.predicted_ms:.1f} ms per step")
+                         f"{s.predicted_ms:.1f} ms per step{hop}")
+        if self.links:
+            lines.append(f"  back to the driver: {self.hop_out_ms:.2f} ms over the link")
+            names = {s.node.node_id: s.node.name for s in self.stages}
+            path = [DRIVER] + [s.node.node_id for s in self.stages] + [DRIVER]
+            for a, b in zip(path, path[1:]):
+                if a != b and (a, b) in self.links:
+                    ln = self.links[a, b]
+                    lines.append(f"  link {names.get(a, a)} -> {names.get(b, b)}: {ln.rtt_ms:.2f} ms round trip, "
+                                 f"{8 * ln.bytes_per_s / 1e6:.1f} Mbit/s")
         return lines
 
 
@@ -121,12 +157,15 @@ def objective_for(mode: str) -> str:
 
 def plan_split(nodes: Sequence[NodeReport], model: ModelBytes, objective: str = "throughput",
                max_stages: Optional[int] = None, stages: Optional[int] = None,
-               stage_layers: Optional[Sequence[int]] = None, link_ms: float = 0.0) -> Plan:
-    """The best contiguous split of `model` over `nodes`.
+               stage_layers: Optional[Sequence[int]] = None, link_ms: float = 0.0,
+               links: Optional[Mapping[tuple[str, str], Link]] = None, rows: int = 1) -> Plan:
+    """The best contiguous split of `model` over `nodes`, in the best order of the nodes.
 
     max_stages: use at most this many stages (default: one per node). stages: exactly this many
     (a restarted pipeline keeps its stage count); more than the nodes puts several on a node.
-    stage_layers: the layer counts are given (--stage-layers); only the nodes are chosen."""
+    stage_layers: the layer counts are given (--stage-layers); only the nodes are chosen.
+    links: the measured link matrix (see the module docstring), `rows` the rows a step sends;
+    without it every hop between stages costs `link_ms` and the driver's hops nothing."""
     if objective not in ("latency", "throughput"):
         raise ValueError(f"objective must be latency or throughput, got {objective!r}")
     if not nodes:
@@ -142,9 +181,10 @@ def plan_split(nodes: Sequence[NodeReport], model: ModelBytes, objective: str = 
     limit = stages or min(max_stages or len(nodes), len(nodes), L)
     slots = _slots(nodes, stages or limit)
     best: Optional[Plan] = None
-    for order in _orders(slots):
+    hop = _hop_cost(model, link_ms, links, rows)
+    for order in _orders(slots, links):
         plan = _best_split(order, model, objective, limit, exact=stages is not None, counts=stage_layers,
-                           link_ms=link_ms)
+                           hop=hop, link_ms=link_ms, links=links)
         if plan is not None and (best is None or _key(plan) < _key(best)):
             best = plan
     if best is None:
@@ -152,12 +192,29 @@ def plan_split(nodes: Sequence[NodeReport], model: ModelBytes, objective: str = 
     return best
 
 
+def _value(objective: str, stage_ms: Sequence[float], out_ms: float) -> tuple[float, float]:
+    """(the objective, the other one) of stages costing `stage_ms` each (input hop + compute),
+    with the return hop to the driver `out_ms`."""
+    total, slowest = sum(stage_ms) + out_ms, max([*stage_ms, out_ms])
+    return (slowest, total) if objective == "throughput" else (total, slowest)
+
+
 def _key(plan: Plan) -> tuple[float, float, int]:
-    times = [s.predicted_ms for s in plan.stages]
-    hops = plan.link_ms * (len(times) - 1)
-    if plan.objective == "throughput":
-        return (round(max(times), 9), round(sum(times) + hops, 9), len(times))
-    return (round(sum(times) + hops, 9), round(max(times), 9), len(times))
+    primary, secondary = _value(plan.objective, [s.predicted_ms + s.hop_in_ms for s in plan.stages], plan.hop_out_ms)
+    return (round(primary, 9), round(secondary, 9), len(plan.stages))
+
+
+def _hop_cost(model: ModelBytes, link_ms: float, links: Optional[Mapping[tuple[str, str], Link]], rows: int):
+    """hop(from id, to id) -> ms of a step's frame between them (DRIVER for the driver)."""
+    def hop(a: str, b: str) -> float:
+        if links is None:  # the uniform figure: between stages only
+            return 0.0 if DRIVER in (a, b) or a == b else link_ms
+        if a == b:
+            return 0.0  # two stages on one node: no network between them
+        nbytes = FRAME_BYTES + rows * (TOKEN_BYTES if DRIVER in (a, b) else model.row_bytes)
+        link = links.get((a, b)) or links.get((b, a))
+        return link.ms(nbytes) if link is not None else link_ms
+    return hop
 
 
 def _slots(nodes: Sequence[NodeReport], wanted: int) -> list[NodeReport]:
@@ -176,19 +233,33 @@ def _slots(nodes: Sequence[NodeReport], wanted: int) -> list[NodeReport]:
     return out
 
 
-def _orders(slots: list[NodeReport]) -> list[list[NodeReport]]:
-    """The node orders tried: every order for a few nodes, else as given and by speed both ways."""
+def _orders(slots: list[NodeReport], links: Optional[Mapping[tuple[str, str], Link]] = None) -> list[list[NodeReport]]:
+    """The node orders tried: every order for a few nodes (four: 24 orders), else as given, by
+    speed both ways, and, with links, the nearest-neighbour path from the driver (each next node
+    the one with the fastest link from the last)."""
     if len(slots) <= 4:
         return [list(p) for p in itertools.permutations(slots)]
     by_speed = sorted(slots, key=lambda n: n.layer_ms)
-    return [list(slots), by_speed, by_speed[::-1]]
+    orders = [list(slots), by_speed, by_speed[::-1]]
+    if links:
+        left, path, at = list(slots), [], DRIVER
+        while left:
+            nxt = max(left, key=lambda n: getattr(links.get((at, n.node_id)), "bytes_per_s", 0.0))
+            path.append(nxt)
+            left.remove(nxt)
+            at = nxt.node_id
+        orders.append(path)
+    return orders
 
 
 def _best_split(order: list[NodeReport], model: ModelBytes, objective: str, limit: int, exact: bool,
-                counts: Optional[Sequence[int]], link_ms: float) -> Optional[Plan]:
-    """Dynamic programme over (slots considered, layers placed, stages used): each slot either
-    takes the next contiguous run of layers or is left out (never when `exact` and counts say
-    every slot is needed). best[k][l]: the best (key, stages) placing layers [0, l) on k stages."""
+                counts: Optional[Sequence[int]], hop, link_ms: float,
+                links: Optional[Mapping[tuple[str, str], Link]]) -> Optional[Plan]:
+    """Dynamic programme over (slots considered, stages used, layers placed, the last stage's
+    node): each slot either takes the next contiguous run of layers or is left out (never when
+    `exact` and counts say every slot is needed). The last node is in the state because the next
+    stage's input hop depends on it. best[k][(l, last)]: the best (objective tuple, stages)
+    placing layers [0, l) on k stages."""
     L, head = model.num_layers, model.head_layers
     prefix = list(itertools.accumulate(model.layer_bytes, initial=0))
 
@@ -202,30 +273,30 @@ def _best_split(order: list[NodeReport], model: ModelBytes, objective: str, limi
     def combine(acc: tuple, ms: float) -> tuple:
         primary, secondary = acc
         if objective == "throughput":
-            return (max(primary, ms), secondary + ms + (link_ms if secondary else 0.0))
-        return (primary + ms + (link_ms if primary else 0.0), max(secondary, ms))
+            return (max(primary, ms), secondary + ms)
+        return (primary + ms, max(secondary, ms))
 
-    # best[k][l] = (objective tuple, [StagePlan...]) over the slots seen so far
-    best: list[dict[int, tuple]] = [dict() for _ in range(limit + 1)]
-    best[0][0] = ((0.0, 0.0), [])
+    best: list[dict[tuple[int, str], tuple]] = [dict() for _ in range(limit + 1)]
+    best[0][(0, DRIVER)] = ((0.0, 0.0), [])
     for node in order:
         nxt = [dict(level) for level in best]  # leaving this slot out keeps everything
         for k in range(limit):
-            for a, (acc, stages) in best[k].items():
+            for (a, last), (acc, stages) in best[k].items():
+                hop_in = hop(last, node.node_id)
                 ends = [a + counts[k]] if counts is not None else range(a + 1, L + 1)
                 for b in ends:
                     c = cost(node, a, b)
                     if c is None:
                         break  # more layers only need more memory
-                    value = combine(acc, c[0])
-                    if b not in nxt[k + 1] or value < nxt[k + 1][b][0]:
-                        nxt[k + 1][b] = (value, stages + [StagePlan(node, a, b, c[1], c[0])])
+                    value = combine(acc, hop_in + c[0])
+                    at = (b, node.node_id)
+                    if at not in nxt[k + 1] or value < nxt[k + 1][at][0]:
+                        nxt[k + 1][at] = (value, stages + [StagePlan(node, a, b, c[1], c[0], hop_in)])
         best = nxt
-    options = [best[k][L] for k in range(1, limit + 1) if L in best[k] and (not exact or k == limit)]
-    if not options:
-        return None
-    plans = [Plan(tuple(stages), objective, link_ms) for _, stages in options]
-    return min(plans, key=_key)
+    plans = [Plan(tuple(stages), objective, link_ms, hop(last, DRIVER), links)
+             for k in range(1, limit + 1) if not exact or k == limit
+             for (l, last), (_, stages) in best[k].items() if l == L]
+    return min(plans, key=_key) if plans else None
 
 
 def _does_not_fit(nodes: Sequence[NodeReport], model: ModelBytes, stages: int) -> str:

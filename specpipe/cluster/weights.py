@@ -12,6 +12,9 @@ Glossary:
   entry       -- <cache>/weights/<digest>/: a sparse copy of the checkpoint (files at their full
                  size, only the stage's ranges written, at their original offsets), so the loaders
                  open it exactly like the original. It appears only by an atomic rename, complete.
+  part        -- <cache>/weights/.part-<digest>/: an entry being written, with a journal of the
+                 chunks that landed (each checked against its chunk hash as it landed), kept when
+                 a transfer is cut off so that the next one resumes from it (CacheWriter).
 
 Why find() hashes an entry's bytes again every time, rather than trusting the digest cache: the
 entry may have been cut short by a full disk, damaged on disk, or edited; a wrong weight would
@@ -36,12 +39,13 @@ from typing import Iterator, Optional
 
 from specpipe.loader.checkpoint import StageBytes
 
-__all__ = ["StageBytes", "WeightCacheError", "cache_dir", "stage_digest", "iter_chunks", "WeightCache",
-           "CacheWriter"]
+__all__ = ["StageBytes", "WeightCacheError", "cache_dir", "stage_digest", "iter_chunks", "chunk_spans",
+           "chunk_hash", "WeightCache", "CacheWriter"]
 
 CHUNK_BYTES = 8 << 20  # reads and streamed messages: large enough to be cheap, small enough to hold
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 STALE_S = 24 * 3600  # a temporary entry untouched this long belongs to a writer that died
+JOURNAL, LOCK = ".chunks", ".lock"  # in a part directory: the chunks written, the writer's lock
 
 
 class WeightCacheError(RuntimeError):
@@ -157,6 +161,19 @@ def iter_chunks(root: Path, sb: StageBytes, chunk_bytes: int = CHUNK_BYTES) -> I
             yield rel, at, data
 
 
+def chunk_spans(sb: StageBytes, chunk_bytes: int = CHUNK_BYTES) -> list[tuple[str, int, int]]:
+    """(relative path, offset, length) of the chunks iter_chunks reads, without reading them."""
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    return [(rel, at, min(chunk_bytes, offset + length - at))
+            for rel, offset, length in sb.ranges for at in range(offset, offset + length, chunk_bytes)]
+
+
+def chunk_hash(data: bytes) -> str:
+    """A streamed chunk's own check: blake2b-128 of its bytes."""
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
 def _check_digest(digest: str) -> None:
     if not (isinstance(digest, str) and _DIGEST.fullmatch(digest)):  # it becomes a directory name
         raise WeightCacheError(f"not a stage digest: {digest!r}")
@@ -235,7 +252,7 @@ class WeightCache:
         if not self.weights.is_dir():
             return
         now = time.time()
-        for tmp in [*self.weights.glob(".tmp-*"), *self.weights.glob(".trash-*")]:
+        for tmp in [*self.weights.glob(".tmp-*"), *self.weights.glob(".part-*"), *self.weights.glob(".trash-*")]:
             try:
                 newest = max([tmp.stat().st_mtime] + [f.stat().st_mtime for f in tmp.rglob("*")])
             except OSError:
@@ -245,10 +262,17 @@ class WeightCache:
 
 
 class CacheWriter:
-    """One entry being written: a temporary directory beside the final one, holding the
-    checkpoint's files at their full sizes as holes; `write` fills the needed ranges, `finish`
-    checks the digest and renames the directory into place. Use as a context manager to abort on
-    an error.
+    """One entry being written: a directory beside the final one, holding the checkpoint's files
+    at their full sizes as holes; `write` fills the needed ranges, `finish` checks the digest and
+    renames the directory into place. Use as a context manager to abort on an error.
+
+    Resumable: the directory is <cache>/weights/.part-<digest>/, the same for every writer of
+    that digest, and a journal there lists each chunk written with its chunk hash. A writer that
+    finds a part directory left by one that died (its node lost mid-stream, the driver
+    interrupted) re-hashes the journal's chunks from the disk and keeps those that still match
+    (`held`): the driver sends only the rest. The part directory is locked (flock) while a writer
+    holds it, so a second writer of the same digest meanwhile writes a fresh directory of its own
+    instead; the lock goes with the process that held it.
 
     `write` may be called from several threads at once (the node agent serves a few calls
     concurrently while the driver keeps chunks in flight). A shared seek() + write() put chunks at
@@ -260,41 +284,105 @@ class CacheWriter:
         _check_layout(sb)
         self.sb, self.digest, self.final = sb, digest, cache.entry(digest)
         cache.weights.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{digest[:16]}-", dir=cache.weights))
-        self._root = _entry_root(self.tmp, sb)
-        self._root.mkdir(exist_ok=True)
         self._files: dict[str, object] = {}
         self._lock = threading.Lock()
-        try:
-            for rel, size in sb.files:
-                f = open(self._root / rel, "w+b")
-                f.truncate(size)  # sparse: the holes cost no disk
-                self._files[rel] = f
-        except OSError as e:
-            self.abort()
-            raise WeightCacheError(f"{self.tmp}: cannot create the stage's files ({e})") from None
         self._ranges: dict[str, list[tuple[int, int]]] = {}  # rel -> sorted (start, end)
         for rel, offset, length in sb.ranges:
             self._ranges.setdefault(rel, []).append((offset, offset + length))
         for spans in self._ranges.values():
             spans.sort()
+        self.tmp, self._lock_file = self._claim(cache)
+        self._root = _entry_root(self.tmp, sb)
+        self.held: list[tuple[str, int, int]] = []  # chunks already here, verified (a resumed entry)
+        try:
+            self._root.mkdir(exist_ok=True)
+            for rel, size in sb.files:
+                path = self._root / rel
+                f = open(path, "r+b" if path.exists() else "w+b")
+                if os.fstat(f.fileno()).st_size != size:
+                    f.truncate(size)  # sparse: the holes cost no disk
+                self._files[rel] = f
+            self.held = self._verified_journal()
+            self._journal = open(self.tmp / JOURNAL, "a")
+        except OSError as e:
+            self.abort()
+            raise WeightCacheError(f"{self.tmp}: cannot create the stage's files ({e})") from None
 
-    def write(self, relpath: str, offset: int, data: bytes) -> None:
-        """Put `data` at `offset` of `relpath`; it must lie inside one of the needed ranges, so a
-        confused or hostile sender cannot grow the entry or write where no weight is."""
+    def _claim(self, cache: WeightCache) -> tuple[Path, object]:
+        """The part directory of this digest, locked; a fresh one where another writer holds it."""
+        import fcntl
+
+        part = cache.weights / f".part-{self.digest}"
+        for path in (part, None):
+            if path is None:
+                path = Path(tempfile.mkdtemp(prefix=f".tmp-{self.digest[:16]}-", dir=cache.weights))
+            else:
+                path.mkdir(exist_ok=True)
+            lock = open(path / LOCK, "a")
+            try:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.utime(path)  # touched: the sweep leaves it alone
+                return path, lock
+            except OSError:
+                lock.close()
+        raise WeightCacheError(f"{cache.weights}: cannot lock a directory to write {self.digest} in")
+
+    def _verified_journal(self) -> list[tuple[str, int, int]]:
+        """The journal's chunks whose bytes on disk still hash as recorded (the rest are sent
+        again: a chunk the OS had not written out when the machine died reads as zeros); the
+        journal rewritten to just those."""
+        path = self.tmp / JOURNAL
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            return []
+        good, kept = [], []
+        for line in lines:
+            parts = line.split("\t")
+            if len(parts) != 4 or not parts[1].isdigit() or not parts[2].isdigit():
+                continue  # a line cut short by the writer's death
+            rel, offset, length, digest = parts[0], int(parts[1]), int(parts[2]), parts[3]
+            f = self._files.get(rel)
+            if f is None or not self._inside(rel, offset, length) or \
+                    chunk_hash(os.pread(f.fileno(), length, offset)) != digest:
+                continue
+            good.append((rel, offset, length))
+            kept.append(line + "\n")
+        tmp = path.with_name(JOURNAL + ".new")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, path)
+        return good
+
+    def _inside(self, relpath: str, offset: int, length: int) -> bool:
         spans = self._ranges.get(relpath, [])
         i = bisect.bisect_right(spans, (offset, float("inf"))) - 1
-        if offset < 0 or i < 0 or offset + len(data) > spans[i][1]:
+        return offset >= 0 and i >= 0 and offset + length <= spans[i][1]
+
+    def write(self, relpath: str, offset: int, data: bytes, digest: Optional[str] = None) -> None:
+        """Put `data` at `offset` of `relpath`; it must lie inside one of the needed ranges, so a
+        confused or hostile sender cannot grow the entry or write where no weight is. `digest`:
+        the chunk's hash (chunk_hash) as the sender read it; a chunk that does not match is
+        refused as it lands, before it is written, so a damaged transfer is named at its chunk
+        rather than by the whole entry's digest at the end."""
+        if not self._inside(relpath, offset, len(data)):
             raise WeightCacheError(f"{self.sb.name}: refusing to write {len(data)} bytes at {relpath!r} offset "
                                    f"{offset}: not inside a range the stage needs")
+        got = chunk_hash(data)
+        if digest is not None and got != digest:
+            raise WeightCacheError(f"{self.sb.name}: the chunk at {relpath!r} offset {offset} ({len(data)} bytes) "
+                                   f"hashes to {got}, the sender read {digest}: damaged in transfer")
         with self._lock:
             f = self._files.get(relpath)
             if f is None:
                 raise WeightCacheError(f"{self.sb.name}: the entry is already finished or aborted")
-            view = memoryview(data)
+            view, at = memoryview(data), offset
             while view:  # pwrite may write less than asked (a signal, a full pipe): go on from there
-                n = os.pwrite(f.fileno(), view, offset)
-                view, offset = view[n:], offset + n
+                n = os.pwrite(f.fileno(), view, at)
+                view, at = view[n:], at + n
+            # After the bytes: a journal line never names a chunk that is not (in the page cache)
+            # there. No fsync: a resumed writer re-hashes every chunk the journal names.
+            self._journal.write(f"{relpath}\t{offset}\t{len(data)}\t{got}\n")
+            self._journal.flush()
 
     def finish(self) -> Path:
         """Check what was written against the digest and move the entry into place; the path to
@@ -309,6 +397,8 @@ class CacheWriter:
             self.abort()
             raise WeightCacheError(f"{self.sb.name}: the stage bytes written hash to {got}, expected "
                                    f"{self.digest} (a chunk missing or damaged in transfer)")
+        for name in (JOURNAL, LOCK):  # the entry holds the checkpoint's files only
+            (self.tmp / name).unlink(missing_ok=True)
         for attempt in range(2):
             try:
                 os.rename(self.tmp, self.final)  # atomic: readers see no entry or a whole one
@@ -323,18 +413,34 @@ class CacheWriter:
                     self.abort()
                     break
                 _remove(self.final)
+        self._unlock()
         return self.sb.checkpoint_path(_entry_root(self.final, self.sb))
+
+    def suspend(self) -> None:
+        """Stop writing but keep what landed, for a later writer of this digest to resume."""
+        self._close()
+        self._unlock()
 
     def abort(self) -> None:
         """Drop the unfinished entry."""
         self._close()
         shutil.rmtree(self.tmp, ignore_errors=True)
+        self._unlock()
 
     def _close(self) -> None:
         with self._lock:
             for f in self._files.values():
                 f.close()
             self._files.clear()
+            journal = getattr(self, "_journal", None)
+            if journal is not None:
+                journal.close()
+                self._journal = None
+
+    def _unlock(self) -> None:
+        lock, self._lock_file = getattr(self, "_lock_file", None), None
+        if lock is not None:
+            lock.close()  # closing the descriptor releases the flock
 
     def __enter__(self) -> "CacheWriter":
         return self

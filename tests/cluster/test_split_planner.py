@@ -85,3 +85,75 @@ def test_a_big_cluster_plans_in_seconds():
     t0 = time.perf_counter()
     plan = plan_split([node(f"n{i}", 40, 1.0 + (i % 3)) for i in range(8)], model(layers=80), "throughput")
     assert time.perf_counter() - t0 < 20 and sum(counts(plan)) == 80
+
+
+# -- the network --------------------------------------------------------------------------------
+
+def links_among(ids: list[str], slow: tuple[str, str], fast_bps: float = 1e9, slow_bps: float = 1.25e6,
+                rtt_ms: float = 0.1) -> dict:
+    """Every pair (the driver too) fast, both directions of `slow` at 10 Mbit/s."""
+    from specpipe.cluster.planner import DRIVER, Link
+
+    out = {}
+    for a in [DRIVER, *ids]:
+        for b in [DRIVER, *ids]:
+            if a != b:
+                out[a, b] = Link(rtt_ms, slow_bps if {a, b} == set(slow) else fast_bps)
+    return out
+
+
+def wide_model(layers: int = 24) -> ModelBytes:
+    # Hidden states of 64 KiB a row: what crosses a link per token matters against 1 ms layers.
+    return ModelBytes(layer_bytes=(40 * MB,) * layers, embed_bytes=100 * MB, head_bytes=100 * MB,
+                      kv_bytes_per_layer=4 * MB, runtime_bytes=200 * MB, row_bytes=64 << 10)
+
+
+@pytest.mark.parametrize("objective", ["latency", "throughput"])
+def test_the_order_keeps_the_slow_link_out_of_the_pipeline(objective):
+    """Three equal nodes that each hold a third of the model, the a<->b pair at 10 Mbit/s: every
+    order of three stages that puts a next to b crosses it every step (50 ms for a 64 KiB row);
+    the planner puts c between them, and prints the links it used."""
+    from specpipe.cluster.planner import Plan
+
+    nodes = [node(n, 1.2, 1.0) for n in "abc"]  # 1.2 GB: a node holds at most a third of the layers
+    links = links_among(["a", "b", "c"], ("a", "b"))
+    plan = plan_split(nodes, wide_model(), objective, stages=3, links=links)
+    order = [s.node.name for s in plan.stages]
+    assert order[1] == "c", order
+    assert all(s.hop_in_ms < 5 for s in plan.stages) and plan.hop_out_ms < 5
+    crossing = Plan(tuple(type(s)(nodes["abc".index(n)], s.start, s.end, s.bytes, s.predicted_ms,
+                                  50.0 if i else s.hop_in_ms)
+                          for i, (s, n) in enumerate(zip(plan.stages, "abc"))), objective, 0.0, plan.hop_out_ms)
+    assert crossing.step_ms > plan.step_ms
+    text = "\n".join(plan.describe())
+    assert "link c -> " in text and "Mbit/s" in text and "back to the driver" in text
+
+
+def test_a_slow_link_to_the_driver_costs_tokens_only():
+    """The driver <-> a link slow: only a first or last stage talks to the driver, and only in
+    tokens (a few hundred bytes a step: 0.2 ms at 10 Mbit/s), so any order is cheap; the middle
+    avoids even that."""
+    from specpipe.cluster.planner import DRIVER
+
+    nodes = [node(n, 1.2, 1.0) for n in "abc"]
+    links = links_among(["a", "b", "c"], (DRIVER, "a"))
+    plan = plan_split(nodes, wide_model(), "latency", stages=3, links=links)
+    assert [s.node.name for s in plan.stages][1] == "a"
+    hops = sum(s.hop_in_ms for s in plan.stages) + plan.hop_out_ms
+    assert hops < 1.0, hops  # four fast hops (0.05 ms each and 64 KiB at 1 GB/s), nothing slow
+
+
+def test_a_slow_link_makes_fewer_stages_win_in_pp():
+    """Where one node holds the model, pp (latency) needs no hop at all: with a slow cluster
+    network it takes one stage; stages=2 forced still keeps off the slow pair."""
+    nodes = [node(n, 8, 1.0) for n in "ab"]
+    links = links_among(["a", "b"], ("a", "b"))
+    assert len(plan_split(nodes, wide_model(), "latency", links=links).stages) == 1
+    two = plan_split(nodes, wide_model(), "latency", stages=2, links=links)
+    assert two.stages[1].hop_in_ms > 40  # the only order crosses it: predicted, not hidden
+
+
+def test_without_links_the_uniform_hop_is_kept():
+    plan = plan_split([node(n, 8, 1.0) for n in "ab"], model(), "latency", stages=2, link_ms=3.0)
+    assert plan.step_ms == pytest.approx(sum(s.predicted_ms for s in plan.stages) + 3.0)
+    assert "link " not in "\n".join(plan.describe())
