@@ -186,6 +186,7 @@ class LinkOptions:
     delay_ms: float = 0.0  # emulated one-way latency per message
     bandwidth_mbps: float = 0.0  # emulated link bandwidth in megabits/s; 0 = unlimited
     timeout_s: float = 30.0  # how long the driver waits for a step's results
+    encrypt: bool = False  # bodies encrypted on the wire (--link-encryption), not only authenticated
 
     def __post_init__(self) -> None:
         if self.delay_ms < 0 or self.bandwidth_mbps < 0 or self.timeout_s <= 0:
@@ -222,7 +223,8 @@ class EngineConfig:
     restart_stages: int = 3  # stage processes or actors: start them again this often in a row after one dies; 0 = never
     cluster: str = "local"  # local (this machine, or torchrun ranks) | ray (stages as actors on a Ray cluster)
     ray_address: str = "auto"  # --cluster ray: the cluster to join (auto: the one `ray start` made here)
-    cluster_key_file: Optional[str] = None  # torchrun: a file holding the links' shared secret
+    cluster_key_file: Optional[str] = None  # a file holding the pipeline's secret (required under torchrun)
+    link_encryption: bool = False  # encrypt what crosses the links between ranks, not only authenticate it
     max_num_seqs: int = 32  # requests in the pipeline at once (more wait in a queue)
     max_step_rows: int = 64  # pp-cb / specpipe-db: rows entering stage 1 per step (prefill chunks included)
     max_waiting: int = 1024  # requests waiting beyond that are refused (QueueFull)
@@ -233,7 +235,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV of prompt prefixes computed before (--no-prefix-caching)
 
     def link(self) -> LinkOptions:
-        return LinkOptions(self.link_delay_ms, self.link_bandwidth_mbps, self.stage_timeout_s)
+        return LinkOptions(self.link_delay_ms, self.link_bandwidth_mbps, self.stage_timeout_s, self.link_encryption)
 
     def uses_processes(self) -> bool:
         return self.transport == "processes" or (self.transport == "auto" and self.stages > 1)
@@ -267,6 +269,11 @@ class EngineConfig:
             raise ConfigError("--cluster ray runs every stage as a Ray actor; --transport inproc cannot go with it")
         if self.link_delay_ms < 0 or self.link_bandwidth_mbps < 0:
             raise ConfigError("--link-delay-ms and --link-bandwidth-mbps must be >= 0")
+        if self.link_encryption:
+            from specpipe.distributed.channel import encryption_available
+
+            if (why := encryption_available()) is not None:
+                raise ConfigError(why)
         if self.stage_threads < 0:
             raise ConfigError(f"--stage-threads must be >= 0, got {self.stage_threads}")
         if self.restart_stages < 0:

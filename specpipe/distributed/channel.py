@@ -17,8 +17,13 @@ middle negate the activations it relayed). `purpose` keeps a store connection fr
 for a link and back. The MAC is HMAC-SHA256 (OpenSSL: about 1.5 GB/s on one core, so a decode
 step's frames cost microseconds: docs/benchmarks.md §14).
 
+With encryption (`--link-encryption`, links only), the body travels as AES-256-GCM ciphertext
+under the same direction keys, the sequence number as its nonce and the header as associated
+data; the 16-byte tag takes the MAC's place, so a frame has the same size either way. Both ends
+must agree: the choice is part of the handshake's proofs, so it cannot be stripped on the way.
+
 Reading a frame never allocates more than the caller's limit for its tag before the header is
-checked, and the body is delivered only once its MAC is.
+checked, and the body is delivered only once its MAC (or tag) is checked.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Callable, Optional
 HELLO = struct.Struct("<4sBi")  # magic, purpose, the connecting rank
 MAGIC = b"SPP2"
 LINK, STORE = 1, 2  # purposes
+ENCRYPTED = 0x80  # or-ed into a link's purpose when its bodies are encrypted
 NONCE_BYTES, PROOF_BYTES, MAC_BYTES = 16, 32, 16
 SEQ = struct.Struct("<Q")
 HANDSHAKE_S = 5.0  # a connecting peer that has not proved itself by then is dropped
@@ -63,11 +69,47 @@ class Sealer:
         return h.digest()[:MAC_BYTES]
 
 
-class Channel:
-    """A connected socket after a completed handshake, with the two directions' sealers."""
+class Cipher:
+    """One direction of an encrypted channel: AES-256-GCM, the frame's sequence number as nonce."""
 
-    def __init__(self, sock: socket.socket, peer: int, out: Sealer, inbound: Sealer) -> None:
+    def __init__(self, key: bytes) -> None:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        self.aead, self.seq = AESGCM(key), 0
+
+    def _nonce(self) -> bytes:
+        nonce = self.seq.to_bytes(12, "little")
+        self.seq += 1
+        return nonce
+
+    def seal(self, header: bytes, body) -> bytes:
+        return self.aead.encrypt(self._nonce(), bytes(body), header)  # ciphertext + 16-byte tag
+
+    def open(self, header: bytes, data) -> Optional[bytes]:
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            return self.aead.decrypt(self._nonce(), bytes(data), header)
+        except InvalidTag:
+            return None
+
+
+def encryption_available() -> Optional[str]:
+    """None where --link-encryption can run, else why not."""
+    try:
+        import cryptography.hazmat.primitives.ciphers.aead  # noqa: F401
+    except ImportError:
+        return "--link-encryption needs the `cryptography` package (pip install cryptography)"
+    return None
+
+
+class Channel:
+    """A connected socket after a completed handshake, with the two directions' sealers (or
+    ciphers, on an encrypted link)."""
+
+    def __init__(self, sock: socket.socket, peer: int, out, inbound) -> None:
         self.sock, self.peer, self.out, self.inbound = sock, peer, out, inbound
+        self.encrypted = isinstance(out, Cipher)
         try:
             self.where = "%s:%d" % sock.getpeername()[:2]
         except OSError:
@@ -78,8 +120,11 @@ class Channel:
     def send_frame(self, header: bytes, body=b"", timeout_s: Optional[float] = None) -> None:
         """Header, body and MAC; one write when small (one packet), else the body unjoined."""
         body = memoryview(body).cast("B")
-        mac = self.out.mac(header, body)
         self.sock.settimeout(timeout_s)
+        if self.encrypted:
+            self.sock.sendall(header + self.out.seal(header, body))
+            return
+        mac = self.out.mac(header, body)
         if body.nbytes <= 1 << 16:
             self.sock.sendall(header + body + mac)
         else:
@@ -92,7 +137,16 @@ class Channel:
 
     def read_body(self, header: bytes, into: memoryview, deadline: Optional[float]) -> None:
         """The body of the frame whose header was just read, into `into` (its exact size), and its
-        MAC checked. `into` holds unchecked bytes until this returns."""
+        MAC checked (or its ciphertext decrypted and its tag checked). `into` holds unchecked bytes
+        until this returns."""
+        if self.encrypted:
+            sealed = read_exact(self.sock, into.nbytes + MAC_BYTES, deadline)
+            plain = self.inbound.open(header, sealed)
+            if plain is None:
+                raise BadFrame(f"a frame from rank {self.peer} ({self.where}) fails its tag: altered, forged, "
+                               "replayed or out of order on the way")
+            into[:] = plain
+            return
         read_into(self.sock, into, deadline)
         theirs = bytes(read_exact(self.sock, MAC_BYTES, deadline))
         if not hmac.compare_digest(theirs, self.inbound.mac(header, into)):
@@ -113,12 +167,13 @@ def _proof(key: bytes, label: bytes, purpose: int, first: bytes, second: bytes, 
 
 
 def _sealers(key: bytes, purpose: int, nonce_c: bytes, nonce_a: bytes, connector: int, acceptor: int,
-             i_connected: bool) -> tuple[Sealer, Sealer]:
+             i_connected: bool) -> tuple:
     """(out, in): the connector's outbound key is the acceptor's inbound one."""
     def derive(direction: bytes) -> bytes:
         return _proof(key, b"frames" + direction, purpose, nonce_c, nonce_a, connector, acceptor)
 
-    c_to_a, a_to_c = Sealer(derive(b">")), Sealer(derive(b"<"))
+    kind = Cipher if purpose & ENCRYPTED else Sealer
+    c_to_a, a_to_c = kind(derive(b">")), kind(derive(b"<"))
     return (c_to_a, a_to_c) if i_connected else (a_to_c, c_to_a)
 
 
@@ -144,8 +199,12 @@ def admit(sock: socket.socket, key: bytes, purpose: int, me: int, allowed: Calla
     key; ChannelError (saying why) for anything else, within `timeout_s` whatever the peer does."""
     deadline = time.monotonic() + timeout_s
     magic, got_purpose, peer = HELLO.unpack(read_exact(sock, HELLO.size, deadline))
-    if magic != MAGIC or got_purpose != purpose:
+    if magic != MAGIC or got_purpose & ~ENCRYPTED != purpose & ~ENCRYPTED:
         raise ChannelError("not a SpecPipe rank of this version")
+    if got_purpose != purpose:
+        said = "with" if got_purpose & ENCRYPTED else "without"
+        raise ChannelError(f"rank {peer} was started {said} --link-encryption and this one was not: "
+                           "every rank must agree")
     if not allowed(peer):
         raise ChannelError(f"claims rank {peer}, which is not expected here")
     theirs = bytes(read_exact(sock, NONCE_BYTES, deadline))

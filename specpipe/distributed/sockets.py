@@ -30,7 +30,7 @@ import time
 from typing import Optional
 
 from specpipe.distributed.acceptor import Acceptor
-from specpipe.distributed.channel import LINK, BadFrame, Channel, ChannelError, introduce
+from specpipe.distributed.channel import ENCRYPTED, LINK, BadFrame, Channel, ChannelError, introduce
 
 HEADER = struct.Struct("<iqq")  # tag, payload bytes, due time (time.time_ns; 0: no emulation)
 STASH_LIMIT = 64  # messages of one tag kept while a receive waits for another (a step needs 2-3)
@@ -48,16 +48,17 @@ class MalformedFrame(SocketError):
 
 class Mesh:
     def __init__(self, rank: int, world_size: int, store, address: str, key: bytes, bind: Optional[str] = None,
-                 limits: Optional[dict[int, int]] = None) -> None:
+                 limits: Optional[dict[int, int]] = None, encrypt: bool = False) -> None:
         """`address`: where the other ranks reach this one; `bind`: the address it listens on
         (default: `address`; "" for every interface); `key`: the pipeline's shared secret, which
         every link proves it holds and every frame carries a MAC of (channel.py); `limits`: the
         tags a message may carry, each with its largest payload (None: any tag, DEFAULT_LIMIT
-        bytes)."""
+        bytes); `encrypt`: bodies travel encrypted (--link-encryption; every rank must agree)."""
         if not key:
             raise ValueError("a mesh needs the pipeline's key")
         self.rank, self.world_size, self.store, self.address = rank, world_size, store, address
         self.key, self.limits = key, limits
+        self.purpose = LINK | (ENCRYPTED if encrypt else 0)
         self.bind = address if bind is None else bind
         self.peers: dict[int, Channel] = {}
         self._stash: dict[tuple[int, int], collections.deque] = collections.defaultdict(collections.deque)
@@ -67,7 +68,7 @@ class Mesh:
         listener = socket.create_server((self.bind, 0), backlog=128)  # room for strangers beside the ranks
         admitted: queue.Queue[Channel] = queue.Queue()
         higher = lambda r: self.rank < r < self.world_size  # noqa: E731  (the ranks that connect to us)
-        acceptor = Acceptor(listener, self.key, LINK, self.rank, higher, admitted.put, name=f"rank {self.rank} links")
+        acceptor = Acceptor(listener, self.key, self.purpose, self.rank, higher, admitted.put, name=f"rank {self.rank} links")
         try:
             self.store.set(f"sock/{self.rank}", f"{self.address}:{listener.getsockname()[1]}")
             for peer in range(self.rank):  # the store waits until each lower rank has published
@@ -75,11 +76,11 @@ class Mesh:
                 host, port = where.rsplit(":", 1)
                 s = socket.create_connection((host, int(port)), timeout=timeout_s)
                 try:
-                    self.peers[peer] = introduce(s, self.key, LINK, self.rank, peer)
+                    self.peers[peer] = introduce(s, self.key, self.purpose, self.rank, peer)
                 except (OSError, ChannelError) as e:
                     s.close()
                     raise SocketError(f"rank {peer} at {where} refused this rank's link ({e or type(e).__name__}): "
-                                      "do both hold the same key?") from None
+                                      "do both hold the same key, and agree on --link-encryption?") from None
             deadline = time.monotonic() + timeout_s
             while len(self.peers) < self.world_size - 1:
                 try:

@@ -164,7 +164,8 @@ class Transport:
 
     def _init_groups(self) -> None:
         where = (self._address, self._address) if self._address else addresses(self._addr, self.rank)
-        mesh = Mesh(self.rank, self.world_size, self.store, where[0], self.key, bind=where[1], limits=self.frame_limits)
+        mesh = Mesh(self.rank, self.world_size, self.store, where[0], self.key, bind=where[1], limits=self.frame_limits,
+                    encrypt=self.options.encrypt)
         mesh.connect(self._connect_timeout_s)
         self.mesh = mesh
         if self.use_nccl:

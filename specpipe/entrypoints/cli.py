@@ -160,6 +160,9 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
                    help="CPU threads per local stage process (default: this machine's cores / stages)")
     g.add_argument("--link-delay-ms", type=float, default=0.0, help="emulated per-message link latency between ranks")
     g.add_argument("--link-bandwidth-mbps", type=float, default=0.0, help="emulated link bandwidth (0 = unlimited)")
+    g.add_argument("--link-encryption", action="store_true",
+                   help="encrypt what crosses the links between ranks (AES-256-GCM; every rank must agree): links are "
+                        "always authenticated, this also hides prompts and activations from the network")
     g.add_argument("--stage-timeout", type=float, default=30.0,
                    help="seconds without an answer from the pipeline before requests fail (default 30)")
     g.add_argument("--restart-stages", type=int, default=3,
@@ -204,6 +207,7 @@ def _engine_config(args: argparse.Namespace, **extra):
                           transport=args.transport, stage_threads=args.stage_threads,
                           link_delay_ms=args.link_delay_ms,
                           link_bandwidth_mbps=args.link_bandwidth_mbps, stage_timeout_s=args.stage_timeout,
+                          link_encryption=args.link_encryption,
                           restart_stages=args.restart_stages, cluster=args.cluster, ray_address=args.ray_address,
                           cluster_key_file=args.cluster_key_file,
                           max_num_seqs=args.max_num_seqs, max_step_rows=args.max_step_rows, kv_memory=args.kv_memory,

@@ -226,6 +226,7 @@ def stage_argv(rank: int, world_size: int, master_addr: str, master_port: int, m
             "--device", device, "--dtype", "auto" if dtype is None else str(dtype).removeprefix("torch."),
             *(["--quantization", quantization] if quantization else []), "--delay-ms", repr(link.delay_ms),
             "--bandwidth-mbps", repr(link.bandwidth_mbps), "--timeout-s", repr(link.timeout_s),
+            *(["--link-encryption"] if link.encrypt else []),
             "--threads", str(threads), "--parent", str(os.getpid())]
 
 
@@ -250,13 +251,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--delay-ms", type=float, default=0.0)
     p.add_argument("--bandwidth-mbps", type=float, default=0.0)
     p.add_argument("--timeout-s", type=float, default=30.0)
+    p.add_argument("--link-encryption", action="store_true")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--parent", type=int, default=0, help="the driver's pid: exit if it is already gone")
     a = p.parse_args(argv)
     start, end = (int(x) for x in a.layers.split(":"))
     stage_process_main(a.rank, a.world_size, a.addr, a.port, a.model, StageSpec(start, end, a.first, a.last),
                        a.num_blocks, a.block_size, a.device, None if a.dtype == "auto" else getattr(torch, a.dtype),
-                       LinkOptions(a.delay_ms, a.bandwidth_mbps, a.timeout_s), a.threads, managed=True,
+                       LinkOptions(a.delay_ms, a.bandwidth_mbps, a.timeout_s, a.link_encryption), a.threads, managed=True,
                        parent=a.parent, quantization=a.quantization, window_blocks=a.window_blocks,
                        key=_key_from_stdin())
 

@@ -46,11 +46,12 @@ class DictStore:
             return self.values[key]
 
 
-def connect(keys, store=None, before_peers=None, timeout=30.0):
-    """Meshes of len(keys) ranks (rank r with keys[r]); `before_peers(store)` runs once rank 0
-    listens. Returns (meshes, errors per rank)."""
+def connect(keys, store=None, before_peers=None, timeout=30.0, encrypt=(False, False, False, False)):
+    """Meshes of len(keys) ranks (rank r with keys[r], encrypting where encrypt[r]);
+    `before_peers(store)` runs once rank 0 listens. Returns (meshes, errors per rank)."""
     store = store or DictStore()
-    meshes = [Mesh(r, len(keys), store, "127.0.0.1", k, limits=FRAME_LIMITS) for r, k in enumerate(keys)]
+    meshes = [Mesh(r, len(keys), store, "127.0.0.1", k, limits=FRAME_LIMITS, encrypt=encrypt[r])
+              for r, k in enumerate(keys)]
     errors: dict[int, BaseException] = {}
 
     def run(r):
@@ -280,8 +281,9 @@ TAMPERING = {
 }
 
 
+@pytest.mark.parametrize("encrypt", [False, True], ids=["mac", "encrypted"])
 @pytest.mark.parametrize("how", list(TAMPERING))
-def test_a_relay_in_the_middle_can_pass_frames_on_but_change_none(how):
+def test_a_relay_in_the_middle_can_pass_frames_on_but_change_none(how, encrypt):
     """Rank 1 is told rank 0 is at the relay's address (the store's `sock/0` rewritten, as the
     probe did when the store was open). Passed on untouched, the three frames arrive; altered,
     replayed, reordered, dropped or with one forged in between, rank 0 refuses the link at the
@@ -295,7 +297,7 @@ def test_a_relay_in_the_middle_can_pass_frames_on_but_change_none(how):
         relays.append(relay)
         store.values["sock/0"] = relay.address.encode()
 
-    meshes, errors = connect([KEY, KEY], store=store, before_peers=redirect)
+    meshes, errors = connect([KEY, KEY], store=store, before_peers=redirect, encrypt=(encrypt, encrypt))
     try:
         assert not errors
         sent = [struct.pack("<q", v) for v in (11, 22, 33)]
@@ -306,7 +308,7 @@ def test_a_relay_in_the_middle_can_pass_frames_on_but_change_none(how):
             for _ in range(3):
                 got.append(bytes(meshes[0].recv(1, TAG_CONTROL, timeout_s=5)[1]))
         except MalformedFrame as e:
-            assert how != "none" and "rank 1" in str(e) and "MAC" in str(e)
+            assert how != "none" and "rank 1" in str(e) and ("tag" if encrypt else "MAC") in str(e)
         else:
             assert how == "none" and got == sent
         assert all(g == s for g, s in zip(got, sent))  # nothing altered was ever delivered
@@ -353,6 +355,40 @@ def test_fuzzed_frames_are_all_refused_and_the_next_link_works():
     growth = sum(st.size_diff for st in tracemalloc.take_snapshot().compare_to(before, "filename"))
     tracemalloc.stop()
     assert trials >= 10 and growth < 4 << 20, (trials, growth)
+
+
+def test_encrypted_links_hide_the_bodies_and_both_ends_must_agree():
+    """--link-encryption: a body crosses the wire as ciphertext (a sniffer between the ranks does
+    not see it) and arrives intact; a rank that does not encrypt is refused, saying why."""
+    seen = []
+
+    class Sniffer(Relay):
+        def __init__(self, target):
+            super().__init__(target, lambda fs: seen.extend(fs) or fs)
+
+    store = DictStore()
+
+    def redirect(store):
+        host, port = store.get("sock/0").decode().rsplit(":", 1)
+        store.values["sock/0"] = Sniffer((host, int(port))).address.encode()
+
+    secret = b"the prompt: a secret plan" + b"\0" * 7
+    meshes, errors = connect([KEY, KEY], store=store, before_peers=redirect, encrypt=(True, True))
+    try:
+        assert not errors
+        for _ in range(3):
+            meshes[1].send(0, TAG_CONTROL, 0, secret)
+        assert all(bytes(meshes[0].recv(1, TAG_CONTROL, timeout_s=5)[1]) == secret for _ in range(3))
+        assert len(seen) == 3 and not any(b"secret plan" in f for f in seen)
+    finally:
+        for m in meshes:
+            m.close()
+    meshes, errors = connect([KEY, KEY], encrypt=(True, False), timeout=8.0)
+    try:
+        assert 1 in errors and "link-encryption" in str(errors[1]) and 1 not in meshes[0].peers
+    finally:
+        for m in meshes:
+            m.close()
 
 
 # ---- the key on a local pipeline -------------------------------------------------------------------
