@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from specpipe.messages import NO_PARENT, Control
-from specpipe.kv.slot_table import ControlRefused, KVStateError, SlotTable, check_tree
+from specpipe.kv.slot_table import ControlRefused, KVStateError, SlotTable, check_tree, unpruned
 
 
 def check_control(table: SlotTable, control: Control) -> None:
@@ -115,7 +115,7 @@ class StepView:
         v = self._view(request_id)
         if v is None:
             return []
-        keep = [i for i, n in enumerate(node_ids) if n not in v.dropped]
+        keep = unpruned(v.dropped, node_ids)
         if not keep:
             return keep
         nodes = [node_ids[i] for i in keep]
