@@ -328,10 +328,6 @@ class SlotTable:
             del self.readers[c]
             self.idle -= 1
 
-    def drop_cache(self) -> None:
-        """Forget every cached block nobody reads (the driver's cache was cleared)."""
-        self.evict([c for c in self.cached if self.readers[c] <= 0])
-
     def commit(self, request_id: int, node_ids: list[int]) -> int:
         """Queue commits (in path order); returns how many nodes joined the committed prefix now."""
         r = self.requests[request_id]
@@ -391,8 +387,7 @@ class SlotTable:
         r = self.requests[request_id]
         if r.failed:
             return []
-        # The ids stay until the horizon: a pruned node's children, which follow it, are refused too.
-        return [i for i, n in enumerate(node_ids) if n not in r.dropped]
+        return unpruned(r.dropped, node_ids)
 
     def plan(self, request_id: int, node_ids: list[int], parent_ids: list[int],
              positions: Optional[list[int]] = None) -> RowPlan:
@@ -511,6 +506,12 @@ class SlotTable:
 
 def _is_chain(node_ids: list[int], parent_ids: list[int]) -> bool:
     return all(parent_ids[i] == node_ids[i - 1] for i in range(1, len(node_ids)))
+
+
+def unpruned(dropped: dict[int, int], node_ids: list[int]) -> list[int]:
+    """Indices of the rows whose node was not pruned while it travelled. The ids stay until the
+    horizon: a pruned node's children, which follow it, are refused too (`check_tree`)."""
+    return [i for i, n in enumerate(node_ids) if n not in dropped]
 
 
 def check_tree(r: RequestSlots, request_id: int, node_ids: list[int], parent_ids: list[int],
