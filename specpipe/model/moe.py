@@ -25,26 +25,17 @@ import torch.nn.functional as F
 from specpipe.config import ModelConfig
 from specpipe.kernels.native import layer as native_layer
 from specpipe.kernels.qlinear import FloatLinear, StackedLinear
+from specpipe.model.lanes import pad_columns
 from specpipe.model.routing import Router
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
-# torch's vectorised elementwise kernels (silu, gelu) on this AVX-512 CPU give an element other
-# bits when it falls in a loop's remainder than in its main body, so with a row width that is
-# not a multiple of 32 (a 48-wide tiny expert) a row's activations depended on how many rows
-# shared the call. Rows padded to a multiple of LANES columns put every element in the same place
-# of the loop whatever the row count. Real models' widths are multiples of 64: no copy there.
-LANES = 64
 
 
 def gated(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """act(gate) * up, (T, I) each, with every row's result independent of T (see LANES)."""
+    """act(gate) * up, (T, I) each, with every row's result independent of T (model/lanes.py)."""
     if act is F.silu and gate.dtype == torch.float32 == up.dtype and gate.is_cpu and native_layer.available():
         return native_layer.silu_mul(gate, up)  # layer.c's arithmetic: the fused layer's bits (model/fused.py)
-    cols = gate.shape[-1]
-    pad = -cols % LANES
-    if not pad:
-        return act(gate) * up
-    return (act(F.pad(gate, (0, pad))) * F.pad(up, (0, pad)))[:, :cols]
+    return (act(pad_columns(gate)) * pad_columns(up))[:, :gate.shape[-1]]
 
 
 class MLP(nn.Module):

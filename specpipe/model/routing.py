@@ -24,7 +24,8 @@ GLM routers add 1e-20 to the renormalising sum (a sum of sigmoids is far above t
 (no difference while top_groups groups hold at least top_k experts, which MoEConfig checks).
 
 Batch invariance (model/moe.py): every step is a function of the row's own logits, so a row is
-routed the same whatever rows share the call.
+routed the same whatever rows share the call (the sigmoid over rows padded to whole vectors:
+model/lanes.py; tiny test routers of 8 experts showed it).
 
 Use (GLM-4.5 and MiniMax-M2 as well as DeepSeek): `Router(hidden, moe)` holds the checkpoint's
 `mlp.gate.weight` (E, H) and, when `moe.correction_bias`, `mlp.gate.e_score_correction_bias`
@@ -43,11 +44,15 @@ import torch.nn as nn
 
 from specpipe.config import MoEConfig
 from specpipe.kernels.torch_kernels import invariant_linear
+from specpipe.model.lanes import pad_columns
 
 
 def route(logits: torch.Tensor, moe: MoEConfig, bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (T, E) float32 -> (chosen experts (T, k) int64, their weights (T, k) float32)."""
-    scores = torch.softmax(logits, dim=-1) if moe.scoring == "softmax" else torch.sigmoid(logits)  # (T, E)
+    if moe.scoring == "softmax":
+        scores = torch.softmax(logits, dim=-1)  # (T, E)
+    else:  # elementwise: padded so a row's bits do not depend on the row count (model/lanes.py)
+        scores = torch.sigmoid(pad_columns(logits))[:, :logits.shape[-1]]  # (T, E)
     choice = scores if bias is None else scores + bias  # (T, E): what selects, never what weighs
     if moe.num_groups > 1:
         t, e, g = choice.shape[0], choice.shape[1], moe.num_groups
