@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "gemma3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "gemma3", "phi3",
+                           "glm4_moe", "minimax_m2")
 MODES = ("pp", "pp-cb", "tree", "specpipe", "specpipe-db")
 # Modes whose requests share a row budget per step, with chunked prefill (and, for specpipe-db,
 # tree widths that shrink as the pipeline fills); the others send exactly what their rule asks.
@@ -120,7 +121,8 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # Where the families differ (defaults: Llama). Each is one named place in model/llama.py.
-    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm over each query and key head, before RoPE
+    qk_norm: bool = False  # Qwen3, Gemma 3, GLM-4.5 (use_qk_norm): RMSNorm over each query and key head, before RoPE
+    qk_norm_whole: bool = False  # MiniMax-M2: that RMSNorm over the whole q / k projection (all heads at once)
     norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + weight)
     sandwich_norms: bool = False  # Gemma 3: norms after attention and around the MLP as well
     embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden)

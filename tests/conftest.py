@@ -115,7 +115,19 @@ TINY_FAMILIES = {
     "phi3": dict(partial_rotary_factor=0.5, original_max_position_embeddings=16, max_position_embeddings=256,
                  rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6],
                                "long_factor": [1.0, 2.0, 4.0, 8.0]}),
+    # GLM-4.5: a dense first layer, then 8 experts in 2 groups (top-1 group, top-2 experts), a
+    # shared expert, sigmoid scores with a correction bias, scaled weights; QKV bias, q/k norm,
+    # half of a 32-wide head rotating.
+    "glm4_moe": dict(head_dim=32, partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True,
+                     first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                     n_shared_experts=1, n_group=2, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5),
+    # MiniMax-M2: every layer sparse (8 experts, top-2, sigmoid with a correction bias), q/k norm
+    # over the whole projection, 16 of 32 dims rotating (its files say rotary_dim).
+    "minimax_m2": dict(head_dim=32, rotary_dim=16, num_local_experts=8, num_experts_per_tok=2, intermediate_size=64),
 }
+# Routers that score by sigmoid: the reference spread (logits of std ~8) would pin every score at
+# 0 or 1, so they get logits of std ~1 and a correction bias that changes some choices.
+SIGMOID_ROUTED = ("glm4_moe", "minimax_m2")
 
 
 def _config(arch: str, **overrides):
@@ -147,7 +159,10 @@ def make_tiny_hf_model(arch: str = "llama", seed: int = 0, **config_overrides):
             elif name.endswith(".bias"):  # default 0: make Qwen2's biases matter
                 p.copy_(0.2 * torch.randn(p.shape, generator=gen))
             elif name.endswith("mlp.gate.weight"):  # a router far from ties, so top-2 is not a coin toss
-                p.copy_(torch.randn(p.shape, generator=gen))
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.15 if arch in SIGMOID_ROUTED else 1.0))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # default 0: make the selection bias matter
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
     return model.eval()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from safetensors import safe_open
 
 from specpipe.config import ConfigError, ModelConfig, StageSpec
 from specpipe.loader.checked_file import CheckedFile, closed_on_error
-from specpipe.loader.hf_config import model_config_from_hf
+from specpipe.loader.hf_config import model_config_from_hf, prediction_layers
 from specpipe.loader.checkpoint import (Checkpoint, CheckpointError, StageBytes, check_config_against_tensors,
                                        fused_parts, merge_ranges, stage_needs)
 from specpipe.loader import PICKLE_SUFFIXES
@@ -29,8 +30,10 @@ from specpipe.loader import PICKLE_SUFFIXES
 # tensors keep names SpecPipe never asks for.
 _PREFIXES = (("model.language_model.", ""), ("language_model.model.", ""), ("language_model.lm_head.", "lm_head."),
              ("model.", ""))
-# Mixtral's names for the parts of a sparse MLP -> the canonical ones (Qwen3-MoE's already are).
+# Mixtral's and MiniMax-M2's names for the parts of a sparse MLP -> the canonical ones (Qwen3-MoE's,
+# DeepSeek's and GLM-4.5's already are); MiniMax-M2 keeps the router's selection bias beside it.
 _MIXTRAL = ((re.compile(r"\.block_sparse_moe\.gate\."), ".mlp.gate."),
+            (re.compile(r"\.block_sparse_moe\.e_score_correction_bias$"), ".mlp.gate.e_score_correction_bias"),
             (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w1\."), r".mlp.experts.\1.gate_proj."),
             (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w3\."), r".mlp.experts.\1.up_proj."),
             (re.compile(r"\.block_sparse_moe\.experts\.(\d+)\.w2\."), r".mlp.experts.\1.down_proj."))
@@ -44,6 +47,12 @@ def canonical(hf_name: str) -> str:
     for pattern, repl in _MIXTRAL:
         hf_name = pattern.sub(repl, hf_name)
     return hf_name
+
+
+def _layer_of(name: str):
+    """The layer index of a canonical tensor name (layers.{i}.*), else None."""
+    parts = name.split(".", 2)
+    return int(parts[1]) if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit() else None
 
 
 def _read_json_object(path: Path) -> dict:
@@ -109,9 +118,13 @@ class HFCheckpoint(Checkpoint):
         if not cfg_file.is_file():
             raise CheckpointError(f"{path}: not a Hugging Face model directory (no config.json)")
         try:
-            self.config = model_config_from_hf(_read_json_object(cfg_file))
+            raw = _read_json_object(cfg_file)
+            self.config = model_config_from_hf(raw)
+            extra = prediction_layers(raw)
         except ConfigError as e:
             raise CheckpointError(f"{cfg_file}: {e}") from None
+        n = self.config.num_layers
+        skipped: set[int] = set()  # multi-token-prediction layers found (hf_config.prediction_layers)
         self._tensor: dict[str, _Tensor] = {}  # canonical name -> where it is stored
         self._rows: dict[str, tuple[int, int]] = {}  # canonical name -> its rows of a fused tensor
         # shard name -> (its open file, where its data starts, its tensors by their names in it)
@@ -128,12 +141,20 @@ class HFCheckpoint(Checkpoint):
                 start, tensors = safetensors_header(file)
                 self._shard_data[shard.name] = (file, start, tensors)
                 for name in keys:
+                    layer = _layer_of(canonical(name))
+                    if layer is not None and n <= layer < n + extra:
+                        skipped.add(layer)
+                        continue
                     parts = fused_parts(canonical(name), self.config)
                     for part, a, b in parts or [(canonical(name), None, None)]:
                         self._tensor[part] = tensors[name]
                         if a is not None:
                             self._rows[part] = (a, b)
             check_config_against_tensors(self)
+        if skipped:
+            print(f"specpipe: {path.name}: skipping its multi-token-prediction layers ({', '.join(map(str, sorted(skipped)))}"
+                  f" of layers 0..{n + extra - 1}): SpecPipe decodes with the {n} decoder layers only",
+                  file=sys.stderr, flush=True)
 
     def _shards(self) -> list[Path]:
         index = self.path / "model.safetensors.index.json"

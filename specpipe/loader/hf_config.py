@@ -18,7 +18,7 @@ from specpipe.config import (SUPPORTED_ARCHITECTURES, ConfigError, LinearRope, L
 # model's settings in `text_config`; SpecPipe runs that text model.
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "qwen3": "qwen3",
                "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gemma3_text": "gemma3", "gemma3": "gemma3",
-               "phi3": "phi3"}
+               "phi3": "phi3", "glm4_moe": "glm4_moe", "minimax_m2": "minimax_m2"}
 
 # Families people ask for that need a piece SpecPipe does not have: the error names it.
 MISSING_PIECE = {
@@ -72,6 +72,19 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
         raise ConfigError(f"config.json has a value of the wrong type or range ({e})") from None
 
 
+def prediction_layers(cfg: dict) -> int:
+    """How many multi-token-prediction layers the checkpoint appends after its decoder, stored as
+    layers.{num_hidden_layers + i}.* (DeepSeek V3 and GLM-4.5: num_nextn_predict_layers;
+    MiniMax-M2: num_mtp_modules). They draft tokens for their authors' own speculation; SpecPipe
+    decodes with the main model only and never reads them."""
+    if not isinstance(cfg, dict):
+        return 0
+    n = cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_modules")) or 0
+    if not isinstance(n, int) or n < 0:
+        raise ConfigError(f"config.json: the number of multi-token-prediction layers must be an integer >= 0, got {n!r}")
+    return n
+
+
 def _rope_params(cfg: dict, layer_type: str) -> dict:
     """The RoPE parameters of one layer type, whichever layout the file uses."""
     params = cfg.get("rope_parameters") or {}
@@ -111,7 +124,8 @@ def _rope_scaling(rs: dict, cfg: dict, rope_dim: int):
 
 def _sliding(arch: str, cfg: dict, num_layers: int) -> tuple[Optional[int], tuple[int, ...]]:
     window = cfg.get("sliding_window")
-    if not window or cfg.get("use_sliding_window", True) is False:
+    # transformers' glm4_moe and minimax_m2 attend to everything, whatever window a file names.
+    if not window or cfg.get("use_sliding_window", True) is False or arch in ("glm4_moe", "minimax_m2"):
         return None, ()
     if cfg.get("layer_types"):
         layers = [i for i, t in enumerate(cfg["layer_types"]) if t == "sliding_attention"]
@@ -135,6 +149,18 @@ def _moe(arch: str, cfg: dict, num_layers: int) -> Optional[MoEConfig]:
         layers = tuple(i for i in range(num_layers) if i not in dense and step > 0 and (i + 1) % step == 0)
         return MoEConfig(experts, int(cfg["num_experts_per_tok"]), int(cfg["moe_intermediate_size"]),
                          bool(cfg.get("norm_topk_prob", False)), layers)
+    if arch == "glm4_moe":  # DeepSeek V3's router: dense layers first, then sigmoid routing over groups
+        dense = int(cfg.get("first_k_dense_replace", 1))
+        width = int(cfg["moe_intermediate_size"])
+        return MoEConfig(int(cfg["n_routed_experts"]), int(cfg["num_experts_per_tok"]), width,
+                         bool(cfg.get("norm_topk_prob", True)), tuple(range(dense, num_layers)), scoring="sigmoid",
+                         correction_bias=True, num_groups=int(cfg.get("n_group", 1)),
+                         top_groups=int(cfg.get("topk_group", 1)),
+                         scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                         shared_intermediate_size=width * int(cfg.get("n_shared_experts", 1)))
+    if arch == "minimax_m2":  # every layer sparse, experts of intermediate_size, always renormalised
+        return MoEConfig(int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"]), int(cfg["intermediate_size"]),
+                         True, tuple(range(num_layers)), scoring="sigmoid", correction_bias=True)
     return None
 
 
@@ -144,14 +170,22 @@ def _build(arch: str, cfg: dict) -> ModelConfig:
     num_layers = int(cfg["num_hidden_layers"])
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     global_rope = _rope_params(cfg, "full_attention")
-    partial = float(global_rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
-    rope_dim = int(head_dim * partial)
+    partial = global_rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if partial is None and arch == "minimax_m2" and cfg.get("rotary_dim"):  # its own files name the dims
+        partial = int(cfg["rotary_dim"]) / head_dim
+    if partial is None:  # transformers' Glm4MoeConfig rotates half a head unless told otherwise
+        partial = 0.5 if arch == "glm4_moe" else 1.0
+    rope_dim = int(head_dim * float(partial))
     window, sliding_layers = _sliding(arch, cfg, num_layers)
     eos = cfg.get("eos_token_id")
     gemma = arch == "gemma3"
     options: dict[str, Any] = {}
     if arch in ("qwen3", "qwen3_moe"):
         options.update(qk_norm=True)
+    if arch == "glm4_moe":  # GLM-4.5 / 4.6 leave it off, other GLM MoE checkpoints turn it on
+        options.update(qk_norm=bool(cfg.get("use_qk_norm", False)))
+    if arch == "minimax_m2":  # always on in transformers (the file's use_qk_norm / qk_norm_type are not read)
+        options.update(qk_norm=True, qk_norm_whole=True)
     if gemma:
         local = _rope_params(cfg, "sliding_attention")
         options.update(

@@ -4,9 +4,12 @@ Llama 2/3, SmolLM2, Mistral, Qwen2 and Qwen3 are this decoder as written; the ot
 switch on a few named options of ModelConfig, each used in exactly one place here:
 
     option            families            where
-    qk_norm           Qwen3, Gemma 3      Attention: RMSNorm over each query and key head
+    qk_norm           Qwen3, Gemma 3,     Attention: RMSNorm over each query and key head
+                      GLM-4.5 (optional)
+    qk_norm_whole     MiniMax-M2          Attention: that RMSNorm over the whole q / k projection instead
     query_scale       Gemma 3             Attention: scores scaled by query_pre_attn_scalar^-0.5
-    rope_dim          Phi-3               Rope.apply: only the first rope_dim dims rotate
+    rope_dim          Phi-3, GLM-4.5,     Rope.apply: only the first rope_dim dims rotate
+                      MiniMax-M2
     rope_scaling      Llama 3, Gemma 3, Phi-3 (model/rope.py: llama3, linear, longrope)
     sliding_layers    Gemma 3, Mistral    LlamaStage.forward: those layers see the last window only,
                                           with their own RoPE base (rope_local_theta) if set
@@ -75,18 +78,23 @@ class Attention(nn.Module):
         self.v_proj = FloatLinear(cfg.hidden_size, self.hkv * self.d, bias=bias)
         self.o_proj = FloatLinear(self.hq * self.d, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps, cfg.norm_plus_one)
-            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps, cfg.norm_plus_one)
+            # per head (Qwen3, Gemma 3, GLM-4.5), or across all heads of the projection (MiniMax-M2)
+            q_dim, k_dim = (self.hq * self.d, self.hkv * self.d) if cfg.qk_norm_whole else (self.d, self.d)
+            self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps, cfg.norm_plus_one)
+            self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps, cfg.norm_plus_one)
         self.qk_norm, self.scale = cfg.qk_norm, cfg.query_scale
+        self.qk_norm_whole = cfg.qk_norm and cfg.qk_norm_whole
         self.qkv: Optional[StackedLinear] = None  # q/k/v stacked after loading (stack_projections)
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata, kv: KVCache, layer: int) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv(x) if self.qkv is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        if self.qk_norm_whole:  # (T, Hq D) and (T, Hkv D): one RMS over every head of the row
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(t, self.hq, self.d)  # (T, Hq, D)
         k = k.view(t, self.hkv, self.d)  # (T, Hkv, D)
         v = v.view(t, self.hkv, self.d)  # (T, Hkv, D)
-        if self.qk_norm:
+        if self.qk_norm and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q), rope.apply(k)
         kv.write(layer, k, v, meta.write_slots)  # every segment's rows first: a segment may read another's
