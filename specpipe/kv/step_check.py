@@ -25,7 +25,8 @@ def check_control(table: SlotTable, control: Control) -> None:
     """The Control applies without an error, in `StageWorker.apply`'s order: shares, releases,
     evictions, admits, prunings (ControlRefused naming what is wrong)."""
     released = set(control.release)
-    cached = set(table.cached)  # cache ids held once the shares are made
+    before = set(table.cached)
+    cached = set(before)  # cache ids held once the shares are made
     lost = set(table.lost)
     readers = Counter({c: n for c, n in table.readers.items() if n})
     shared: set[int] = set()
@@ -40,7 +41,7 @@ def check_control(table: SlotTable, control: Control) -> None:
             continue
         try:
             runs, _ = table.share_plan(sh.request_id, sh.blocks, sh.ids, sh.request_id in released,
-                                       frozenset(cached - set(table.cached)))
+                                       frozenset(cached - before))
         except KVStateError as e:
             raise ControlRefused(str(e)) from None
         cached.update(c for _, c, _ in runs)
@@ -66,17 +67,22 @@ def check_control(table: SlotTable, control: Control) -> None:
         admitted.add(rid)
         if lost.intersection(a.cached):
             continue  # it starts failed here (SlotTable.admit)
-        if len(set(a.cached)) != len(a.cached) or not cached.issuperset(a.cached) or (a.cached and table.window):
+        if len(set(a.cached)) != len(a.cached) or not cached.issuperset(a.cached) or (a.cached and table.window is not None):
             raise ControlRefused(f"request {rid} admitted with cached blocks {a.cached} this stage does not hold")
+    # Every request the driver keeps here needs a slot for its rows: more than the pool has slots
+    # can never all run (a hostile driver's way to grow the table without rows).
+    held = len(table.requests) - len(released & set(table.requests)) + len(admitted)
+    if held > table.num_slots:
+        raise ControlRefused(f"{held} requests held here, more than the pool's {table.num_slots} slots")
     pending = Counter()
     for p in control.prune:
         r = table.requests.get(p.request_id)
         pending[p.request_id] += len(p.commit)
-        held = 0 if r is None or p.request_id in released else len(r.pending)
+        waiting = pending[p.request_id] + (0 if r is None or p.request_id in released else len(r.pending))
         # A commit waits for its row here; every such row will need a slot, so more waiting commits
         # than the pool has slots can never settle (a hostile driver's way to grow a deque for ever).
-        if held + pending[p.request_id] > table.num_slots:
-            raise ControlRefused(f"request {p.request_id}: {held + pending[p.request_id]} commits waiting, "
+        if waiting > table.num_slots:
+            raise ControlRefused(f"request {p.request_id}: {waiting} commits waiting, "
                                  f"more than the {table.num_slots} slots that could ever hold them")
 
 

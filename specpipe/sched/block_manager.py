@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from specpipe.sched.prefix_cache import CachedBlock, PrefixCache
+from specpipe.sched.prefix_cache import PrefixCache, PrefixChain
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -91,8 +91,7 @@ class BlockManager:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.cache = cache
         self.pool = _Pool(num_blocks, block_size, self.cache)
-        self._chain: dict[int, list[CachedBlock]] = {}  # request -> the cached block of each of its first blocks
-        self._refs: dict[int, list[CachedBlock]] = {}  # request -> the cached blocks it reads (holds a reference)
+        self._chains: dict[int, PrefixChain] = {}  # request -> its cached blocks
         self.window = window if window_blocks else None
         self.window_pool = _Pool(window_blocks, block_size) if self.window else None
         self._floor: dict[int, int] = {}  # request -> committed positions every stage has settled
@@ -169,9 +168,9 @@ class BlockManager:
             p.held.pop(request_id, None)
         self.pool.shared.pop(request_id, None)
         self._floor.pop(request_id, None)
-        self._chain.pop(request_id, None)
-        if self.cache is not None:
-            self.cache.release(self._refs.pop(request_id, []))
+        chain = self._chains.pop(request_id, None)
+        if chain is not None:
+            chain.release()
 
     # -- prefix caching ------------------------------------------------------------------------------
     def lookup(self, request_id: int, tokens: Sequence[int]) -> list[int]:
@@ -181,27 +180,22 @@ class BlockManager:
         if self.cache is None:
             return []
         self.free(request_id)  # an earlier lookup for it, if it then waited
-        hit = self.cache.match(tokens, len(tokens) - 1)
-        self.cache.acquire(hit)
-        self._chain[request_id] = list(hit)
-        self._refs[request_id] = list(hit)
+        hit = self._chains.setdefault(request_id, self.cache.chain()).read(tokens, len(tokens) - 1)
         self.pool.shared[request_id] = len(hit) * self.block_size
         return [b.block_id for b in hit]
 
     def cached_blocks(self, request_id: int) -> int:
         """How many of the request's first blocks are known to the cache (its or an equal one)."""
-        return len(self._chain.get(request_id, ()))
+        chain = self._chains.get(request_id)
+        return len(chain.chain) if chain is not None else 0
 
     def share(self, request_id: int, tokens: Sequence[int]) -> Optional[int]:
         """The request's next full block (after `cached_blocks`) holds `tokens`, computed at every
         stage: cache it. Returns its new block id, or None when equal content was cached already
         (the request keeps its copy as its own, and chains on from the cached one)."""
-        chain = self._chain.setdefault(request_id, [])
-        block, new = self.cache.insert(chain[-1] if chain else None, tokens)
-        chain.append(block)
-        if not new:
+        block = self._chains.setdefault(request_id, self.cache.chain()).add(tokens)
+        if block is None:
             return None
-        self._refs.setdefault(request_id, []).append(block)
         self.pool.held[request_id] -= 1  # its own block is the cache's now
         self.pool.shared[request_id] = self.pool.shared.get(request_id, 0) + self.block_size
         return block.block_id

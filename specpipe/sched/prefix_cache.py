@@ -113,8 +113,48 @@ class PrefixCache:
         out, self.evicted = self.evicted, []
         return out
 
+    def chain(self) -> "PrefixChain":
+        """A new request's place in this cache (none yet)."""
+        return PrefixChain(self)
+
     def clear(self) -> None:
         """Forget everything (the stages were started afresh and hold none of it)."""
         self.blocks.clear()
         self.lru.clear()
         self.evicted = []
+
+
+class PrefixChain:
+    """One request's place in a PrefixCache: the cached block for each of its first blocks
+    (`chain`: its own or an equal one), and those it holds a reference to (`refs`). The one way a
+    request reads and adds cached blocks, for the stages' block manager (sched/block_manager.py)
+    and the draft model's cache (spec_decode/draft_prefix.py, which gets it from the index it is
+    handed: `PrefixCache.chain`) alike."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self.cache = cache
+        self.chain: list[CachedBlock] = []
+        self.refs: list[CachedBlock] = []
+
+    def read(self, tokens: Sequence[int], limit: int) -> list[CachedBlock]:
+        """Before the request's first rows: its longest cached prefix, at most `limit` tokens."""
+        hit = self.cache.match(tokens, limit)
+        self.cache.acquire(hit)
+        self.chain, self.refs = list(hit), list(hit)
+        return hit
+
+    def add(self, tokens: Sequence[int]) -> Optional[CachedBlock]:
+        """The request's next full block holds `tokens`: cache it. Returns the new block, or None
+        when equal content was cached already (the request keeps its copy as its own and chains
+        on from the cached one)."""
+        block, new = self.cache.insert(self.chain[-1] if self.chain else None, tokens)
+        self.chain.append(block)
+        if not new:
+            return None
+        self.refs.append(block)
+        return block
+
+    def release(self) -> None:
+        """The request stops reading its cached blocks (they stay cached, unreferenced)."""
+        self.cache.release(self.refs)
+        self.chain, self.refs = [], []

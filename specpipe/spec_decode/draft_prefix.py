@@ -19,10 +19,9 @@ from specpipe.spec_decode.sources import SourceRows
 
 @dataclass
 class _Request:
+    cached: Any  # sched.prefix_cache.PrefixChain: its blocks in the index (from `index.chain()`)
     commits: list[int] = field(default_factory=list)  # committed node ids, in position order
     tokens: dict[int, int] = field(default_factory=dict)  # node id -> token, for rows fed
-    chain: list[Any] = field(default_factory=list)  # the index's block for each of its first blocks
-    refs: list[Any] = field(default_factory=list)  # those it holds a reference to
     scattered: bool = False  # a block its rows did not fill in order: the rest waits for its end
 
 
@@ -33,15 +32,20 @@ class DraftPrefixCache:
         self.slots, self.move, self.index = slots, move, index
         self.requests: dict[int, _Request] = {}
 
+    def _request(self, pid: int) -> _Request:
+        if pid not in self.requests:
+            self.requests[pid] = _Request(self.index.chain())
+        return self.requests[pid]
+
     def observe(self, pid: int, commit: Sequence[int], drop: Sequence[int]) -> None:
-        r = self.requests.setdefault(pid, _Request())
+        r = self._request(pid)
         r.commits.extend(commit)
         for n in drop:
             r.tokens.pop(n, None)
 
     def feed(self, pid: int, rows: SourceRows, want: Sequence[int]) -> SourceRows:
         """The rows of a call, less those a cached prefix already holds (a fresh request's prompt)."""
-        r = self.requests.setdefault(pid, _Request())
+        r = self._request(pid)
         r.tokens.update(zip(rows.node_ids, rows.tokens.tolist()))
         table = self.slots.requests.get(pid)
         if (table is None or table.failed or table.committed or table.spec or not rows.node_ids
@@ -49,12 +53,10 @@ class DraftPrefixCache:
             return rows
         want = set(want)
         limit = min([len(rows.node_ids) - 1] + [i for i, n in enumerate(rows.node_ids) if n in want])
-        hit = self.index.match(rows.tokens.tolist(), limit)
+        hit = r.cached.read(rows.tokens.tolist(), limit)
         self.index.count_query(len(rows.node_ids), len(hit) * self.slots.block_size)
         if not hit:
             return rows
-        self.index.acquire(hit)
-        r.chain, r.refs = list(hit), list(hit)
         self.slots.adopt(pid, [b.block_id for b in hit])
         h = len(hit) * self.slots.block_size
         return SourceRows(rows.node_ids[h:], rows.parent_ids[h:], rows.positions[h:], rows.tokens[h:])
@@ -70,28 +72,32 @@ class DraftPrefixCache:
         return self.slots.pool.num_free() + self.index.evictable()
 
     def share(self, pid: int, final: bool = False) -> None:
-        """Cache the request's full blocks that have settled (every one at its end)."""
+        """Cache the request's full blocks that have settled (every one at its end), all in one
+        SlotTable.share: a block a tree scattered is copied into a spare block of the request,
+        which may hold another block's sources, so every copy reads before any writes."""
         r, table = self.requests.get(pid), self.slots.requests.get(pid)
         if r is None or table is None or table.failed or (r.scattered and not final):
             return
         bs = self.slots.block_size
-        for k in range(len(r.chain), len(table.committed) // bs):
+        runs, ids = [], []
+        for k in range(len(r.cached.chain), len(table.committed) // bs):
             nodes = r.commits[k * bs:(k + 1) * bs]
             if any(n not in r.tokens for n in nodes):
-                return
+                break
             if not final and self.slots.whole_block(pid, k) is None:
                 r.scattered = True  # not one block's slots in order: at its end, then
-                return
-            block, new = self.index.insert(r.chain[-1] if r.chain else None, [r.tokens[n] for n in nodes])
-            if new:
-                moves = self.slots.share(pid, [k], [block.block_id], final=final)
-                if moves:
-                    self.move(moves)
-                r.refs.append(block)
-            r.chain.append(block)
+                break
+            block = r.cached.add([r.tokens[n] for n in nodes])
+            if block is not None:
+                runs.append(k)
+                ids.append(block.block_id)
+        if runs:
+            moves = self.slots.share(pid, runs, ids, final=final)
+            if moves:
+                self.move(moves)
 
     def finish(self, pid: int) -> None:
         self.share(pid, final=True)
         r = self.requests.pop(pid, None)
         if r is not None:
-            self.index.release(r.refs)
+            r.cached.release()

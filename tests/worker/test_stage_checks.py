@@ -68,10 +68,12 @@ def test_positions_must_follow_the_parents(stages):
     assert_refused(first, RowsRefused, "rows", Control(admit=[Admit(0, GREEDY)]), [rows], "at position 1000000000000000")
 
 
-def test_commits_that_could_never_settle_are_refused(stages):
-    """A Control whose commits wait for more rows than the pool could ever hold (a deque that
-    would grow every step)."""
+def test_commits_and_requests_that_could_never_run_are_refused(stages):
+    """A Control whose commits wait for more rows than the pool could ever hold, or that keeps
+    more requests than it has slots (a deque, a table that would grow every step)."""
     first, _ = stages(blocks=2)
     first.step(Control(admit=[Admit(0, GREEDY)]), [])
     assert_refused(first, ControlRefused, "control", Control(prune=[Prune(0, commit=list(range(100, 109)))]), [],
                    "9 commits waiting")
+    assert_refused(first, ControlRefused, "control", Control(admit=[Admit(rid, GREEDY) for rid in range(1, 9)]), [],
+                   "9 requests held here")
