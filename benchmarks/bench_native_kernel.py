@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from gguf import quants
 
 from specpipe.kernels import native
-from specpipe.kernels.ggml_types import dequantize
+from specpipe.kernels.ggml_types import LAYOUTS, LOWBIT_TYPES, dequantize
 from specpipe.kernels.registry import kernels
 from specpipe.kernels.torch_kernels import invariant_linear
 
@@ -76,6 +76,18 @@ RESULTS = Path(__file__).resolve().parent / "results" / "native_kernel_cpu.json"
 def random_packed(qtype: Q, n: int, k: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     block, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    if qtype in LOWBIT_TYPES:  # random bytes, the scale fields finite (tests/lowbit_helpers.py does the same)
+        lay = LAYOUTS[qtype]
+        raw = rng.integers(0, 256, size=(n * k // block, nbytes), dtype=np.uint8)
+        for f in ("d", "dmin"):
+            if f in lay.fields:
+                off = lay.fields[f][0]
+                raw[:, off:off + 2] = rng.uniform(-0.02, 0.02, (len(raw), 1)).astype(np.float16).view(np.uint8)
+        if qtype == Q.IQ1_M:
+            raw[:, 55] = (raw[:, 55] & 0x3F) | 0x20
+        if qtype == Q.MXFP4:
+            raw[:, 0] = 120
+        return raw.reshape(n, -1)
     if block == 32:
         return np.ascontiguousarray(quants.quantize(rng.standard_normal((n, k), np.float32), qtype))
     raw = rng.integers(0, 256, size=(n, k // block, nbytes), dtype=np.uint8)

@@ -28,6 +28,9 @@ IEEE half. The layouts, as in llama.cpp's ggml-common.h / ggml-quants.c:
         w = (d * scale[s]) * (q - 32)
   F16 / BF16 / F32: one element per "block" of 2 / 2 / 4 bytes.
 
+The low-bit types (Q2_K, Q3_K, the IQ types, MXFP4, TQ1_0, TQ2_0) have their layouts and their
+reference dequantize in ggml_lowbit.py, beside these; LAYOUTS below holds them all.
+
 The field offsets are the table LAYOUTS below, which the reader slices by; it is the C structs'
 of kernels/native/ggml_blocks.h written again, and checked against them (their offsetof and
 sizeof, exported by the library) when the native library loads and in
@@ -81,7 +84,24 @@ LAYOUTS: dict[Q, Layout] = {
     Q.Q4_K: _layout(256, ("d", 2), ("dmin", 2), ("scales", 12), ("qs", 128)),
     Q.Q5_K: _layout(256, ("d", 2), ("dmin", 2), ("scales", 12), ("qh", 32), ("qs", 128)),
     Q.Q6_K: _layout(256, ("ql", 128), ("qh", 64), ("scales", 16), ("d", 2)),
+    # the low-bit types (ggml_lowbit.py describes each)
+    Q.Q2_K: _layout(256, ("scales", 16), ("qs", 64), ("d", 2), ("dmin", 2)),
+    Q.Q3_K: _layout(256, ("hmask", 32), ("qs", 64), ("scales", 12), ("d", 2)),
+    Q.IQ2_XXS: _layout(256, ("d", 2), ("qs", 64)),
+    Q.IQ2_XS: _layout(256, ("d", 2), ("qs", 64), ("scales", 8)),
+    Q.IQ2_S: _layout(256, ("d", 2), ("qs", 32), ("signs", 32), ("qh", 8), ("scales", 8)),
+    Q.IQ3_XXS: _layout(256, ("d", 2), ("qs", 64), ("scales_signs", 32)),
+    Q.IQ3_S: _layout(256, ("d", 2), ("qs", 64), ("qh", 8), ("signs", 32), ("scales", 4)),
+    Q.IQ1_S: _layout(256, ("d", 2), ("qs", 32), ("qh", 16)),
+    Q.IQ1_M: _layout(256, ("qs", 32), ("qh", 16), ("scales", 8)),
+    Q.IQ4_NL: _layout(32, ("d", 2), ("qs", 16)),
+    Q.IQ4_XS: _layout(256, ("d", 2), ("scales_h", 2), ("scales_l", 4), ("qs", 128)),
+    Q.MXFP4: _layout(32, ("e", 1), ("qs", 16)),
+    Q.TQ1_0: _layout(256, ("qs", 48), ("qh", 4), ("d", 2)),
+    Q.TQ2_0: _layout(256, ("qs", 64), ("d", 2)),
 }
+LOWBIT_TYPES = (Q.Q2_K, Q.Q3_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M,
+                Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, Q.TQ1_0, Q.TQ2_0)
 
 # qtype -> (elements per block, bytes per block)
 BLOCKS: dict[Q, tuple[int, int]] = {
@@ -173,6 +193,10 @@ def _dequantize_blocks(b: torch.Tensor, qtype: Q) -> torch.Tensor:
         q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(n, 16, 16).float()
         d = _f16(f(b, "d")) * f(b, "scales").contiguous().view(torch.int8).float()  # (B, 16)
         return (d[:, :, None] * q).reshape(n, 256)
+    if qtype in LOWBIT_TYPES:
+        from specpipe.kernels import ggml_lowbit
+
+        return ggml_lowbit.dequantize_blocks(b, qtype)
     raise NotImplementedError(f"no dequantize for GGML type {qtype.name}")
 
 

@@ -224,6 +224,26 @@ def _read_config(meta: dict[str, Any], tensors: dict[str, Any], extras: dict[str
         raise CheckpointError(f"{file_name}: {e}") from None
 
 
+# Tensor types that are plain arrays, not weight blocks: read as they are where read at all (a
+# tensor of one that a stage needs as a weight is refused when it is loaded).
+_ARRAY_TYPES = frozenset({gguf.GGMLQuantizationType.I8, gguf.GGMLQuantizationType.I16, gguf.GGMLQuantizationType.I32,
+                          gguf.GGMLQuantizationType.I64, gguf.GGMLQuantizationType.F64})
+
+
+def refuse_unknown_types(tensors, file_name: str) -> None:
+    """A file with a tensor in a block type SpecPipe cannot compute is refused at open, naming each
+    such type and a tensor of it, before any tensor is read or memory allocated for one (a stage
+    would otherwise fail on that tensor after loading the others)."""
+    missing: dict[str, list[str]] = {}
+    for t in tensors:
+        if t.tensor_type not in BLOCKS and t.tensor_type not in _ARRAY_TYPES:
+            missing.setdefault(t.tensor_type.name, []).append(t.name)
+    if missing:
+        found = "; ".join(f"{name} ({len(ts)} tensor{'s' * (len(ts) > 1)}, e.g. {ts[0]})" for name, ts in missing.items())
+        raise CheckpointError(f"{file_name}: weight type{'s' * (len(missing) > 1)} SpecPipe cannot compute: {found} "
+                              f"(supported: {', '.join(q.name for q in BLOCKS)})")
+
+
 class GGUFCheckpoint(Checkpoint):
     """A GGUF file seen through canonical names, torch layouts and float32 tensors."""
 
@@ -234,6 +254,7 @@ class GGUFCheckpoint(Checkpoint):
             self._open()
 
     def _open(self) -> None:
+        refuse_unknown_types(self._file.tensors, self.path.name)
         meta = self._file.take_metadata()
         gguf_arch = meta.get("general.architecture")
         # Canonical name -> the reader's record, and for stacked or fused tensors the range of

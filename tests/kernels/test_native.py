@@ -230,7 +230,7 @@ def test_input_validation():
     with pytest.raises(ValueError, match="contiguous"):
         native.matmul(torch.randn(64, 2).T, packed, Q.Q4_0)
     with pytest.raises(ValueError, match="does not read"):
-        native.matmul(x, packed, Q.Q2_K)
+        native.matmul(x, packed, Q.Q8_1)
     with pytest.raises(ValueError):
         native.matmul(x, packed, Q.Q4_0, isa="no-such-isa")
 

@@ -36,14 +36,15 @@ from specpipe.kernels import ggml_types
 _HERE = Path(__file__).resolve().parent
 LIBRARY = _HERE / "libspecpipe_native.so"
 # ggml_matmul.h SP_ABI_VERSION: the interface these bindings (and layer.py's) are written for
-ABI_VERSION = 2
+ABI_VERSION = 3
 REBUILD = "python3 -m specpipe.kernels.native.build (or ./install.sh)"
 
 _ISA_CODES = {"portable": 0, "avx2": 1, "avx512vnni": 2, "neon": 3, "amx": 4}
 _ISA_NAMES = {v: k for k, v in _ISA_CODES.items()}
 
 _Q = gguf.GGMLQuantizationType
-_SUPPORTED = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K})
+_SUPPORTED = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K,
+                        *ggml_types.LOWBIT_TYPES})
 
 _ERRORS = {1: "unsupported type", 2: "bad shape", 3: "ISA not supported by this CPU",
            4: "out of memory"}

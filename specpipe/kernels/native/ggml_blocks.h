@@ -21,6 +21,11 @@
  *   Q6_K  256 values: for half h < 2, l < 32, k < 4: value 128h+32k+l has low 4 bits
  *         ql[64h + l + 32(k&1)] (& 15 for k < 2, >> 4 for k >= 2) and high 2 bits
  *         qh[32h+l] >> 2k & 3.  w = d * scales[i/16] * (q - 32)
+ *
+ * The low-bit types (Q2_K, Q3_K, the IQ types, MXFP4, TQ1_0, TQ2_0): the structs below, with
+ * each field's byte offset; their value order and formula are described once, in
+ * kernels/ggml_lowbit.py's docstring (which the unpacking in ggml_matmul_lowbit.h follows), and
+ * their grids and sign tables are in ggml_grids.h.
  */
 #ifndef SPECPIPE_GGML_BLOCKS_H
 #define SPECPIPE_GGML_BLOCKS_H
@@ -38,6 +43,35 @@ typedef struct {
   uint8_t scales[12], qh[32], qs[128];
 } sp_block_q5_k;                                                                            /* 176 */
 typedef struct { uint8_t ql[128], qh[64]; int8_t scales[16]; uint16_t d; } sp_block_q6_k;   /* 210 */
+
+/* low-bit types; [offset] of each field */
+typedef struct { uint8_t scales[16], qs[64]; uint16_t d, dmin; } sp_block_q2_k;          /* [0] [16] [80] [82]: 84 */
+typedef struct { uint8_t hmask[32], qs[64], scales[12]; uint16_t d; } sp_block_q3_k;     /* [0] [32] [96] [108]: 110 */
+typedef struct { uint16_t d; uint8_t qs[64]; } sp_block_iq2_xxs;                         /* [0] [2]: 66 */
+typedef struct { uint16_t d; uint8_t qs[64], scales[8]; } sp_block_iq2_xs;               /* [0] [2] [66]: 74 */
+typedef struct {
+  uint16_t d;
+  uint8_t qs[32], signs[32], qh[8], scales[8];
+} sp_block_iq2_s;                                                                        /* [0] [2] [34] [66] [74]: 82 */
+typedef struct { uint16_t d; uint8_t qs[64], scales_signs[32]; } sp_block_iq3_xxs;       /* [0] [2] [66]: 98 */
+typedef struct {
+  uint16_t d;
+  uint8_t qs[64], qh[8], signs[32], scales[4];
+} sp_block_iq3_s;                                                                        /* [0] [2] [66] [74] [106]: 110 */
+typedef struct { uint16_t d; uint8_t qs[32], qh[16]; } sp_block_iq1_s;                   /* [0] [2] [34]: 50 */
+typedef struct { uint8_t qs[32], qh[16], scales[8]; } sp_block_iq1_m;                    /* [0] [32] [48]: 56 */
+typedef struct { uint16_t d; uint8_t qs[16]; } sp_block_iq4_nl;                          /* [0] [2]: 18 */
+typedef struct { uint16_t d, scales_h; uint8_t scales_l[4], qs[128]; } sp_block_iq4_xs;  /* [0] [2] [4] [8]: 136 */
+typedef struct { uint8_t e, qs[16]; } sp_block_mxfp4;                                    /* [0] [1]: 17 */
+typedef struct { uint8_t qs[48], qh[4]; uint16_t d; } sp_block_tq1_0;                    /* [0] [48] [52]: 54 */
+typedef struct { uint8_t qs[64]; uint16_t d; } sp_block_tq2_0;                           /* [0] [64]: 66 */
+
+_Static_assert(sizeof(sp_block_q2_k) == 84 && sizeof(sp_block_q3_k) == 110 && sizeof(sp_block_iq2_xxs) == 66 &&
+               sizeof(sp_block_iq2_xs) == 74 && sizeof(sp_block_iq2_s) == 82 && sizeof(sp_block_iq3_xxs) == 98 &&
+               sizeof(sp_block_iq3_s) == 110 && sizeof(sp_block_iq1_s) == 50 && sizeof(sp_block_iq1_m) == 56 &&
+               sizeof(sp_block_iq4_nl) == 18 && sizeof(sp_block_iq4_xs) == 136 && sizeof(sp_block_mxfp4) == 17 &&
+               sizeof(sp_block_tq1_0) == 54 && sizeof(sp_block_tq2_0) == 66,
+               "a low-bit block struct is padded: its size is not GGUF's");
 
 _Static_assert(sizeof(sp_block_q4_0) == 18 && sizeof(sp_block_q4_1) == 20 &&
                sizeof(sp_block_q5_0) == 22 && sizeof(sp_block_q5_1) == 24 &&

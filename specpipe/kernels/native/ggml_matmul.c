@@ -186,6 +186,7 @@ typedef struct {
   int16_t scv[SP_NR][128] __attribute__((aligned(64)));
   int8_t sc[SP_NR][16];  /* K-quants: sub-block scales (8 for Q4_K/Q5_K, 16 for Q6_K) */
   uint8_t mn[SP_NR][8];  /* Q4_K/Q5_K: sub-block mins */
+  uint8_t mn16[SP_NR][16]; /* Q2_K: sub-block mins */
   float d[8][SP_NR];     /* 32-value types: per-block d; K-quants: d[0] = d, d[1] = dmin */
   float m[8][SP_NR];     /* Q4_1/Q5_1: per-block m */
   int nb;                /* 32-value types: blocks in this group (a row's last may be short) */
@@ -333,6 +334,8 @@ SP_INLINE void unpack_q6_k(const uint8_t *b, wtile *w, int r) {
     }
 }
 
+#include "ggml_matmul_lowbit.h" /* the low-bit types' unpacking */
+
 /* ------------------------------------------------------------------------------------------- */
 /* Per-group float folding: the only float arithmetic on the product path.  For each output      */
 /* element the blocks are added in ascending order with the same expression, one rounding per    */
@@ -376,13 +379,15 @@ SP_INLINE void fold_k4(const wtile *w, const xgroup *x, const int32_t *sumi, con
   memcpy(acc, &a, sizeof a);
 }
 
-/* Q6_K: sumi[r] = sum_j sc_j * dot_j over 16-blocks; the -32 offset via the 16-block sums,
+/* Q6_K (bias 32) and the biased low-bit types (SP_LB_BIAS): sumi[r] = sum_j sc_j * dot_j over
+ * 16-blocks of the stored q = v + bias; the bias comes off via the 16-block sums,
  * off[r] = sum_j sc_j * xsum16_j. */
-SP_INLINE void fold_q6_k(const wtile *w, const xgroup *x, const int32_t *sumi, const int32_t *off,
-                         float *acc) {
-  const v8f a = ld8f(acc) + (ld8f(w->d[0]) * x->d[0]) * to8f(ld8i(sumi) - 32 * ld8i(off));
+SP_INLINE void fold_off(const wtile *w, const xgroup *x, const int32_t *sumi, const int32_t *off,
+                        const int bias, float *acc) {
+  const v8f a = ld8f(acc) + (ld8f(w->d[0]) * x->d[0]) * to8f(ld8i(sumi) - bias * ld8i(off));
   memcpy(acc, &a, sizeof a);
 }
+#define fold_q6_k(w, x, sumi, off, acc) fold_off(w, x, sumi, off, 32, acc)
 
 /* ------------------------------------------------------------------------------------------- */
 /* The integer kernels, one set per ISA; each takes one activation group (256 int8 values) and   */
@@ -853,6 +858,9 @@ typedef struct {
  * per-block values are stored twice on AVX-512, see build_lanes), then q */
 #define SP_LANES_BYTES (3 * 128 * 4 + 2048)
 
+/* The types the row lanes take (the low-bit types take the tile path) */
+static int lanes_type(int type) { return type <= SP_Q8_0 || (type >= SP_Q4_K && type <= SP_Q6_K); }
+
 static int is_kquant(int type) { return type == SP_Q4_K || type == SP_Q5_K || type == SP_Q6_K; }
 
 /* xl's arrays in one allocation of SP_LANES_BYTES per group and chunk, freed through xl->pairs. */
@@ -984,6 +992,9 @@ int sp_type_supported(int type) {
   switch (type) {
   case SP_Q4_0: case SP_Q4_1: case SP_Q5_0: case SP_Q5_1: case SP_Q8_0:
   case SP_Q4_K: case SP_Q5_K: case SP_Q6_K: return 1;
+  case SP_Q2_K: case SP_Q3_K: case SP_IQ2_XXS: case SP_IQ2_XS: case SP_IQ2_S: case SP_IQ3_XXS:
+  case SP_IQ3_S: case SP_IQ1_S: case SP_IQ1_M: case SP_IQ4_NL: case SP_IQ4_XS: case SP_MXFP4:
+  case SP_TQ1_0: case SP_TQ2_0: return 1;
   default: return 0;
   }
 }
@@ -998,6 +1009,20 @@ static int block_of(int type, int64_t *bytes) {
   case SP_Q4_K: *bytes = sizeof(sp_block_q4_k); return 256;
   case SP_Q5_K: *bytes = sizeof(sp_block_q5_k); return 256;
   case SP_Q6_K: *bytes = sizeof(sp_block_q6_k); return 256;
+  case SP_Q2_K: *bytes = sizeof(sp_block_q2_k); return 256;
+  case SP_Q3_K: *bytes = sizeof(sp_block_q3_k); return 256;
+  case SP_IQ2_XXS: *bytes = sizeof(sp_block_iq2_xxs); return 256;
+  case SP_IQ2_XS: *bytes = sizeof(sp_block_iq2_xs); return 256;
+  case SP_IQ2_S: *bytes = sizeof(sp_block_iq2_s); return 256;
+  case SP_IQ3_XXS: *bytes = sizeof(sp_block_iq3_xxs); return 256;
+  case SP_IQ3_S: *bytes = sizeof(sp_block_iq3_s); return 256;
+  case SP_IQ1_S: *bytes = sizeof(sp_block_iq1_s); return 256;
+  case SP_IQ1_M: *bytes = sizeof(sp_block_iq1_m); return 256;
+  case SP_IQ4_NL: *bytes = sizeof(sp_block_iq4_nl); return 32;
+  case SP_IQ4_XS: *bytes = sizeof(sp_block_iq4_xs); return 256;
+  case SP_MXFP4: *bytes = sizeof(sp_block_mxfp4); return 32;
+  case SP_TQ1_0: *bytes = sizeof(sp_block_tq1_0); return 256;
+  case SP_TQ2_0: *bytes = sizeof(sp_block_tq2_0); return 256;
   default: return 0;
   }
 }
@@ -1032,6 +1057,33 @@ int sp_block_layout(int type, char *buf, int64_t cap) {
         SP_F(sp_block_q5_k, qs)}},
       {SP_Q6_K, 256, sizeof(sp_block_q6_k),
        {SP_F(sp_block_q6_k, ql), SP_F(sp_block_q6_k, qh), SP_F(sp_block_q6_k, scales), SP_F(sp_block_q6_k, d)}},
+      {SP_Q2_K, 256, sizeof(sp_block_q2_k),
+       {SP_F(sp_block_q2_k, scales), SP_F(sp_block_q2_k, qs), SP_F(sp_block_q2_k, d), SP_F(sp_block_q2_k, dmin)}},
+      {SP_Q3_K, 256, sizeof(sp_block_q3_k),
+       {SP_F(sp_block_q3_k, hmask), SP_F(sp_block_q3_k, qs), SP_F(sp_block_q3_k, scales), SP_F(sp_block_q3_k, d)}},
+      {SP_IQ2_XXS, 256, sizeof(sp_block_iq2_xxs), {SP_F(sp_block_iq2_xxs, d), SP_F(sp_block_iq2_xxs, qs)}},
+      {SP_IQ2_XS, 256, sizeof(sp_block_iq2_xs),
+       {SP_F(sp_block_iq2_xs, d), SP_F(sp_block_iq2_xs, qs), SP_F(sp_block_iq2_xs, scales)}},
+      {SP_IQ2_S, 256, sizeof(sp_block_iq2_s),
+       {SP_F(sp_block_iq2_s, d), SP_F(sp_block_iq2_s, qs), SP_F(sp_block_iq2_s, signs), SP_F(sp_block_iq2_s, qh),
+        SP_F(sp_block_iq2_s, scales)}},
+      {SP_IQ3_XXS, 256, sizeof(sp_block_iq3_xxs),
+       {SP_F(sp_block_iq3_xxs, d), SP_F(sp_block_iq3_xxs, qs), SP_F(sp_block_iq3_xxs, scales_signs)}},
+      {SP_IQ3_S, 256, sizeof(sp_block_iq3_s),
+       {SP_F(sp_block_iq3_s, d), SP_F(sp_block_iq3_s, qs), SP_F(sp_block_iq3_s, qh), SP_F(sp_block_iq3_s, signs),
+        SP_F(sp_block_iq3_s, scales)}},
+      {SP_IQ1_S, 256, sizeof(sp_block_iq1_s),
+       {SP_F(sp_block_iq1_s, d), SP_F(sp_block_iq1_s, qs), SP_F(sp_block_iq1_s, qh)}},
+      {SP_IQ1_M, 256, sizeof(sp_block_iq1_m),
+       {SP_F(sp_block_iq1_m, qs), SP_F(sp_block_iq1_m, qh), SP_F(sp_block_iq1_m, scales)}},
+      {SP_IQ4_NL, 32, sizeof(sp_block_iq4_nl), {SP_F(sp_block_iq4_nl, d), SP_F(sp_block_iq4_nl, qs)}},
+      {SP_IQ4_XS, 256, sizeof(sp_block_iq4_xs),
+       {SP_F(sp_block_iq4_xs, d), SP_F(sp_block_iq4_xs, scales_h), SP_F(sp_block_iq4_xs, scales_l),
+        SP_F(sp_block_iq4_xs, qs)}},
+      {SP_MXFP4, 32, sizeof(sp_block_mxfp4), {SP_F(sp_block_mxfp4, e), SP_F(sp_block_mxfp4, qs)}},
+      {SP_TQ1_0, 256, sizeof(sp_block_tq1_0),
+       {SP_F(sp_block_tq1_0, qs), SP_F(sp_block_tq1_0, qh), SP_F(sp_block_tq1_0, d)}},
+      {SP_TQ2_0, 256, sizeof(sp_block_tq2_0), {SP_F(sp_block_tq2_0, qs), SP_F(sp_block_tq2_0, d)}},
   };
   for (size_t i = 0; i < sizeof L / sizeof L[0]; i++) {
     if (L[i].type != type) continue;
@@ -1057,6 +1109,10 @@ int sp_abi_version(void) { return SP_ABI_VERSION; }
     case SP_Q4_K: return tiles_q4_k_##isa;                                                       \
     case SP_Q5_K: return tiles_q5_k_##isa;                                                       \
     case SP_Q6_K: return tiles_q6_k_##isa;                                                       \
+    case SP_Q2_K: return tiles_q2_k_##isa;                                                       \
+    case SP_IQ4_NL: case SP_MXFP4: case SP_IQ4_XS: return tiles_lowbit_s8_##isa;                 \
+    case SP_Q3_K: case SP_IQ2_XXS: case SP_IQ2_XS: case SP_IQ2_S: case SP_IQ3_XXS: case SP_IQ3_S: \
+    case SP_IQ1_S: case SP_IQ1_M: case SP_TQ1_0: case SP_TQ2_0: return tiles_lowbit_##isa;       \
     default: return 0;                                                                           \
     }                                                                                            \
   }
@@ -1233,7 +1289,8 @@ static void run_parallel_lanes(lanes_fn fn, const job *jb, const void *xl, int64
 int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, int64_t n,
               int64_t row_bytes, float *y, int threads, int isa) {
   int64_t bbytes, rb, tk, tn;
-  const int bs = block_of(type, &bbytes);
+  /* values per activation scale: 32 for the kernels that fold per 32-block (IQ4_XS too) */
+  const int bs = lowbit_s8_32(type) ? 32 : block_of(type, &bbytes);
   const int rc = sp_row_bytes(type, k, &rb);
   if (rc != SP_OK) return rc;
   /* the scratch below is under 2 * t * kp bytes: sizes checked so that nothing wraps */
@@ -1313,7 +1370,7 @@ int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, 
    * rows 1.08 vs 1.32 ms, 3 rows 1.43 vs 1.34 ms; AVX2 Q4_K 5 rows 1.54 vs 1.81, 8 rows 2.19 vs
    * 1.77; Q5_0 5 rows 1.79 vs 2.00, 8 rows 2.53 vs 2.03) */
   const int64_t lanes_from = isa == SP_ISA_AVX2 ? 8 : is_kquant(type) ? 4 : 3;
-  if ((isa == SP_ISA_AVX512VNNI || isa == SP_ISA_AVX2) && t >= lanes_from) {
+  if ((isa == SP_ISA_AVX512VNNI || isa == SP_ISA_AVX2) && t >= lanes_from && lanes_type(type)) {
     xlanes xl = {(t + 7) / 8};
     if (!alloc_lanes(kp / 256, &xl)) {
       free(mem);

@@ -5,7 +5,11 @@
 
 /* ggml type ids (the values of gguf.GGMLQuantizationType) */
 enum { SP_Q4_0 = 2, SP_Q4_1 = 3, SP_Q5_0 = 6, SP_Q5_1 = 7, SP_Q8_0 = 8,
-       SP_Q4_K = 12, SP_Q5_K = 13, SP_Q6_K = 14 };
+       SP_Q4_K = 12, SP_Q5_K = 13, SP_Q6_K = 14,
+       /* the low-bit types (ggml_matmul_lowbit.h) */
+       SP_Q2_K = 10, SP_Q3_K = 11, SP_IQ2_XXS = 16, SP_IQ2_XS = 17, SP_IQ3_XXS = 18, SP_IQ1_S = 19,
+       SP_IQ4_NL = 20, SP_IQ3_S = 21, SP_IQ2_S = 22, SP_IQ4_XS = 23, SP_IQ1_M = 29, SP_TQ1_0 = 34,
+       SP_TQ2_0 = 35, SP_MXFP4 = 39 };
 
 /* instruction-set paths */
 enum { SP_ISA_PORTABLE = 0, SP_ISA_AVX2 = 1, SP_ISA_AVX512VNNI = 2, SP_ISA_NEON = 3, SP_ISA_AMX = 4 };
@@ -19,7 +23,7 @@ enum { SP_OK = 0, SP_ERR_TYPE = 1, SP_ERR_SHAPE = 2, SP_ERR_ISA = 3, SP_ERR_MEMO
  * ABI_VERSION (a library built from older sources), and falls back to the portable path.
  * Change both together whenever the interface changes. */
 #ifndef SP_ABI_VERSION
-#define SP_ABI_VERSION 2
+#define SP_ABI_VERSION 3
 #endif
 int sp_abi_version(void);
 

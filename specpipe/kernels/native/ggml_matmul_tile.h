@@ -6,13 +6,15 @@
 #define SP_CAT(a, b) SP_CAT2(a, b)
 #define SP_K(name) SP_CAT(name, SP_CAT(_, SP_ISA))
 
-/* Weight rows [n0, n1) against all activation rows, for one compile-time type. */
+/* Weight rows [n0, n1) against all activation rows, for one compile-time type, or for the
+ * low-bit types one compile-time kind (SP_KIND_*: the type itself is jb->type). */
 SP_INLINE SP_ATTR void SP_K(tiles)(const job *jb, int64_t n0, int64_t n1, const int type) {
-  const int is_k = type == SP_Q4_K || type == SP_Q5_K || type == SP_Q6_K;
+  const int biased = type == SP_KIND_LOWBIT, s8 = type == SP_Q8_0 || type == SP_KIND_LOWBIT_S8;
+  const int is_k = type == SP_Q4_K || type == SP_Q5_K || type == SP_Q6_K || type == SP_Q2_K || biased;
+  const int sub16 = type == SP_Q6_K || type == SP_Q2_K || biased; /* 16-value sub-blocks */
   const int64_t kp = jb->xq.kp, ngroups = kp / 256;
-  const int64_t gbytes = type == SP_Q4_K ? (int64_t)sizeof(sp_block_q4_k) : type == SP_Q5_K ? (int64_t)sizeof(sp_block_q5_k)
-                        : type == SP_Q6_K ? (int64_t)sizeof(sp_block_q6_k)
-                        : jb->row_bytes / jb->nblk32 * 8; /* bytes of one group of a row */
+  /* bytes of one 256-value group of a row (256-value blocks: one block) */
+  const int64_t gbytes = jb->row_bytes / ngroups;
   wtile wt;
   float acc[SP_TB][SP_NR];
   int32_t dots[8][SP_NR] __attribute__((aligned(32)));
@@ -33,24 +35,31 @@ SP_INLINE SP_ATTR void SP_K(tiles)(const job *jb, int64_t n0, int64_t n1, const 
           if (type == SP_Q4_K) unpack_q4_k(row + g * sizeof(sp_block_q4_k), &wt, r);
           else if (type == SP_Q5_K) unpack_q5_k(row + g * sizeof(sp_block_q5_k), &wt, r);
           else if (type == SP_Q6_K) unpack_q6_k(row + g * sizeof(sp_block_q6_k), &wt, r);
+          else if (type == SP_Q2_K || biased) unpack_lowbit(jb->type, row + g * gbytes, &wt, r);
+          else if (type == SP_KIND_LOWBIT_S8 && jb->type == SP_IQ4_XS) unpack_iq4_xs(row + g * gbytes, &wt, r);
+          else if (type == SP_KIND_LOWBIT_S8) unpack_group32_lowbit(jb->type, row, g, jb->nblk32, &wt, r);
           else SP_K(unpack_group32)(type, row, g, jb->nblk32, &wt, r);
-          if (is_k) SP_K(prep_scales)(&wt, r, type == SP_Q6_K ? 16 : 32);
+          if (is_k) SP_K(prep_scales)(&wt, r, sub16 ? 16 : 32);
         }
         for (int i = 0; i < tb; i++) {
           const int64_t t = t0 + i;
           const int64_t at = g * jb->t + t; /* group-major: see xquant */
           const xgroup xg = {jb->xq.q + 256 * at, jb->xq.d + 8 * at, jb->xq.dsum + 8 * at,
                              jb->xq.s32 + 8 * at, jb->xq.s16 + 16 * at};
-          if (type == SP_Q6_K) {
+          if (type == SP_Q6_K || biased) {
             SP_K(dot_sc)(&wt, xg.q, 16, sumi);
             SP_K(offsets)(&wt, &xg, 16, offs);
-            fold_q6_k(&wt, &xg, sumi, offs, acc[i]);
+            fold_off(&wt, &xg, sumi, offs, biased ? SP_LB_BIAS : 32, acc[i]);
+          } else if (type == SP_Q2_K) {
+            SP_K(dot_sc)(&wt, xg.q, 16, sumi);
+            offsets_mn16(&wt, xg.s16, offs);
+            fold_k4(&wt, &xg, sumi, offs, acc[i]);
           } else if (is_k) {
             SP_K(dot_sc)(&wt, xg.q, 32, sumi);
             SP_K(offsets)(&wt, &xg, 32, offs);
             fold_k4(&wt, &xg, sumi, offs, acc[i]);
           } else {
-            if (type == SP_Q8_0) SP_K(dots32_s8)(&wt, xg.q, wt.nb, dots);
+            if (s8) SP_K(dots32_s8)(&wt, xg.q, wt.nb, dots);
             else SP_K(dots32_u8)(&wt, xg.q, wt.nb, dots);
             fold_group32(type, &wt, &xg, (const int32_t(*)[SP_NR])dots, acc[i]);
           }
@@ -74,5 +83,8 @@ SP_TILE_TYPE(q8_0, SP_Q8_0)
 SP_TILE_TYPE(q4_k, SP_Q4_K)
 SP_TILE_TYPE(q5_k, SP_Q5_K)
 SP_TILE_TYPE(q6_k, SP_Q6_K)
+SP_TILE_TYPE(q2_k, SP_Q2_K)
+SP_TILE_TYPE(lowbit, SP_KIND_LOWBIT)
+SP_TILE_TYPE(lowbit_s8, SP_KIND_LOWBIT_S8)
 #undef SP_TILE_TYPE
 #undef SP_K

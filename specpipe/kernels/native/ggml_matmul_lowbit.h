@@ -1,0 +1,256 @@
+/* The low-bit types' unpacking for the tile loops (included by ggml_matmul.c after wtile,
+ * f16_to_f32 and the 32-value types' group helpers).  Layouts: ggml_blocks.h's structs, the value
+ * order and formulas in kernels/ggml_lowbit.py (the reference every path here is tested against);
+ * grids and sign tables: ggml_grids.h.
+ *
+ * Every type is brought to a form an existing integer kernel multiplies exactly:
+ *
+ *   "biased" 256-value types (Q3_K, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, TQ1_0,
+ *   TQ2_0): each weight is an integer v times an integer sub-block scale sc (one per 16 values;
+ *   a 32-value sub-block's scale is written twice) times one float per block, w = dfac * sc * v,
+ *   with |v| <= 64.  q = v + SP_LB_BIAS (0..128, unsigned: maddubs' operand, |pair sum| <=
+ *   2 * 128 * 127 < 2^15) goes through Q6_K's kernels (dot_sc / offsets over 16-blocks), and the
+ *   bias comes off through the activations' 16-block sums: sumi - SP_LB_BIAS * off (fold_off).
+ *     Q3_K:    v = q3 (-4..3),           sc = scale - 32,  dfac = d
+ *     IQ2_*:   v = +-grid (8, 25, 43),   sc = 2 ls + 1,    dfac = d / 8    (d (0.5 + ls) / 4)
+ *     IQ3_XXS: v = +-grid (4..62),       sc = 2 ls + 1,    dfac = d / 4    (d (0.5 + ls) / 2)
+ *     IQ3_S:   v = +-grid (1..15),       sc = 2 ls + 1,    dfac = d
+ *     IQ1_*:   v = 8 grid +- 1 (+-9),    sc = 2 ls + 1,    dfac = d / 8    (grid +- 1/8)
+ *     TQ*:     v = -1, 0, 1,             sc = 1,           dfac = d
+ *   Q2_K (2-bit q, a 4-bit scale and a 4-bit min per 16 values): Q4_K's fold with 16-value
+ *   sub-blocks, the mins through the 16-block sums (offsets_mn16).
+ *   IQ4_NL, MXFP4 (32-value blocks) and IQ4_XS (a float scale d * (ls - 32) per 32 values): the
+ *   int8 lookup values go through Q8_0's kernels and fold, one float per 32-block.
+ *
+ * The integers are exact, so every ISA's kernels give the same ones; the float folding is the
+ * shared fold_* code: the same bits on every path.
+ */
+
+#include "ggml_grids.h"
+
+#define SP_LB_BIAS 64
+/* The tile loops' compile-time kinds for the low-bit types other than Q2_K (ggml_matmul_tile.h) */
+#define SP_KIND_LOWBIT 1000    /* the biased types */
+#define SP_KIND_LOWBIT_S8 1001 /* IQ4_NL, MXFP4, IQ4_XS */
+
+/* The biased types (fold_off with SP_LB_BIAS) */
+static inline int lowbit_biased(int type) {
+  switch (type) {
+  case SP_Q3_K: case SP_IQ2_XXS: case SP_IQ2_XS: case SP_IQ2_S: case SP_IQ3_XXS: case SP_IQ3_S:
+  case SP_IQ1_S: case SP_IQ1_M: case SP_TQ1_0: case SP_TQ2_0: return 1;
+  default: return 0;
+  }
+}
+/* The 32-value-block kernels' low-bit types (int8 values, a float per 32-block) */
+static inline int lowbit_s8_32(int type) { return type == SP_IQ4_NL || type == SP_MXFP4 || type == SP_IQ4_XS; }
+
+/* 8 weights of a group: byte i of the result is SP_LB_BIAS + grid byte i, negated where bit i of
+ * signs is set (grid bytes <= 64: no byte borrows from its neighbour). */
+SP_INLINE uint64_t signed_bytes8(uint64_t grid, uint32_t signs) {
+  const uint64_t bias = 0x4040404040404040ull;
+  const uint64_t bits = ((uint64_t)(signs & 0xffu) * 0x0101010101010101ull) & 0x8040201008040201ull;
+  const uint64_t neg = (((bits + 0x7f7f7f7f7f7f7f7full) & 0x8080808080808080ull) >> 7) * 0xffu;
+  return ((bias + grid) & ~neg) | ((bias - grid) & neg);
+}
+SP_INLINE void put8(uint8_t *q, uint64_t grid, uint32_t signs) {
+  const uint64_t v = signed_bytes8(grid, signs);
+  memcpy(q, &v, 8);
+}
+SP_INLINE void put4(uint8_t *q, uint32_t grid, uint32_t signs) {
+  const uint64_t v = signed_bytes8(grid, signs);
+  memcpy(q, &v, 4);
+}
+/* IQ1: grid bytes are int8 -1, 0, 1; v = 8 g + delta (delta = +-1) */
+SP_INLINE void put8_iq1(uint8_t *q, uint64_t grid, int delta) {
+  for (int i = 0; i < 8; i++) q[i] = (uint8_t)(SP_LB_BIAS + 8 * (int8_t)(grid >> (8 * i)) + delta);
+}
+
+/* 256-value low-bit block b into row r of the tile */
+SP_INLINE void unpack_lowbit(int type, const uint8_t *b, wtile *w, int r) {
+  uint8_t *restrict q = w->q[r];
+  int8_t *restrict sc = w->sc[r];
+  switch (type) {
+  case SP_Q2_K: {
+    const uint8_t *s = SP_FIELD(b, sp_block_q2_k, scales), *qs = SP_FIELD(b, sp_block_q2_k, qs);
+    w->d[0][r] = f16_to_f32(SP_FIELD(b, sp_block_q2_k, d));
+    w->d[1][r] = f16_to_f32(SP_FIELD(b, sp_block_q2_k, dmin));
+    for (int j = 0; j < 16; j++) {
+      sc[j] = (int8_t)(s[j] & 15);
+      w->mn16[r][j] = s[j] >> 4;
+    }
+    for (int h = 0; h < 2; h++)
+      for (int k = 0; k < 4; k++)
+        for (int l = 0; l < 32; l++) q[128 * h + 32 * k + l] = (qs[32 * h + l] >> (2 * k)) & 3;
+    return;
+  }
+  case SP_Q3_K: {
+    const uint8_t *s = SP_FIELD(b, sp_block_q3_k, scales), *qs = SP_FIELD(b, sp_block_q3_k, qs);
+    const uint8_t *hm = SP_FIELD(b, sp_block_q3_k, hmask);
+    w->d[0][r] = f16_to_f32(SP_FIELD(b, sp_block_q3_k, d));
+    for (int j = 0; j < 16; j++) {
+      const int lo = j < 8 ? s[j] & 15 : s[j - 8] >> 4, hi = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
+      sc[j] = (int8_t)((lo | hi << 4) - 32);
+    }
+    for (int h = 0; h < 2; h++)
+      for (int k = 0; k < 4; k++)
+        for (int l = 0; l < 32; l++) /* q3 = low 2 bits - 4 where the hmask bit is clear */
+          q[128 * h + 32 * k + l] = (uint8_t)(SP_LB_BIAS - 4 + ((qs[32 * h + l] >> (2 * k)) & 3) +
+                                              4 * ((hm[l] >> (4 * h + k)) & 1));
+    return;
+  }
+  case SP_IQ2_XXS: case SP_IQ3_XXS: {
+    const int iq2 = type == SP_IQ2_XXS;
+    const float d = f16_to_f32(b); /* d leads both */
+    const uint8_t *qs = iq2 ? SP_FIELD(b, sp_block_iq2_xxs, qs) : SP_FIELD(b, sp_block_iq3_xxs, qs);
+    w->d[0][r] = d * (iq2 ? 0.125f : 0.25f);
+    for (int ib = 0; ib < 8; ib++) {
+      const uint8_t *idx = qs + 8 * ib; /* IQ2: 4 index bytes then a1; IQ3: 8 index bytes */
+      const uint32_t a1 = iq2 ? load_u32(qs + 8 * ib + 4) : load_u32(SP_FIELD(b, sp_block_iq3_xxs, scales_signs) + 4 * ib);
+      sc[2 * ib] = sc[2 * ib + 1] = (int8_t)(2 * (a1 >> 28) + 1);
+      for (int k = 0; k < 4; k++) {
+        const uint32_t signs = sp_ksigns_iq2xs[(a1 >> (7 * k)) & 127];
+        if (iq2)
+          put8(q + 32 * ib + 8 * k, sp_iq2xxs_grid[idx[k]], signs);
+        else {
+          put4(q + 32 * ib + 8 * k, sp_iq3xxs_grid[idx[2 * k]], signs);
+          put4(q + 32 * ib + 8 * k + 4, sp_iq3xxs_grid[idx[2 * k + 1]], signs >> 4);
+        }
+      }
+    }
+    return;
+  }
+  case SP_IQ2_XS: case SP_IQ2_S: {
+    const uint8_t *s = type == SP_IQ2_XS ? SP_FIELD(b, sp_block_iq2_xs, scales) : SP_FIELD(b, sp_block_iq2_s, scales);
+    w->d[0][r] = f16_to_f32(b) * 0.125f;
+    for (int j = 0; j < 16; j++) sc[j] = (int8_t)(2 * ((s[j / 2] >> (4 * (j & 1))) & 15) + 1);
+    if (type == SP_IQ2_XS) {
+      const uint8_t *qs = SP_FIELD(b, sp_block_iq2_xs, qs);
+      for (int g = 0; g < 32; g++) {
+        const uint32_t v = qs[2 * g] | (uint32_t)qs[2 * g + 1] << 8;
+        put8(q + 8 * g, sp_iq2xs_grid[v & 511], sp_ksigns_iq2xs[v >> 9]);
+      }
+    } else {
+      const uint8_t *qs = SP_FIELD(b, sp_block_iq2_s, qs), *sg = SP_FIELD(b, sp_block_iq2_s, signs);
+      const uint8_t *qh = SP_FIELD(b, sp_block_iq2_s, qh);
+      for (int g = 0; g < 32; g++)
+        put8(q + 8 * g, sp_iq2s_grid[qs[g] | ((qh[g / 4] >> (2 * (g % 4))) & 3) << 8], sg[g]);
+    }
+    return;
+  }
+  case SP_IQ3_S: {
+    const uint8_t *qs = SP_FIELD(b, sp_block_iq3_s, qs), *qh = SP_FIELD(b, sp_block_iq3_s, qh);
+    const uint8_t *sg = SP_FIELD(b, sp_block_iq3_s, signs), *s = SP_FIELD(b, sp_block_iq3_s, scales);
+    w->d[0][r] = f16_to_f32(b);
+    for (int j = 0; j < 16; j++) sc[j] = (int8_t)(2 * ((s[j / 4] >> (4 * ((j / 2) & 1))) & 15) + 1);
+    for (int g = 0; g < 32; g++)
+      for (int h = 0; h < 2; h++) {
+        const int j = 2 * g + h;
+        put4(q + 4 * j, sp_iq3s_grid[qs[j] | ((qh[j / 8] >> (j % 8)) & 1) << 8], (uint32_t)sg[g] >> (4 * h));
+      }
+    return;
+  }
+  case SP_IQ1_S: {
+    const uint8_t *qs = SP_FIELD(b, sp_block_iq1_s, qs), *qh = SP_FIELD(b, sp_block_iq1_s, qh);
+    w->d[0][r] = f16_to_f32(b) * 0.125f;
+    for (int ib = 0; ib < 8; ib++) {
+      const uint32_t h = qh[2 * ib] | (uint32_t)qh[2 * ib + 1] << 8;
+      sc[2 * ib] = sc[2 * ib + 1] = (int8_t)(2 * ((h >> 12) & 7) + 1);
+      const int delta = h & 0x8000 ? -1 : 1;
+      for (int k = 0; k < 4; k++)
+        put8_iq1(q + 32 * ib + 8 * k, sp_iq1s_grid[qs[4 * ib + k] | ((h >> (3 * k)) & 7) << 8], delta);
+    }
+    return;
+  }
+  case SP_IQ1_M: {
+    const uint8_t *qs = SP_FIELD(b, sp_block_iq1_m, qs), *qh = SP_FIELD(b, sp_block_iq1_m, qh);
+    const uint8_t *s = SP_FIELD(b, sp_block_iq1_m, scales);
+    uint16_t u[4];
+    memcpy(u, s, 8);
+    const uint16_t dbits = (uint16_t)((u[0] >> 12) | ((u[1] >> 8) & 0xf0) | ((u[2] >> 4) & 0xf00) | (u[3] & 0xf000));
+    w->d[0][r] = f16_table[dbits] * 0.125f;
+    for (int j = 0; j < 16; j++) sc[j] = (int8_t)(2 * ((u[j / 4] >> (3 * (j % 4))) & 7) + 1);
+    for (int g = 0; g < 32; g++) {
+      const int nib = (qh[g / 2] >> (4 * (g & 1))) & 15;
+      put8_iq1(q + 8 * g, sp_iq1s_grid[qs[g] | (nib & 7) << 8], nib & 8 ? -1 : 1);
+    }
+    return;
+  }
+  case SP_TQ2_0: {
+    const uint8_t *qs = SP_FIELD(b, sp_block_tq2_0, qs);
+    w->d[0][r] = f16_to_f32(SP_FIELD(b, sp_block_tq2_0, d));
+    memset(sc, 1, 16);
+    for (int h = 0; h < 2; h++)
+      for (int k = 0; k < 4; k++)
+        for (int l = 0; l < 32; l++) q[128 * h + 32 * k + l] = (uint8_t)(SP_LB_BIAS - 1 + ((qs[32 * h + l] >> (2 * k)) & 3));
+    return;
+  }
+  case SP_TQ1_0: {
+    static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
+    const uint8_t *qs = SP_FIELD(b, sp_block_tq1_0, qs), *qh = SP_FIELD(b, sp_block_tq1_0, qh);
+    w->d[0][r] = f16_to_f32(SP_FIELD(b, sp_block_tq1_0, d));
+    memset(sc, 1, 16);
+    /* digit p of byte c: ((uint8_t)(c * 3^p) * 3) >> 8 */
+#define SP_TRIT(c, p) (uint8_t)(SP_LB_BIAS - 1 + ((((uint8_t)((c) * pow3[p])) * 3) >> 8))
+    for (int p = 0; p < 5; p++)
+      for (int l = 0; l < 32; l++) q[32 * p + l] = SP_TRIT(qs[l], p);
+    for (int p = 0; p < 5; p++)
+      for (int l = 0; l < 16; l++) q[160 + 16 * p + l] = SP_TRIT(qs[32 + l], p);
+    for (int p = 0; p < 4; p++)
+      for (int l = 0; l < 4; l++) q[240 + 4 * p + l] = SP_TRIT(qh[l], p);
+#undef SP_TRIT
+    return;
+  }
+  default: return;
+  }
+}
+
+/* Q2_K's mins: out[r] = sum_j mn16[r][j] * xsum16[j] (exact; the same integers on every path) */
+SP_INLINE void offsets_mn16(const wtile *w, const int32_t *s16, int32_t *out) {
+  for (int r = 0; r < SP_NR; r++) {
+    int32_t s = 0;
+    for (int j = 0; j < 16; j++) s += w->mn16[r][j] * s16[j];
+    out[r] = s;
+  }
+}
+
+/* E8M0 halved (MXFP4's values are doubled): 2^(e - 128); e < 2 is a subnormal */
+SP_INLINE float e8m0_half(uint8_t e) {
+  const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+  float f;
+  memcpy(&f, &bits, 4);
+  return f;
+}
+
+/* 16 bytes of nibbles -> 32 int8 lookup values (low nibbles first, as Q4_0) */
+SP_INLINE void lookup_nibbles16(const uint8_t *qs, const int8_t *kv, uint8_t *q) {
+  for (int l = 0; l < 16; l++) {
+    q[l] = (uint8_t)kv[qs[l] & 15];
+    q[16 + l] = (uint8_t)kv[qs[l] >> 4];
+  }
+}
+
+/* IQ4_NL / MXFP4: group g of row r (nblk 32-blocks a row), as unpack_group32 */
+SP_INLINE void unpack_group32_lowbit(int type, const uint8_t *row, int64_t g, int64_t nblk, wtile *w, int r) {
+  const int nb = group32_blocks(row, g, nblk, w, r);
+  const int mx = type == SP_MXFP4;
+  const int64_t bytes = mx ? (int64_t)sizeof(sp_block_mxfp4) : (int64_t)sizeof(sp_block_iq4_nl);
+  for (int j = 0; j < nb; j++) {
+    const uint8_t *b = row + (8 * g + j) * bytes;
+    w->d[j][r] = mx ? e8m0_half(b[0]) : f16_to_f32(b);
+    lookup_nibbles16(mx ? SP_FIELD(b, sp_block_mxfp4, qs) : SP_FIELD(b, sp_block_iq4_nl, qs),
+                     mx ? sp_kvalues_mxfp4 : sp_kvalues_iq4nl, w->q[r] + 32 * j);
+  }
+}
+
+/* IQ4_XS: one block = one group of 8 32-blocks, each with its float scale d * (ls - 32) */
+SP_INLINE void unpack_iq4_xs(const uint8_t *b, wtile *w, int r) {
+  const float d = f16_to_f32(b);
+  const uint32_t sh = b[offsetof(sp_block_iq4_xs, scales_h)] | (uint32_t)b[offsetof(sp_block_iq4_xs, scales_h) + 1] << 8;
+  const uint8_t *sl = SP_FIELD(b, sp_block_iq4_xs, scales_l), *qs = SP_FIELD(b, sp_block_iq4_xs, qs);
+  w->nb = 8;
+  for (int j = 0; j < 8; j++) {
+    const int ls = ((sl[j / 2] >> (4 * (j & 1))) & 15) | (((sh >> (2 * j)) & 3) << 4);
+    w->d[j][r] = d * (float)(ls - 32);
+    lookup_nibbles16(qs + 16 * j, sp_kvalues_iq4nl, w->q[r] + 32 * j);
+  }
+}
