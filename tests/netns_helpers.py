@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -181,21 +182,37 @@ def free_port(address: str) -> int:
 
 
 def node_processes(temp_dir: Path) -> list[int]:
-    """Pids of the Ray processes that belong to the node started with `temp_dir`: every Ray
-    process names its session directory (under the temp dir) on its command line, or runs with
-    it as its working directory's prefix (the workers' log files)."""
+    """Pids of the Ray processes of the node started with `temp_dir`: those that name their
+    session directory (under the temp dir) on their command line -- the GCS, the raylet, the
+    agents -- and all their descendants: the workers and actors, whose command line Ray rewrites
+    to "ray::Class.method"."""
     needle = str(temp_dir).rstrip("/") + "/"
-    found = []
+    parent: dict[int, int] = {}
+    roots = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
             cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
+        parent[int(entry)] = int(stat[stat.rindex(")") + 2:].split()[1])
         if needle in cmd:
-            found.append(int(entry))
-    return found
+            roots.append(int(entry))
+    found, frontier = set(roots), list(roots)
+    while frontier:
+        p = frontier.pop()
+        kids = [c for c, pp in parent.items() if pp == p and c not in found]
+        found.update(kids)
+        frontier += kids
+    return sorted(found)
+
+
+def namespace_processes(ns: str) -> list[int]:
+    """Every process in network namespace `ns`: all that runs on that "host"."""
+    out = ip("netns", "pids", ns, check=False).stdout.split()
+    return [int(p) for p in out if p.isdigit() and int(p) != os.getpid()]
 
 
 def signal_all(pids: list[int], sig: int) -> None:
@@ -229,11 +246,14 @@ class RayHosts:
         self.address = f"{hosts.bridge_address}:{self.port}"
         base = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "SPECPIPE_"))}
         base.update(env or {})
+        self._all_temp: list[Path] = []  # every temp dir made, a node started again included
         try:
             self._start("head", ["--head", "--port", str(self.port), "--num-cpus", "0",
                                  "--node-ip-address", hosts.bridge_address], None, base)
-            for h in hosts.hosts:
-                self.start_node(h, cpus_per_node, base)
+            # The workers' `ray start` at once: each spends most of its 5-10 s importing and waiting.
+            with ThreadPoolExecutor(len(hosts)) as pool:
+                for f in [pool.submit(self.start_node, h, cpus_per_node, base) for h in hosts.hosts]:
+                    f.result()
         except BaseException:
             self.close()
             raise
@@ -243,6 +263,7 @@ class RayHosts:
         tmp = Path(f"/tmp/spray-{os.getpid()}-{uuid.uuid4().hex[:6]}")
         tmp.mkdir()
         self.temp_dirs[name] = tmp
+        self._all_temp.append(tmp)
         # No dashboard (the head's only: a worker refuses the flag), a small object store: a node
         # costs about half a gigabyte as it is.
         head_only = ["--include-dashboard", "false"] if host is None else []
@@ -265,7 +286,8 @@ class RayHosts:
                     h, env)
 
     def pids(self, h: Host) -> list[int]:
-        return node_processes(self.temp_dirs[h.ns])
+        """Everything running on host `h`: its namespace's processes and its node's."""
+        return sorted(set(namespace_processes(h.ns)) | set(node_processes(self.temp_dirs[h.ns])))
 
     def freeze(self, h: Host) -> list[int]:
         """Every process of the host's node stopped (SIGSTOP), as a host that hangs: its sockets
@@ -284,9 +306,13 @@ class RayHosts:
     def close(self) -> None:
         """Every process of every node this made, ended; their temp dirs removed. Workers first,
         so that none reports to a head that is gone."""
-        for name in [n for n in self.temp_dirs if n != "head"] + ["head"]:
-            if name in self.temp_dirs:
-                end_processes(node_processes(self.temp_dirs[name]))
-        for tmp in self.temp_dirs.values():
+        head = self.temp_dirs.get("head")
+        workers = {pid for t in self._all_temp if t != head for pid in node_processes(t)}
+        workers |= {pid for h in self.hosts.hosts for pid in namespace_processes(h.ns)}
+        end_processes(sorted(workers))  # together: one grace period, not one per node
+        if head is not None:
+            end_processes(node_processes(head))
+        for tmp in self._all_temp:
             shutil.rmtree(tmp, ignore_errors=True)
         self.temp_dirs.clear()
+        self._all_temp.clear()

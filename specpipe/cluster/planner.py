@@ -158,14 +158,17 @@ def objective_for(mode: str) -> str:
 def plan_split(nodes: Sequence[NodeReport], model: ModelBytes, objective: str = "throughput",
                max_stages: Optional[int] = None, stages: Optional[int] = None,
                stage_layers: Optional[Sequence[int]] = None, link_ms: float = 0.0,
-               links: Optional[Mapping[tuple[str, str], Link]] = None, rows: int = 1) -> Plan:
+               links: Optional[Mapping[tuple[str, str], Link]] = None, rows: int = 1,
+               order: Optional[Sequence[str]] = None) -> Plan:
     """The best contiguous split of `model` over `nodes`, in the best order of the nodes.
 
     max_stages: use at most this many stages (default: one per node). stages: exactly this many
     (a restarted pipeline keeps its stage count); more than the nodes puts several on a node.
     stage_layers: the layer counts are given (--stage-layers); only the nodes are chosen.
     links: the measured link matrix (see the module docstring), `rows` the rows a step sends;
-    without it every hop between stages costs `link_ms` and the driver's hops nothing."""
+    without it every hop between stages costs `link_ms` and the driver's hops nothing.
+    order: node ids in the order their stages must run (an order chosen by hand, e.g. by a
+    benchmark comparing orders); the split is still planned."""
     if objective not in ("latency", "throughput"):
         raise ValueError(f"objective must be latency or throughput, got {objective!r}")
     if not nodes:
@@ -182,8 +185,13 @@ def plan_split(nodes: Sequence[NodeReport], model: ModelBytes, objective: str = 
     slots = _slots(nodes, stages or limit)
     best: Optional[Plan] = None
     hop = _hop_cost(model, link_ms, links, rows)
-    for order in _orders(slots, links):
-        plan = _best_split(order, model, objective, limit, exact=stages is not None, counts=stage_layers,
+    if order is not None:
+        by_id = {n.node_id: n for n in slots}
+        orders = [[by_id[nid] for nid in order]]
+    else:
+        orders = _orders(slots, links)
+    for nodes_in_order in orders:
+        plan = _best_split(nodes_in_order, model, objective, limit, exact=stages is not None, counts=stage_layers,
                            hop=hop, link_ms=link_ms, links=links)
         if plan is not None and (best is None or _key(plan) < _key(best)):
             best = plan
@@ -213,7 +221,8 @@ def _hop_cost(model: ModelBytes, link_ms: float, links: Optional[Mapping[tuple[s
             return 0.0  # two stages on one node: no network between them
         nbytes = FRAME_BYTES + rows * (TOKEN_BYTES if DRIVER in (a, b) else model.row_bytes)
         link = links.get((a, b)) or links.get((b, a))
-        return link.ms(nbytes) if link is not None else link_ms
+        # link_ms (--link-delay-ms) is what the transport adds to every message on top of the wire
+        return (link.ms(nbytes) if link is not None else 0.0) + link_ms
     return hop
 
 

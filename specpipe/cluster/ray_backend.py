@@ -1,8 +1,10 @@
 """The driver's side of `--cluster ray`: the machines of a Ray cluster as one pipeline.
 
-    join the cluster  ->  an agent per node: free memory, cores, one layer's measured step
-        ->  plan the split (cluster/planner.py), print it  ->  each stage's weights on its node
-            (the node's own copy of the file, its cache, or streamed from here: cluster/weights.py)
+    join the cluster  ->  an agent per node: free memory, cores, one layer's measured step,
+            the round trip and rate of every link between the nodes and the driver (cluster/links.py)
+        ->  plan the split and the order (cluster/planner.py), print it  ->  each stage's weights on
+            its node (the node's own copy of the file, its cache, or streamed from here, every node
+            at once and resumed where a transfer was cut off: cluster/streaming.py, weights.py)
         ->  a stage actor per stage, a fresh key and rendezvous per pipeline  ->  RemotePipeline
 
 The driver stays in the calling process; the per-step data go over our own framed TCP links
@@ -15,19 +17,39 @@ from their nodes' caches; the engine core recomputes every request in flight fro
 from __future__ import annotations
 
 import dataclasses
+import os
 import secrets
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from specpipe.cluster.planner import ModelBytes, NodeReport, Plan, PlanError, objective_for, plan_split
-from specpipe.config import SPECULATIVE_MODES, ConfigError, EngineConfig, StageSpec
+from specpipe.cluster.planner import DRIVER, Link, ModelBytes, NodeReport, Plan, PlanError, objective_for, plan_split
+from specpipe.config import SPECULATIVE_MODES, ConfigError, EngineConfig, StageSpec, parse_bytes
 from specpipe.distributed.remote_pipeline import PipelineError, RemotePipeline
 from specpipe.loader.checkpoint import Checkpoint
 
 Progress = Optional[Callable[[str], None]]
 PING_S = 5.0  # a node agent that does not answer within this is taken for lost
 LOAD_TIMEOUT_S = 600.0
+CHUNK_ENV = "SPECPIPE_WEIGHT_CHUNK"  # the streamed chunk's size on the driver, e.g. 1MiB (default 8 MiB)
+
+
+def stream_chunk_bytes() -> int:
+    """The chunk size weights are streamed in: $SPECPIPE_WEIGHT_CHUNK, else weights.CHUNK_BYTES.
+    Smaller chunks resume closer to where a transfer stopped and hold less memory in flight;
+    larger ones cost fewer calls."""
+    from specpipe.cluster.weights import CHUNK_BYTES
+
+    text = os.environ.get(CHUNK_ENV, "").strip()
+    if not text:
+        return CHUNK_BYTES
+    try:
+        n = parse_bytes(text)
+    except (ConfigError, ValueError) as e:
+        raise ConfigError(f"${CHUNK_ENV}={text!r}: {e}") from None
+    if not 4096 <= n <= 1 << 30:
+        raise ConfigError(f"${CHUNK_ENV}={text!r}: a chunk must be between 4 KiB and 1 GiB")
+    return n
 
 
 class RayBackend:
@@ -47,7 +69,9 @@ class RayBackend:
         self.agents: dict[str, object] = {}
         self.nodes: dict[str, dict] = {}  # node id -> its probe
         self.reports: dict[str, NodeReport] = {}
+        self.links: dict[tuple[str, str], Link] = {}  # (from, to) node ids, DRIVER for this process
         self._digests: dict[StageSpec, tuple] = {}
+        self.chunk_bytes = stream_chunk_bytes()
         self.restarts = 0
         self.state = "starting"
         self._refresh_nodes()
@@ -97,7 +121,8 @@ class RayBackend:
         from specpipe.cluster.node_agent import NodeAgent
         from specpipe.cluster.placement import live_nodes, on_node
 
-        agent_cls = ray.remote(num_cpus=0, max_concurrency=4)(NodeAgent)
+        # Concurrency: a window of chunk writes for each stage streamed to the node, plus the link probes.
+        agent_cls = ray.remote(num_cpus=0, max_concurrency=8)(NodeAgent)
         for n in live_nodes():
             if n["NodeID"] not in self.agents:
                 self.agents[n["NodeID"]] = agent_cls.options(**on_node(n["NodeID"])).remote()
@@ -114,6 +139,46 @@ class RayBackend:
         new = [nid for nid in self.agents if nid not in self.reports]
         if new:
             self._calibrate(new)
+            self._measure_links(new)
+
+    def _measure_links(self, new: list[str]) -> None:
+        """Round trip and rate of every link that touches a new node, each direction, the driver
+        included; one pair at a time, so that no two measurements share a link. A pair that cannot
+        be measured is left out (the planner then counts it as --link-delay's figure)."""
+        import ray
+
+        from specpipe.cluster.links import ProbeServer, measure
+
+        t0 = time.perf_counter()
+        mine = ProbeServer(self.driver_ip)
+        servers = {DRIVER: (mine.address, mine.port, mine.token)}
+        try:
+            for nid, out in zip(list(self.agents), ray.get([a.probe_open.remote() for a in self.agents.values()],
+                                                           timeout=PING_S)):
+                servers[nid] = tuple(out)
+            ends = list(servers)
+            for a in ends:
+                for b in ends:
+                    if a == b or (a not in new and b not in new):
+                        continue
+                    try:
+                        rtt, rate = (measure(*servers[b]) if a == DRIVER else
+                                     ray.get(self.agents[a].measure.remote(*servers[b]), timeout=30.0))
+                    except Exception as e:  # noqa: BLE001
+                        self._say(f"link {self._end(a)} -> {self._end(b)}: not measured ({type(e).__name__})")
+                        continue
+                    self.links[a, b] = Link(rtt, rate)
+                    self._say(f"link {self._end(a)} -> {self._end(b)}: {rtt:.2f} ms round trip, "
+                              f"{8 * rate / 1e6:.1f} Mbit/s")
+        finally:
+            mine.close()
+            for a in self.agents.values():
+                a.probe_close.remote()
+        self._say(f"measured {sum(1 for k in self.links if k[0] in new or k[1] in new)} links in "
+                  f"{time.perf_counter() - t0:.1f} s")
+
+    def _end(self, nid: str) -> str:
+        return "driver" if nid == DRIVER else self._name(nid)
 
     def _calibrate(self, node_ids: list[str]) -> None:
         """One layer of this model, its weight types and a stage's threads, timed on each node."""
@@ -122,9 +187,9 @@ class RayBackend:
         c = self.config
         layer = self.ckpt.config.num_layers // 2
         spec = StageSpec(layer, layer + 1, False, False)
-        rows = 1 if objective_for(c.mode) == "latency" or c.mode not in SPECULATIVE_MODES else c.tree_width
+        rows = self._rows()
         t0 = time.perf_counter()
-        paths = {nid: self._provision(nid, spec, f"calibration layer for node {self._name(nid)}") for nid in node_ids}
+        paths = dict(zip(node_ids, self._provision_all([(nid, spec, "calibration layer") for nid in node_ids])))
         # Machines one at a time, but the nodes of one machine together: nodes that share its cores
         # (several `ray start` on one host) slow each other down while serving, so they must while
         # timed too; nodes on other machines must not be timed by a busy driver's neighbours.
@@ -144,6 +209,11 @@ class RayBackend:
         self._say(f"calibrated {len(node_ids)} node{'s' if len(node_ids) > 1 else ''} in "
                   f"{time.perf_counter() - t0:.1f} s")
 
+    def _rows(self) -> int:
+        """The rows of a step the plan is made for: one token (latency), a tree layer (else)."""
+        c = self.config
+        return 1 if objective_for(c.mode) == "latency" or c.mode not in SPECULATIVE_MODES else c.tree_width
+
     def _host(self, nid: str) -> tuple[str, str]:
         return self.nodes[nid]["ip"], self.nodes[nid]["host"]
 
@@ -158,48 +228,36 @@ class RayBackend:
     def _plan(self, max_stages: Optional[int] = None, stages: Optional[int] = None,
               counts: Optional[list[int]] = None) -> Plan:
         plan = plan_split(list(self.reports.values()), self.model, objective_for(self.config.mode),
-                          max_stages=max_stages, stages=stages, stage_layers=counts)
+                          max_stages=max_stages, stages=stages, stage_layers=counts, links=self.links or None,
+                          rows=self._rows(), link_ms=self.config.link_delay_ms)
         for line in plan.describe():
             self._say(line)
         return plan
 
     # -- weights -------------------------------------------------------------------------------
-    def _provision(self, nid: str, spec: StageSpec, label: str) -> str:
-        """The path a stage of `spec` opens on node `nid`, its bytes put there first if need be."""
+    def _provision_all(self, items: list[tuple[str, StageSpec, str]]) -> list[str]:
+        """The path each (node, stage spec, label) opens on its node: the node's own copy or a
+        verified cache entry, else the bytes streamed there, every node at once."""
         import ray
 
-        from specpipe.cluster.weights import iter_chunks, stage_digest
+        from specpipe.cluster.streaming import Transfer, stream
+        from specpipe.cluster.weights import stage_digest
 
-        if spec not in self._digests:
-            sb = self.ckpt.stage_ranges(spec)
-            self._digests[spec] = (sb, stage_digest(sb.root_of(self.model_path), sb))
-        sb, digest = self._digests[spec]
-        agent = self.agents[nid]
-        found = ray.get(agent.find.remote(sb, digest, str(self.model_path)))
-        if found is not None:
-            return found
-        ray.get(agent.begin.remote(sb, digest))
-        inflight: list = []
-        sent, last_told = 0, -1
-        try:
-            for relpath, offset, data in iter_chunks(sb.root_of(self.model_path), sb):
-                inflight.append(agent.write.remote(digest, relpath, offset, data))
-                if len(inflight) > 4:  # a few chunks in flight: the link stays busy, memory bounded
-                    ray.get(inflight.pop(0))
-                sent += len(data)
-                told = int(10 * sent / max(1, sb.total))
-                if told != last_told:
-                    last_told = told
-                    self._say(f"{label}: streaming weights {sent / 2**20:.0f}/{sb.total / 2**20:.0f} MiB "
-                              f"({100 * sent / max(1, sb.total):.0f}%)")
-            ray.get(inflight)
-            return ray.get(agent.finish.remote(digest))
-        except BaseException:
-            try:
-                ray.get(agent.abort.remote(digest), timeout=PING_S)
-            except Exception:
-                pass
-            raise
+        for _, spec, _ in items:
+            if spec not in self._digests:
+                sb = self.ckpt.stage_ranges(spec)
+                self._digests[spec] = (sb, stage_digest(sb.root_of(self.model_path), sb))
+        found = ray.get([self.agents[nid].find.remote(*self._digests[spec], str(self.model_path))
+                         for nid, spec, _ in items])
+        todo: dict[tuple[str, str], Transfer] = {}  # (node, digest): one transfer, whoever asks
+        for (nid, spec, label), path in zip(items, found):
+            sb, digest = self._digests[spec]
+            if path is None and (nid, digest) not in todo:
+                todo[nid, digest] = Transfer(self._name(nid), label, self.agents[nid], sb, digest,
+                                             sb.root_of(self.model_path))
+        got = dict(zip(todo, stream(list(todo.values()), self.chunk_bytes, progress=self.progress)))
+        return [path if path is not None else got[nid, self._digests[spec][1]]
+                for (nid, spec, _), path in zip(items, found)]
 
     # -- the pipeline --------------------------------------------------------------------------
     def start(self) -> RemotePipeline:
@@ -237,8 +295,8 @@ class RayBackend:
                 self.plan = self._plan(stages=len(self.plan.stages))
         c, plan = self.config, self.plan
         S, specs = len(plan.stages), plan.specs()
-        paths = [self._provision(s.node.node_id, spec, f"stage {i + 1}")
-                 for i, (s, spec) in enumerate(zip(plan.stages, specs))]
+        paths = self._provision_all([(s.node.node_id, spec, f"stage {i + 1}")
+                                     for i, (s, spec) in enumerate(zip(plan.stages, specs))])
         per_node = {nid: sum(s.node.node_id == nid for s in plan.stages) for nid in {s.node.node_id for s in plan.stages}}
         key = secrets.token_bytes(32)  # fresh for every pipeline, handed over through Ray only
         # The rendezvous: a keyed store on the driver's address, a new one for every pipeline.
@@ -363,4 +421,6 @@ def model_bytes(ckpt: Checkpoint, config: EngineConfig, num_blocks: int, weight_
     stored = sum(layers) + embed + head
     scale = max(1.0, weight_bytes / max(1, stored))
     kv = num_blocks * config.block_size * 2 * cfg.num_kv_heads * cfg.head_dim * _dtype_bytes(config)
-    return ModelBytes(tuple(int(b * scale) for b in layers), int(embed * scale), int(head * scale), kv)
+    row = cfg.hidden_size * _dtype_bytes(config)  # a hidden state between stages, as the links send it
+    return ModelBytes(tuple(int(b * scale) for b in layers), int(embed * scale), int(head * scale), kv,
+                      row_bytes=row)
