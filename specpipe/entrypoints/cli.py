@@ -84,7 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a connection has to send a complete request head before it is closed (default 5)")
     s.add_argument("--max-body-bytes", default="1MiB",
                    help="request bodies larger than this get HTTP 413 before they are parsed (default 1MiB)")
-    s.add_argument("--served-model-name", default=None, help="the model name clients use (default: the model file's name)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name(s) clients use; with several, any of them is served and /v1/models lists "
+                        "each (default: the model file's name)")
+    s.add_argument("--strict-tool-calls", action="store_true",
+                   help="with tool_choice auto, read only the model families' own call formats (<tool_call> "
+                        "blocks, bare JSON), not a call written as a ```json fenced block")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="server log level (default info: one line per request)")
     _add_engine_args(s)
@@ -317,10 +322,14 @@ def _server_options(args: argparse.Namespace, env_keys: Optional[str]):
                           f"got {args.max_body_bytes!r}")
     if args.max_connections_per_client < 1:
         raise ConfigError(f"--max-connections-per-client must be at least 1, got {args.max_connections_per_client}")
+    names = args.served_model_name or []
+    if len(set(names)) != len(names) or any(not n.strip() for n in names):
+        raise ConfigError(f"--served-model-name: the names must be distinct and not blank, got {names}")
     if not 0 < args.header_timeout <= 3600:
         raise ConfigError(f"--header-timeout must be in (0, 3600] seconds, got {args.header_timeout}")
     return ServerOptions(keys, args.metrics_need_key, body, args.max_concurrency, header_timeout_s=args.header_timeout,
-                         max_connections_per_client=args.max_connections_per_client)
+                         max_connections_per_client=args.max_connections_per_client,
+                         fenced_tool_calls=not args.strict_tool_calls)
 
 
 def _summary(s: dict, n: int) -> str:

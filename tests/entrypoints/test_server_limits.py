@@ -149,8 +149,9 @@ def test_a_body_over_the_limit_gets_413_before_it_is_parsed(server):
 
 
 @pytest.mark.parametrize("body, param", [
-    (completion(stop=["a", "b", "c", "d", "e"]), "stop"),  # OpenAI allows 4
-    (completion(stop="s" * 257), "stop"),
+    (completion(stop=["s"] * 1025), "stop"),  # any number as vLLM, within the documented bounds
+    (completion(stop=["s" * 1000] * 17), "stop"),  # 17000 characters in all, over 16384
+    (completion(stop="s" * 1025), "stop"),
     (completion(max_tokens=1025), "max_tokens"),
     (completion(prompt=[5] * 1025), "prompt"),  # token ids beyond the context, refused before any work
 ])

@@ -4,7 +4,8 @@
                                                              (engine thread) --step()--> stages
 
 Routes: /v1/completions, /v1/chat/completions (streaming as server-sent events), /v1/models,
-/health, /metrics (Prometheus). With --api-key every /v1 route wants `Authorization: Bearer KEY`
+/tokenize and /detokenize (vLLM's), /health, /metrics (Prometheus). With --api-key every /v1
+route and /tokenize, /detokenize want `Authorization: Bearer KEY`
 (and /health and /metrics too with --metrics-need-key). Every error has OpenAI's body, and the
 OpenAPI schema declares, per route, the statuses it can answer with.
 """
@@ -17,7 +18,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -48,6 +49,7 @@ class ServerOptions:
     max_concurrency: Optional[int] = None  # uvicorn's limit_concurrency: beyond it, a bare 503
     header_timeout_s: float = HEADER_TIMEOUT_S  # a request head not complete by then: the connection is closed
     max_connections_per_client: Optional[int] = MAX_CONNECTIONS_PER_CLIENT  # open at once from one address
+    fenced_tool_calls: bool = True  # tool_choice auto also reads a ```json fenced call (--strict-tool-calls: off)
 
 
 ERROR_STATUSES = {
@@ -77,13 +79,14 @@ STREAM_200 = {200: {"description": "The whole response, or with `stream: true` s
                         "properties": {"data": {"type": "string", "description": "a JSON chunk, or [DONE]"}}}}}}}
 
 
-def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, model_name: str,
+def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, model_names: Union[str, Sequence[str]],
               options: ServerOptions = ServerOptions()) -> FastAPI:
+    """`model_names`: the name clients use, or several (any of them is served)."""
     app = FastAPI(title="SpecPipe", version=__version__, docs_url=None, redoc_url=None)
-    serving = OpenAIServing(engine, aengine, model_name)
+    serving = OpenAIServing(engine, aengine, model_names, fenced_tool_calls=options.fenced_tool_calls)
     app.state.serving = serving  # serve() closes its tokenizer threads
     keys = options.api_keys
-    guarded = ("/v1", "/health", "/metrics") if options.metrics_need_key else ("/v1",)
+    guarded = ("/v1", "/tokenize", "/detokenize") + (("/health", "/metrics") if options.metrics_need_key else ())
     key_errors = (401,) if keys else ()
     status_key_errors = key_errors if options.metrics_need_key else ()
 
@@ -148,6 +151,15 @@ def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, mode
     @app.get("/v1/models", responses=_errors(*key_errors))
     async def models() -> p.ModelList:
         return serving.models()
+
+    @app.post("/tokenize", response_model=p.TokenizeResponse, response_model_exclude_none=True,
+              responses=_errors(400, *key_errors, 404, 413))
+    async def tokenize(body: p.TokenizeRequest):
+        return await serving.tokenize(body)
+
+    @app.post("/detokenize", response_model=p.DetokenizeResponse, responses=_errors(400, *key_errors, 404, 413))
+    async def detokenize(body: p.DetokenizeRequest):
+        return await serving.detokenize(body)
 
     generation_errors = {**STREAM_200, **_errors(400, *key_errors, 404, 413, 429, 500, 503,
                                                  plain_503=options.max_concurrency is not None)}
@@ -256,12 +268,12 @@ def _validation_error(e: RequestValidationError) -> ApiError:
         return ApiError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "))
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = ".".join(loc) or None
-    msg = first.get("msg", "invalid request")
+    msg = first.get("msg", "invalid request").removeprefix("Value error, ")  # our own validators' messages
     return ApiError(400, f"{param}: {msg}" if param else msg, param=param)
 
 
 # -- the command ------------------------------------------------------------------------------------
-def serve(config, host: str, port: int, options: ServerOptions, model_name: Optional[str],
+def serve(config, host: str, port: int, options: ServerOptions, model_name: Union[None, str, Sequence[str]],
           log_level: str = "info", rank_env=None) -> int:
     """Bind the port, load the model and bring up the stages, then serve until Ctrl-C / SIGTERM."""
     sock = _bind(host, port)  # before the (slow) model load: a taken port fails at once
@@ -271,14 +283,16 @@ def serve(config, host: str, port: int, options: ServerOptions, model_name: Opti
 
         native.report_unavailable(lambda msg: say(f"warning: {msg}"))
     engine = Engine(config, rank_env=rank_env, progress=say)
-    name = model_name or _default_name(engine.model_path)
+    names = ((model_name,) if isinstance(model_name, str) else tuple(model_name or ())) or \
+        (_default_name(engine.model_path),)
+    name = names[0]  # the one metrics and the log use
     aengine: Optional[AsyncEngine] = None
     app: Optional[FastAPI] = None
     try:
         metrics = EngineMetrics(lambda: aengine.snapshot, lambda: aengine.dead is None, name)
         # A healthy step may take up to the stage timeout: only a longer wait is a stalled engine.
         aengine = AsyncEngine(engine.core(), observer=metrics, admit_timeout_s=config.stage_timeout_s + 10.0)
-        app = build_app(engine, aengine, metrics, name, options)
+        app = build_app(engine, aengine, metrics, names, options)
         bound_host, bound_port = sock.getsockname()[:2]
         stages = engine.pipeline.num_stages  # as planned and started (config.stages may be 0: "plan it")
         server = _Server(uvicorn_config(app, options, log_level), lambda: say(

@@ -12,17 +12,44 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 
 from specpipe.sampling import MAX_TOKENS, MAX_TOP_K
 
-# Stop strings are matched after every token of the request (on the output thread), so their
-# number and length are bounded: 4 as OpenAI allows, and 256 characters (longer than any useful
-# stop, short enough that the tail scanned per token stays small). Declared as constraints, so the
-# published schema says what is accepted.
-MAX_STOP_STRINGS = 4
-MAX_STOP_CHARS = 256
+# Stop strings are matched after every token of the request (on the output thread), so what a
+# request may give is bounded by their total size, not their number (vLLM takes any number; so
+# do we, within MAX_STOP_TOTAL_CHARS): each token costs a scan of a tail about as long as the
+# longest, once per string. Checked before the type (`_stops_checked`), so a 400 names the cause.
+MAX_STOP_STRINGS = 1024
+MAX_STOP_CHARS = 1024  # one string
+MAX_STOP_TOTAL_CHARS = 16384  # all of a request's strings together
+
+
+def _stops_checked(v: Any) -> Any:
+    if v is None or isinstance(v, str):
+        v = [] if v is None else [v]
+    if not isinstance(v, list):
+        raise ValueError(f"stop must be a string or a list of strings, not {type(v).__name__}")
+    for i, x in enumerate(v):
+        if not isinstance(x, str):
+            raise ValueError(f"stop[{i}] must be a string, not {type(x).__name__}")
+        if not x:
+            raise ValueError(f"stop[{i}] is empty")
+        if len(x) > MAX_STOP_CHARS:
+            raise ValueError(f"stop[{i}] has {len(x)} characters, at most {MAX_STOP_CHARS} are allowed")
+    if len(v) > MAX_STOP_STRINGS:
+        raise ValueError(f"{len(v)} stop strings, at most {MAX_STOP_STRINGS} are allowed")
+    total = sum(map(len, v))
+    if total > MAX_STOP_TOTAL_CHARS:
+        raise ValueError(f"the stop strings have {total} characters in all, at most {MAX_STOP_TOTAL_CHARS} "
+                         f"are allowed")
+    return v
+
+
 StopString = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+# Published as OpenAI's (a string, or a list of them); always read as a list.
+Stops = Annotated[Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]],
+                  BeforeValidator(_stops_checked)]
 
 
 def _a_number(v: Any) -> Any:
@@ -113,7 +140,7 @@ class SamplingFields(OpenAIModel):
     top_k: Num(int, ge=-1, le=MAX_TOP_K) = 0  # extension (as vLLM): 0 or -1 = off
     ignore_eos: StrictBool = False  # extension (as vLLM): decode up to max_tokens whatever the model says
     seed: Optional[Num(int, ge=0, le=MAX_SEED)] = None
-    stop: Optional[Union[StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]]] = None
+    stop: Optional[Stops] = None  # a string or a list of them (read as a list)
     n: Int = Only(1, {"enum": [1]})
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
@@ -129,11 +156,6 @@ class SamplingFields(OpenAIModel):
     guided_json: Optional[Union[dict, Text]] = None
     guided_regex: Optional[Text] = None
     guided_grammar: Optional[Text] = None  # Lark or GBNF (llama.cpp's grammars)
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v):
-        return [v] if isinstance(v, str) else (v or [])
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         """(field, why) for the first field set to something this server cannot do."""
@@ -327,16 +349,53 @@ class ChatCompletionChunk(Response):
 
 
 class ModelCard(BaseModel):
+    """One served name, as OpenAI lists a model (id, object, created, owned_by) with vLLM's
+    extras (root: the weights it serves, parent, max_model_len, permission)."""
+
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "specpipe"
+    root: str
+    parent: Optional[str] = None
     max_model_len: int
+    permission: list[dict] = []
 
 
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# -- vLLM's /tokenize and /detokenize -------------------------------------------------------------------
+class TokenizeRequest(OpenAIModel):
+    """A plain prompt, or chat messages rendered by the model's template (as vLLM's /tokenize)."""
+
+    model: Optional[str] = Field(default=None, max_length=256)
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
+    add_special_tokens: Optional[StrictBool] = None  # default: True for a prompt, False for messages
+    add_generation_prompt: StrictBool = True  # messages only
+    return_token_strs: StrictBool = False
+
+    def conversation(self) -> list[dict]:
+        return ChatCompletionRequest(model="", messages=self.messages).conversation()
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: Optional[list[str]] = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: Optional[str] = Field(default=None, max_length=256)
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ErrorInfo(BaseModel):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Callable, Optional, Union
+from typing import AsyncIterator, Callable, Optional, Sequence, Union
 
 from specpipe.config import ConfigError
 from specpipe.engine.async_engine import AdmitFailed, AsyncEngine, Delta, EngineDead, EngineStalled, RequestStream
@@ -19,7 +19,7 @@ from specpipe.engine.engine import Engine
 from specpipe.engine.prompts import PromptError
 from specpipe.entrypoints.openai import protocol as p
 from specpipe.entrypoints.openai.structured import BadConstraint, constraint_of, param_of
-from specpipe.entrypoints.openai.tools import TOOL_TAG, check_tools, forced_constraint, parse_tool_calls, tools_prompt
+from specpipe.entrypoints.openai.tools import FENCE, TOOL_TAG, check_tools, forced_constraint, parse_tool_calls, tools_prompt
 from specpipe.grammar import GrammarSpecError, StructuredOutput
 from specpipe.sampling import SamplingParams
 from specpipe.tokenizer.tokenizer import TokenizerError
@@ -38,8 +38,17 @@ class ApiError(Exception):
 
 
 class OpenAIServing:
-    def __init__(self, engine: Engine, aengine: AsyncEngine, model_name: str) -> None:
-        self.engine, self.aengine, self.model_name = engine, aengine, model_name
+    def __init__(self, engine: Engine, aengine: AsyncEngine, model_names: Union[str, Sequence[str]],
+                 fenced_tool_calls: bool = True) -> None:
+        """`model_names`: every name clients may use (--served-model-name takes several); the
+        first is the one metrics and logs use. Responses name the model as the request did.
+        `fenced_tool_calls`: in tool_choice auto, read a ```json fenced call too (tools.py)."""
+        names = (model_names,) if isinstance(model_names, str) else tuple(model_names)
+        if not names or len(set(names)) != len(names):
+            raise ValueError(f"served model names must be distinct and at least one, got {list(names)}")
+        self.engine, self.aengine, self.model_names = engine, aengine, names
+        self.model_name = names[0]
+        self.fenced_tool_calls = fenced_tool_calls
         # Tokenizing and rendering the chat template take time in proportion to the body: on the
         # event loop, one big prompt would stall every other stream.
         self._tokenize = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="specpipe-tokenize")
@@ -58,7 +67,44 @@ class OpenAIServing:
         self.engine.prompts.grammars.close()
 
     def models(self) -> p.ModelList:
-        return p.ModelList(data=[p.ModelCard(id=self.model_name, max_model_len=self.engine.max_context)])
+        root = str(self.engine.model_path)
+        return p.ModelList(data=[p.ModelCard(id=name, root=root, max_model_len=self.engine.max_context)
+                                 for name in self.model_names])
+
+    # -- vLLM's /tokenize and /detokenize -----------------------------------------------------------
+    async def tokenize(self, body: p.TokenizeRequest) -> p.TokenizeResponse:
+        self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "give exactly one of prompt and messages", param="prompt")
+        tok = self.engine.tokenizer
+
+        def encode() -> list[int]:
+            if body.prompt is not None:
+                return tok.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+            text = tok.apply_chat_template(body.conversation(), add_generation_prompt=body.add_generation_prompt)
+            return tok.encode(text, add_special_tokens=bool(body.add_special_tokens))  # the template holds them
+
+        try:
+            ids = await self._off_loop(encode)
+        except (ConfigError, TokenizerError) as e:
+            raise ApiError(400, str(e), param="messages" if body.messages else "prompt") from None
+        # token_strs: each token's own text, decoded alone (special tokens kept)
+        strs = [tok.decode([t], skip_special_tokens=False) for t in ids] if body.return_token_strs else None
+        return p.TokenizeResponse(count=len(ids), max_model_len=self.engine.max_context, tokens=ids, token_strs=strs)
+
+    async def detokenize(self, body: p.DetokenizeRequest) -> p.DetokenizeResponse:
+        self._check_model(body.model)
+        vocab = self.engine.prompts.vocab_size
+        bad = next((t for t in body.tokens if t >= vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside this model's vocabulary of {vocab}", param="tokens")
+        return p.DetokenizeResponse(prompt=await self._off_loop(self.engine.tokenizer.decode, body.tokens))
+
+    def _check_model(self, name: Optional[str]) -> None:
+        if name is not None and name not in self.model_names:
+            served = ", ".join(map(repr, self.model_names))
+            raise ApiError(404, f"the model {name!r} does not exist; this server serves {served}",
+                           param="model", code="model_not_found")
 
     # -- admission ----------------------------------------------------------------------------------
     async def completion_stream(self, body: p.CompletionRequest, client: Optional[str] = None) -> RequestStream:
@@ -98,6 +144,7 @@ class OpenAIServing:
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, self.engine.max_context - len(ids))
         stream = await self._add(ids, body, max_tokens, client, structured)
         stream.tool_funcs = funcs if choice != "none" else None  # answers are read for calls (tools.py)
+        stream.fenced_calls = self.fenced_tool_calls
         return stream
 
     async def _constraint(self, body: p.SamplingFields,
@@ -118,9 +165,7 @@ class OpenAIServing:
 
     def _check(self, body: p.SamplingFields) -> None:
         """What can be refused before any tokenizing."""
-        if body.model != self.model_name:
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+        self._check_model(body.model)
         bad = body.unsupported()
         if bad is not None:
             raise ApiError(400, bad[1], param=bad[0], code="unsupported_parameter")
@@ -152,7 +197,7 @@ class OpenAIServing:
             raise ApiError(400, str(e)) from None
         req.client = client  # fair admission across API keys / client addresses
         try:
-            return await self.aengine.add(req)
+            stream = await self.aengine.add(req)
         except QueueFull as e:
             raise ApiError(429, f"the server is busy: {e}", "rate_limit_error", code="queue_full") from None
         except EngineDead as e:
@@ -163,11 +208,13 @@ class OpenAIServing:
             raise ApiError(500, str(e), "server_error", code="engine_error") from None
         except ValueError as e:
             raise ApiError(400, str(e)) from None
+        stream.model = body.model  # the name the client used (one of the served names)
+        return stream
 
     # -- whole responses -----------------------------------------------------------------------------
     async def completion(self, stream: RequestStream) -> p.CompletionResponse:
         s = await _drain(stream)
-        return p.CompletionResponse(id=p.new_id("cmpl"), model=self.model_name, usage=_usage(s),
+        return p.CompletionResponse(id=p.new_id("cmpl"), model=s.model, usage=_usage(s),
                                     choices=[p.CompletionChoice(text=s.text, finish_reason=s.finish_reason)])
 
     async def chat(self, stream: RequestStream) -> p.ChatCompletionResponse:
@@ -175,7 +222,7 @@ class OpenAIServing:
         content, calls = _answer(s)
         message = p.AssistantMessage(content=content, tool_calls=[c.as_openai() for c in calls] or None)
         return p.ChatCompletionResponse(
-            id=p.new_id("chatcmpl"), model=self.model_name, usage=_usage(s),
+            id=p.new_id("chatcmpl"), model=s.model, usage=_usage(s),
             choices=[p.ChatChoice(message=message, finish_reason="tool_calls" if calls else s.finish_reason)])
 
     # -- streams ----------------------------------------------------------------------------------------
@@ -184,7 +231,7 @@ class OpenAIServing:
 
         def chunk(d: Optional[Delta], usage: Optional[p.UsageInfo] = None) -> p.CompletionResponse:
             choices = [] if d is None else [p.CompletionChoice(text=d.text, finish_reason=d.finish_reason)]
-            return p.CompletionResponse(id=rid, model=self.model_name, choices=choices, usage=usage)
+            return p.CompletionResponse(id=rid, model=stream.model, choices=choices, usage=usage)
 
         return _events(stream, include_usage, chunk, first=None)
 
@@ -195,13 +242,13 @@ class OpenAIServing:
             choices = [] if d is None else [p.ChatChunkChoice(
                 delta=p.DeltaMessage(content=d.text if d.text or d.finish_reason is None else None),
                 finish_reason=d.finish_reason)]
-            return p.ChatCompletionChunk(id=rid, model=self.model_name, choices=choices, usage=usage)
+            return p.ChatCompletionChunk(id=rid, model=stream.model, choices=choices, usage=usage)
 
         # OpenAI opens a chat stream with the assistant's role and empty content.
-        first = p.ChatCompletionChunk(id=rid, model=self.model_name, choices=[p.ChatChunkChoice(
+        first = p.ChatCompletionChunk(id=rid, model=stream.model, choices=[p.ChatChunkChoice(
             delta=p.DeltaMessage(role="assistant", content=""))])
         if getattr(stream, "tool_funcs", None):
-            return _tool_events(stream, include_usage, rid, self.model_name, first)
+            return _tool_events(stream, include_usage, rid, stream.model, first)
         return _events(stream, include_usage, chunk, first)
 
 
@@ -249,7 +296,7 @@ async def _tool_events(stream: RequestStream, include_usage: bool, rid: str, mod
                 yield _sse(_failure(stream).body.model_dump_json())
                 yield _sse("[DONE]")
                 return
-            safe = _free_text_end(stream.text)
+            safe = _free_text_end(stream.text, stream.fenced_calls)
             if safe > sent:
                 yield chunk(p.DeltaMessage(content=stream.text[sent:safe]))
                 sent = safe
@@ -274,17 +321,23 @@ def _dumped(v):
     return v.model_dump(exclude_none=True) if hasattr(v, "model_dump") else v
 
 
-def _free_text_end(text: str) -> int:
-    """How much of an answer so far is surely content, not (the start of) a tool call."""
+def _free_text_end(text: str, fenced: bool = False) -> int:
+    """How much of an answer so far is surely content, not (the start of) a tool call.
+    `fenced`: a ``` fence may open a call (tools.py), so text from one is held to the end."""
     body = text.lstrip()
-    if not body or body[0] in "{[" or TOOL_TAG.startswith(body):
+    openers = (TOOL_TAG, FENCE) if fenced else (TOOL_TAG,)
+    if not body or body[0] in "{[" or any(o.startswith(body) for o in openers):
         return 0  # undecided, or Llama 3 style JSON calls: hold it all
-    cut = text.find(TOOL_TAG)
-    if cut >= 0:
-        return cut
-    # hold back a tail that could begin the tag
-    hold = next((k for k in range(min(len(TOOL_TAG) - 1, len(text)), 0, -1) if TOOL_TAG.startswith(text[-k:])), 0)
-    return len(text) - hold
+    cuts = [i for i in (text.find(o) for o in openers) if i >= 0]
+    if cuts:
+        return min(cuts)
+    # hold back a tail that could begin an opener
+    return len(text) - max(_opener_tail(text, o) for o in openers)
+
+
+def _opener_tail(text: str, opener: str) -> int:
+    """The length of the longest tail of `text` that begins `opener`."""
+    return next((k for k in range(min(len(opener) - 1, len(text)), 0, -1) if opener.startswith(text[-k:])), 0)
 
 
 def _answer(stream: RequestStream) -> tuple[Optional[str], list]:
@@ -292,7 +345,7 @@ def _answer(stream: RequestStream) -> tuple[Optional[str], list]:
     funcs = getattr(stream, "tool_funcs", None)
     if not funcs:
         return stream.text, []
-    content, calls = parse_tool_calls(stream.text, funcs)
+    content, calls = parse_tool_calls(stream.text, funcs, getattr(stream, "fenced_calls", True))
     return (content or None) if calls else content, calls
 
 

@@ -4,6 +4,10 @@ output, the prompt for templates that cannot render tools, and parsing the calls
 Calls are read in the formats of the families we ship: Qwen2.5's `<tool_call>{"name": ...,
 "arguments": {...}}</tool_call>` blocks (Hermes style), and Llama 3.x's bare JSON
 `{"name": ..., "parameters": {...}}` (one object, or several separated by ';' or in a list).
+Small models often write the call as Markdown instead (Qwen2.5-Coder-1.5B does): a fenced block
+```` ```json {"name": ..., "arguments": {...}} ``` ```` whose JSON names an offered function is a
+call too, unless the server runs with --strict-tool-calls (`fenced=False`). A fenced block that
+is not such a call (code, other JSON) stays content.
 A forced call (`required`, or a named function) is constrained to one JSON object
 `{"name": ..., "arguments": {...}}` that matches the function's parameter schema.
 """
@@ -20,6 +24,8 @@ from specpipe.entrypoints.openai.structured import BadConstraint
 from specpipe.grammar import GrammarSpecError, StructuredOutput
 
 TOOL_TAG = "<tool_call>"  # Qwen2.5's (Hermes-style) call opener
+FENCE = "```"  # a Markdown code fence: opens a fenced call (```json) when those are read
+_FENCED = re.compile(r"```[ \t]*(?:json|JSON)?[ \t]*\n?(.*?)```", re.S)
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
@@ -106,9 +112,9 @@ def _call_of(obj: Any, funcs: dict[str, dict]) -> Optional[ToolCall]:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def parse_tool_calls(text: str, funcs: dict[str, dict]) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(text: str, funcs: dict[str, dict], fenced: bool = True) -> tuple[str, list[ToolCall]]:
     """(content left, calls) from a model's answer; no calls when none parses as a call of a
-    given function (then the whole text is content)."""
+    given function (then the whole text is content). `fenced`: read ```json fenced calls too."""
     if "<tool_call>" in text:
         calls = []
         for m in _TAGGED.finditer(text):
@@ -128,7 +134,26 @@ def parse_tool_calls(text: str, funcs: dict[str, dict]) -> tuple[str, list[ToolC
         calls = [_call_of(o, funcs) for o in objs]
         if calls and all(c is not None for c in calls):
             return "", calls
+    if fenced and FENCE in text:
+        return _fenced_calls(text, funcs)
     return text, []
+
+
+def _fenced_calls(text: str, funcs: dict[str, dict]) -> tuple[str, list[ToolCall]]:
+    """Calls written as fenced blocks: each block whose whole body is JSON call(s) of offered
+    functions becomes calls and leaves the content; every other block stays where it was."""
+    calls, content, at = [], [], 0
+    for m in _FENCED.finditer(text):
+        objs = _json_values(m.group(1).strip())
+        found = [_call_of(o, funcs) for o in objs or []]
+        if found and all(c is not None for c in found):
+            calls += found
+            content.append(text[at:m.start()])
+            at = m.end()
+    if not calls:
+        return text, []
+    content.append(text[at:])
+    return "".join(content).strip(), calls
 
 
 def _json_values(body: str) -> Optional[list]:
