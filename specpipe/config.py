@@ -5,7 +5,8 @@ Glossary:
                   Gemma 3, Phi-3), independent of file format; the families differ only in the
                   named options below (model/llama.py reads them). Built from a Hugging Face
                   config.json by loader/hf_config.py and from GGUF metadata by loader/gguf.py.
-  MoEConfig    -- the sparse mixture-of-experts MLP of Mixtral / Qwen3-MoE layers.
+  MoEConfig    -- the sparse mixture-of-experts MLP of Mixtral / Qwen3-MoE / DeepSeek layers.
+  MLAConfig    -- DeepSeek's multi-head latent attention and its latent KV cache.
   EngineConfig -- what the user chose: model, mode, stages, speculation, KV and batching limits.
   StageSpec    -- which slice of the model one pipeline stage holds: layers [start, end),
                   plus the token embedding (first stage) and final norm + LM head (last stage).
@@ -13,11 +14,12 @@ Glossary:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "gemma3", "phi3",
-                           "glm4_moe", "minimax_m2")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "gemma3", "phi3", "glm4_moe",
+                           "minimax_m2", "deepseek_v2", "deepseek_v3")
 MODES = ("pp", "pp-cb", "tree", "specpipe", "specpipe-db")
 # Modes whose requests share a row budget per step, with chunked prefill (and, for specpipe-db,
 # tree widths that shrink as the pipeline fills); the others send exactly what their rule asks.
@@ -69,6 +71,51 @@ class LongRope:
 
 
 @dataclass(frozen=True)
+class YarnRope:
+    """YaRN ("rope_type": "yarn"; DeepSeek V2/V3): frequencies blended between the original and
+    divided by `factor` along a ramp between the dims that turn beta_fast and beta_slow times over
+    the original context, and cos/sin scaled by `attention_factor` (model/rope.py)."""
+
+    factor: float
+    original_max_position: int
+    beta_fast: float
+    beta_slow: float
+    attention_factor: float
+    truncate: bool = True
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1): of cos/sin
+    (YarnRope.attention_factor) and, for latent attention, of the softmax (MLAConfig.softmax_scale)."""
+    return 1.0 if factor <= 1 else 0.1 * float(mscale) * math.log(factor) + 1.0
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek V2/V3, model/mla.py). A token's KV is one latent of
+    kv_lora_rank values plus a RoPE key of qk_rope_head_dim values shared by every head; queries
+    have qk_nope_head_dim + qk_rope_head_dim dims a head, values v_head_dim."""
+
+    q_lora_rank: Optional[int]  # None: a plain q_proj (V2-Lite); else q_a_proj -> q_a_layernorm -> q_b_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # RoPE on interleaved pairs (x0, x1), (x2, x3), ... as DeepSeek's weights are laid out
+    softmax_scale: float  # qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 when scaled
+
+    def __post_init__(self) -> None:
+        sizes = (self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim)
+        if min(sizes) <= 0 or self.qk_rope_head_dim % 2 or (self.q_lora_rank is not None and self.q_lora_rank <= 0):
+            raise ConfigError(f"model config: bad latent attention sizes {self}")
+
+    @property
+    def latent_dim(self) -> int:
+        """Values a token keeps in the cache per layer: the latent and the shared RoPE key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class MoEConfig:
     """Sparse MLP: a router picks `top_k` of `num_experts` SwiGLU experts per row (the rule:
     model/routing.py). The defaults are Mixtral's / Qwen3-MoE's router; DeepSeek V2/V3, GLM-4.5
@@ -114,7 +161,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: Optional[RopeScaling | LinearRope | LongRope] = None  # of the global layers
+    rope_scaling: Optional[RopeScaling | LinearRope | LongRope | YarnRope] = None  # of the global layers
     max_position: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has biases on q/k/v
@@ -134,6 +181,9 @@ class ModelConfig:
     rope_local_theta: Optional[float] = None  # RoPE base of the sliding layers (Gemma 3), unscaled
     final_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap)
     moe: Optional[MoEConfig] = None
+    # DeepSeek V2/V3: latent attention instead of per-head K/V (model/mla.py); then num_kv_heads
+    # is 1 (the latent, which every query head reads) and head_dim the RoPE dims of a head.
+    mla: Optional[MLAConfig] = None
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHITECTURES:
@@ -158,6 +208,12 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return self.rope_dim or self.head_dim
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """Values one token keeps in one layer's KV cache: K and V of every KV head, or with latent
+        attention the latent and its RoPE key (576 for DeepSeek V3, not 128 heads x 2 x 192)."""
+        return self.mla.latent_dim if self.mla is not None else 2 * self.num_kv_heads * self.head_dim
 
     def is_sliding(self, layer: int) -> bool:
         return layer in self.sliding_layers

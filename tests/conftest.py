@@ -102,6 +102,12 @@ def write_tiny_tokenizer(directory: Path) -> None:
     }, indent=2))
 
 
+# DeepSeek's latent attention at the tiny shape: 4 heads of 16 + 8 (RoPE) query dims, values of 16,
+# a latent of 32 (the cache holds 32 + 8 values a token a layer), 8 routed experts of width 32,
+# top-2, a dense first layer.
+DEEPSEEK_MLA = dict(num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                    n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1)
+
 # Every family's own features switched on at the tiny shape: a head dim other than hidden / heads,
 # several experts with top-2 (one dense layer among sparse ones), a sliding window shorter than
 # the test prompts on alternate layers, partial rotary with LongRoPE past its original context.
@@ -124,10 +130,22 @@ TINY_FAMILIES = {
     # MiniMax-M2: every layer sparse (8 experts, top-2, sigmoid with a correction bias), q/k norm
     # over the whole projection, 16 of 32 dims rotating (its files say rotary_dim).
     "minimax_m2": dict(head_dim=32, rotary_dim=16, num_local_experts=8, num_experts_per_tok=2, intermediate_size=64),
+    **{family: dict(DEEPSEEK_MLA, **moe) for family, moe in (
+        # V2-Lite's layout: no query LoRA, softmax routing (greedy), two shared experts; YaRN with
+        # V2-Lite's mscale 0.707 (the softmax scale changes too); its original context 64.
+        ("deepseek_v2", dict(q_lora_rank=None, n_shared_experts=2, topk_method="greedy", rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32,
+            "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})),
+        # V3's: query LoRA, sigmoid scores with a correction bias, 4 groups of which the best 2 are
+        # searched, renormalised and scaled weights, one shared expert, interleaved RoPE, YaRN.
+        ("deepseek_v3", dict(q_lora_rank=24, n_shared_experts=1, n_group=4, topk_group=2, norm_topk_prob=True,
+                             routed_scaling_factor=2.5, rope_interleave=True, rope_scaling={
+                                 "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                 "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})))},
 }
 # Routers that score by sigmoid: the reference spread (logits of std ~8) would pin every score at
 # 0 or 1, so they get logits of std ~1 and a correction bias that changes some choices.
-SIGMOID_ROUTED = ("glm4_moe", "minimax_m2")
+SIGMOID_ROUTED = ("glm4_moe", "minimax_m2", "deepseek_v3")
 
 
 def _config(arch: str, **overrides):

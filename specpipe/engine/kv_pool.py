@@ -31,7 +31,7 @@ from specpipe.worker.memory import available_memory
 
 
 def bytes_per_token(cfg: ModelConfig, spec: StageSpec, dtype_bytes: int) -> int:
-    return (spec.end - spec.start) * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+    return (spec.end - spec.start) * cfg.kv_values_per_token * dtype_bytes
 
 
 def held_weight_bytes(ckpt: Checkpoint, config: EngineConfig, share: float = 1.0) -> int:
@@ -89,7 +89,7 @@ def pool_blocks(config: EngineConfig, cfg: ModelConfig, specs: list[StageSpec], 
         per_window = blocks_for(window_need(need, cfg.sliding_window, spec_reserve, len(specs), step_rows), bs) + 1
         window_blocks = config.max_num_seqs * per_window
         sliding = [sum(cfg.is_sliding(i) for i in range(s.start, s.end)) for s in specs]
-        per_layer = 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes * bs  # bytes of one layer's block
+        per_layer = cfg.kv_values_per_token * dtype_bytes * bs  # bytes of one layer's block
         left = [budget - window_blocks * n * per_layer for n in sliding]
         blocks = min([cap] + [left_s // (per_layer * (s.end - s.start - n))
                               for s, n, left_s in zip(specs, sliding, left) if s.end - s.start > n])

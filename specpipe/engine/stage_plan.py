@@ -136,7 +136,7 @@ def cluster_blocks(config: EngineConfig, cfg, stages: int, need: Optional[int] =
     if config.kv_memory is None:
         return cap
     dtype_bytes = torch.empty(0, dtype=config.torch_dtype()).element_size()
-    per_layer_block = 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes * config.block_size
+    per_layer_block = cfg.kv_values_per_token * dtype_bytes * config.block_size
     return max(1, min(cap, parse_bytes(config.kv_memory) // (per_layer_block * cfg.num_layers)))
 
 

@@ -14,7 +14,12 @@ and, for the families that have them:
   layers.{i}.{pre,post}_feedforward_layernorm.weight (hidden,) -- Gemma 3 (whose
                                             post_attention_layernorm normalises the attention output)
   layers.{i}.mlp.gate.weight                (experts, hidden) -- the router of a sparse MLP
-  layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight   -- expert e (Mixtral, Qwen3-MoE)
+  layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight   -- expert e (Mixtral, Qwen3-MoE, DeepSeek)
+  layers.{i}.mlp.gate.e_score_correction_bias (experts,) -- the router's selection bias (DeepSeek V3)
+  layers.{i}.mlp.shared_experts.{gate,up,down}_proj.weight -- the always-on shared expert (DeepSeek)
+  layers.{i}.self_attn.{q_a_proj,q_a_layernorm,q_b_proj,kv_a_proj_with_mqa,kv_a_layernorm,kv_b_proj}.weight
+                                            -- latent attention (DeepSeek V2/V3, model/mla.py), whose
+                                            q_proj (no query LoRA) and o_proj keep the names above
 Fused tensors (Phi-3's qkv_proj and gate_up_proj, GGUF's stacked experts) are seen as these
 names, each a range of the stored tensor's rows, so the model never sees the fusion.
 The model's parameter names are these names, so loading is a checked copy.
@@ -166,6 +171,14 @@ def check_config_against_tensors(ckpt: Checkpoint) -> None:
             "layers.0.self_attn.k_proj.weight": ((kv, cfg.hidden_size), "num_kv_heads x head_dim, hidden_size"),
             "layers.0.mlp.gate_proj.weight": ((cfg.intermediate_size, cfg.hidden_size),
                                               "intermediate_size, hidden_size")}
+    if cfg.mla is not None:  # latent attention: the latent's projections instead of q/k (model/mla.py)
+        m = cfg.mla
+        del want["layers.0.self_attn.q_proj.weight"], want["layers.0.self_attn.k_proj.weight"]
+        want["layers.0.self_attn.kv_a_proj_with_mqa.weight"] = ((m.latent_dim, cfg.hidden_size),
+                                                                "kv_lora_rank + qk_rope_head_dim, hidden_size")
+        want["layers.0.self_attn.kv_b_proj.weight"] = ((cfg.num_heads * (m.qk_nope_head_dim + m.v_head_dim),
+                                                        m.kv_lora_rank),
+                                                       "num_heads x (qk_nope_head_dim + v_head_dim), kv_lora_rank")
     if "layers.0.mlp.gate_proj.weight" not in names and "layers.0.mlp.gate.weight" in names:
         del want["layers.0.mlp.gate_proj.weight"]  # a sparse first layer: its experts have their own size
     for name, (shape, what) in want.items():
@@ -185,6 +198,8 @@ def check_attention_group(ckpt: Checkpoint, max_group: Optional[int]) -> None:
     invariant (model/attention.py attend_torch), so CPU decoding would no longer be lossless."""
     cfg = ckpt.config
     group = cfg.num_heads // max(cfg.num_kv_heads, 1)
+    if cfg.mla is not None:  # its heads go to the attention max_group at a time (model/mla.attend_latent)
+        return
     if max_group is not None and group > max_group:
         raise CheckpointError(
             f"{ckpt.path.name}: {cfg.num_heads} query heads over {cfg.num_kv_heads} KV heads is {group} query "

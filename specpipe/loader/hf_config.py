@@ -12,18 +12,19 @@ import math
 from typing import Any, Optional
 
 from specpipe.config import (SUPPORTED_ARCHITECTURES, ConfigError, LinearRope, LongRope, MoEConfig, ModelConfig,
-                             RopeScaling)
+                             RopeScaling, YarnRope, yarn_mscale)
+from specpipe.loader import hf_deepseek
 
 # model_type -> ModelConfig.arch. `gemma3` (the multimodal checkpoints, 4B-27B) holds the text
 # model's settings in `text_config`; SpecPipe runs that text model.
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "qwen3": "qwen3",
                "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gemma3_text": "gemma3", "gemma3": "gemma3",
-               "phi3": "phi3", "glm4_moe": "glm4_moe", "minimax_m2": "minimax_m2"}
+               "phi3": "phi3", "glm4_moe": "glm4_moe", "minimax_m2": "minimax_m2", "deepseek_v2": "deepseek_v2",
+               "deepseek_v3": "deepseek_v3"}
 
 # Families people ask for that need a piece SpecPipe does not have: the error names it.
 MISSING_PIECE = {
-    "deepseek_v2": "multi-head latent attention (MLA) and shared experts",
-    "deepseek_v3": "multi-head latent attention (MLA), shared experts and grouped routing",
+    "deepseek_v32": "DeepSeek-V3.2's sparse attention (the lightning indexer that picks the keys each token reads)",
     "qwen2_moe": "shared experts (with their gate)",
     "gemma2": "Gemma 2's attention and final-logit soft-capping defaults and its norms (only Gemma 3 is supported)",
     "phi3small": "block-sparse attention",
@@ -61,7 +62,14 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
         cfg = {**GEMMA3_TEXT_DEFAULTS, **top, **text}
     elif model_type == "gemma3_text":
         cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
+    quant = cfg.get("quantization_config")
+    if quant:  # e.g. DeepSeek V3's block-scaled FP8: the stored numbers are not the weights
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise ConfigError(f"config.json names a quantization_config ({method}); SpecPipe reads float safetensors "
+                          "(float32, bfloat16, float16) only: use a bfloat16 conversion of the model or a GGUF file")
     try:
+        if arch in hf_deepseek.DEEPSEEK:
+            cfg = hf_deepseek.text_view(cfg)
         return _build(arch, cfg)
     except KeyError as e:
         raise ConfigError(f"config.json is missing the field {e.args[0]!r}") from None
@@ -119,7 +127,17 @@ def _rope_scaling(rs: dict, cfg: dict, rope_dim: int):
         if attention is None:
             attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
         return LongRope(short, long, original, float(attention), long=max_pos > original)
-    raise ConfigError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear, longrope)")
+    if kind == "yarn":
+        original = int(rs.get("original_max_position_embeddings") or cfg["original_max_position_embeddings"])
+        factor = float(rs.get("factor") or int(cfg["max_position_embeddings"]) / original)
+        attention = rs.get("attention_factor")
+        if attention is None:  # as transformers' _compute_yarn_parameters
+            mscale, mscale_all_dim = rs.get("mscale"), rs.get("mscale_all_dim")
+            attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim
+                         else yarn_mscale(factor))
+        return YarnRope(factor, original, float(rs.get("beta_fast") or 32), float(rs.get("beta_slow") or 1),
+                        float(attention), bool(rs.get("truncate", True)))
+    raise ConfigError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear, longrope, yarn)")
 
 
 def _sliding(arch: str, cfg: dict, num_layers: int) -> tuple[Optional[int], tuple[int, ...]]:
@@ -140,6 +158,8 @@ def _sliding(arch: str, cfg: dict, num_layers: int) -> tuple[Optional[int], tupl
 
 
 def _moe(arch: str, cfg: dict, num_layers: int) -> Optional[MoEConfig]:
+    if arch in hf_deepseek.DEEPSEEK:
+        return hf_deepseek.moe_config(arch, cfg, num_layers)
     if arch == "mixtral":
         return MoEConfig(int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"]),
                          int(cfg["intermediate_size"]), True, tuple(range(num_layers)))
@@ -182,6 +202,8 @@ def _build(arch: str, cfg: dict) -> ModelConfig:
     options: dict[str, Any] = {}
     if arch in ("qwen3", "qwen3_moe"):
         options.update(qk_norm=True)
+    if arch in hf_deepseek.DEEPSEEK:
+        options.update(mla=hf_deepseek.mla_config(arch, cfg, global_rope))
     if arch == "glm4_moe":  # GLM-4.5 / 4.6 leave it off, other GLM MoE checkpoints turn it on
         options.update(qk_norm=bool(cfg.get("use_qk_norm", False)))
     if arch == "minimax_m2":  # always on in transformers (the file's use_qk_norm / qk_norm_type are not read)

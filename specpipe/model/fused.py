@@ -1,11 +1,11 @@
 """Which decoder layers run as one native call (kernels/native/layer.c), decided once at load.
 
 A layer qualifies when it is the plain Llama layer (RMSNorm without the Gemma +1, no q/k norms,
-no sandwich norms, a SiLU-gated MLP, no experts) and every projection is packed GGUF rows on the
-native kernel, in a stage whose activations are float32 on the CPU. The choice depends on the
-model alone, never on the rows of a call, so every mode computes a token the same way. A layer
-that does not qualify keeps its torch-written forward (model/llama.py), which gives the same
-bits on the same parts. SPECPIPE_FUSED_LAYERS=0 turns the fused path off (for comparisons).
+no sandwich norms, no latent attention, a SiLU-gated MLP, no experts) and every projection is
+packed GGUF rows on the native kernel, in a stage whose activations are float32 on the CPU. The
+choice depends on the model alone, never on the rows of a call, so every mode computes a token
+the same way. A layer that does not qualify keeps its torch-written forward (model/llama.py),
+which gives the same bits on the same parts. SPECPIPE_FUSED_LAYERS=0 turns the fused path off (for comparisons).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from specpipe.kernels.native import layer as native_layer
 from specpipe.kernels.qlinear import QuantLinear, StackedLinear
+from specpipe.model.mla import LatentAttention
 from specpipe.model.moe import ACTIVATIONS, MLP
 
 
@@ -56,6 +57,8 @@ def layer_weights(layer: nn.Module):
     """The layer's native.layer.LayerWeights, or None when it does not qualify."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if isinstance(attn, LatentAttention):  # layer.c computes per-head K/V attention only
+        return None
     if layer.sandwich or attn.qk_norm or not isinstance(mlp, MLP) or mlp.act is not ACTIVATIONS["silu"]:
         return None
     if any(n.plus_one or n.eps != norms[0].eps or n.weight.device.type != "cpu" for n in norms):

@@ -10,13 +10,16 @@ switch on a few named options of ModelConfig, each used in exactly one place her
     query_scale       Gemma 3             Attention: scores scaled by query_pre_attn_scalar^-0.5
     rope_dim          Phi-3, GLM-4.5,     Rope.apply: only the first rope_dim dims rotate
                       MiniMax-M2
-    rope_scaling      Llama 3, Gemma 3, Phi-3 (model/rope.py: llama3, linear, longrope)
+    rope_scaling      Llama 3, Gemma 3, Phi-3, DeepSeek (model/rope.py: llama3, linear, longrope, yarn)
     sliding_layers    Gemma 3, Mistral    LlamaStage.forward: those layers see the last window only,
                                           with their own RoPE base (rope_local_theta) if set
     norm_plus_one     Gemma               RMSNorm scales by (1 + weight)
     sandwich_norms    Gemma 3             DecoderLayer: sublayer outputs normalised too
     hidden_act        Gemma (GeGLU)       MLP (model/moe.py)
-    moe               Mixtral, Qwen3-MoE  DecoderLayer: SparseMoE instead of MLP on its layers
+    moe               Mixtral, Qwen3-MoE, DecoderLayer: SparseMoE instead of MLP on its layers
+                      DeepSeek            (router: model/routing.py; shared experts)
+    mla               DeepSeek V2/V3      DecoderLayer: LatentAttention (model/mla.py), and
+                                          make_kv_cache: one latent row a token, not K and V
     embed_scale       Gemma               LlamaStage.forward: embeddings times sqrt(hidden)
     final_softcap     Gemma (if set)      LlamaStage.forward: cap * tanh(logits / cap)
 
@@ -36,36 +39,16 @@ from typing import Optional
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from specpipe.config import ModelConfig, StageSpec
-from specpipe.kernels import native
 from specpipe.kernels.qlinear import FloatLinear, StackedLinear
 from specpipe.model import fused
 from specpipe.model.attention import AttentionMetadata, attend, within_window
 from specpipe.model.kv_cache import KVCache
+from specpipe.model.mla import LatentAttention
 from specpipe.model.moe import MLP, SparseMoE
+from specpipe.model.norm import RMSNorm
 from specpipe.model.rope import Rope, local_rope_differs, rope_attention_factor, rope_inv_freq
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, plus_one: bool = False) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps, self.plus_one = eps, plus_one
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.plus_one and x.dtype == torch.float32 == self.weight.dtype:
-            if x.is_cpu and native.available():  # one C call (the path never depends on the rows)
-                return native.rmsnorm(x.contiguous(), self.weight, self.eps)
-            # torch's fused op: the same operations in the same order, bitwise (one call, not six)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in float32 as the reference implementations do, then cast back.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.plus_one:  # Gemma stores weight - 1 and scales in float32
-            return (xf * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * xf.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -111,7 +94,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         h, eps, plus_one = cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_plus_one
         self.input_layernorm = RMSNorm(h, eps, plus_one)
-        self.self_attn = Attention(cfg)
+        self.self_attn = LatentAttention(cfg) if cfg.mla is not None else Attention(cfg)
         # Llama: the MLP's input norm. Gemma 3 (sandwich): the attention output's norm.
         self.post_attention_layernorm = RMSNorm(h, eps, plus_one)
         self.sandwich = cfg.sandwich_norms
@@ -172,8 +155,10 @@ class LlamaStage(nn.Module):
         """A cache of `num_slots` slots for this stage's layers, or for `layers` of them (the
         global or the sliding-window ones, when they keep separate caches); the caller groups
         the slots in blocks."""
-        return KVCache(self.num_layers if layers is None else layers, num_slots, self.cfg.num_kv_heads,
-                       self.cfg.head_dim, self.act_dtype, self.inv_freq.device)
+        n, cfg = self.num_layers if layers is None else layers, self.cfg
+        if cfg.mla is not None:  # the latent and its RoPE key, read by every head (model/mla.py)
+            return KVCache(n, num_slots, 1, cfg.mla.latent_dim, self.act_dtype, self.inv_freq.device, latent=True)
+        return KVCache(n, num_slots, cfg.num_kv_heads, cfg.head_dim, self.act_dtype, self.inv_freq.device)
 
     def forward(self, x: torch.Tensor, meta: AttentionMetadata, kv: KVCache,
                 head_rows: Optional[torch.Tensor] = None,

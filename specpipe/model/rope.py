@@ -5,6 +5,8 @@
     linear    every frequency divided by `factor` (Gemma 3's global layers)
     longrope  inv_freq[i] / ext[i], with Phi-3's short or long per-frequency factors, and
               cos/sin scaled by the attention factor
+    yarn      (DeepSeek V2/V3) inv_freq[i] kept for fast dims, divided by `factor` for slow
+              ones, blended along a linear ramp between; cos/sin scaled by the attention factor
 
 Partial rotary (Phi-3): only the first R of a head's D dims rotate; the rest pass unchanged.
 """
@@ -15,7 +17,7 @@ import math
 from dataclasses import dataclass
 import torch
 
-from specpipe.config import LinearRope, LongRope, ModelConfig, RopeScaling
+from specpipe.config import LinearRope, LongRope, ModelConfig, RopeScaling, YarnRope
 from specpipe.kernels import native
 
 
@@ -30,6 +32,8 @@ def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
     if isinstance(s, LongRope):  # float32 throughout, as transformers computes it
         ext = torch.tensor(s.factors, dtype=torch.float32)
         return 1.0 / (ext * cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.int64).float() / r))
+    if isinstance(s, YarnRope):
+        return yarn_inv_freq(cfg.rope_theta, r, s)
     inv = 1.0 / (cfg.rope_theta ** exponents)
     if isinstance(s, LinearRope):
         return (inv / s.factor).float()
@@ -49,9 +53,27 @@ def llama3_scaled(inv: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(mid, (1 - smooth) * inv / s.factor + smooth * inv, scaled)
 
 
+def yarn_inv_freq(base: float, r: int, s: YarnRope) -> torch.Tensor:
+    """YaRN's frequencies, in float32 as transformers computes them (_compute_yarn_parameters)."""
+    def correction_dim(rotations: float) -> float:  # the dim that turns `rotations` times over the original context
+        return r * math.log(s.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, r - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = torch.clamp((torch.arange(r // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, r, 2, dtype=torch.float32) / r)
+    extrapolation = 1 - ramp  # 1 = keep the original frequency (fast dims), 0 = divide by factor
+    return (1.0 / (s.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
 def rope_attention_factor(cfg: ModelConfig, local: bool = False) -> float:
     s = cfg.rope_scaling
-    return s.attention_factor if isinstance(s, LongRope) and not (local and cfg.rope_local_theta) else 1.0
+    scaled = isinstance(s, (LongRope, YarnRope)) and not (local and cfg.rope_local_theta)
+    return s.attention_factor if scaled else 1.0
 
 
 @dataclass
@@ -85,4 +107,4 @@ def local_rope_differs(cfg: ModelConfig) -> bool:
     return bool(cfg.sliding_layers) and cfg.rope_local_theta is not None
 
 
-__all__ = ["Rope", "rope_inv_freq", "rope_attention_factor", "local_rope_differs", "llama3_scaled"]
+__all__ = ["Rope", "rope_inv_freq", "rope_attention_factor", "local_rope_differs", "llama3_scaled", "yarn_inv_freq"]

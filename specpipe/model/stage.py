@@ -34,7 +34,9 @@ from specpipe.model.routing import FLOAT32_PARAMS
 
 Q = gguf.GGMLQuantizationType
 QUANTIZATIONS = {"int8": Q.Q8_0, "int4": Q.Q4_0}
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+# kv_b_proj is not one: latent attention reads its weight as two per-head matrices (model/mla.py)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head",
+               "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
 
 
 def checkpoint_name(param_name: str, ckpt_names: set[str]) -> str:

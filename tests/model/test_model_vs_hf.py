@@ -363,7 +363,7 @@ def test_directory_without_config(tmp_path):
 
 @pytest.mark.parametrize("model_type, message", [
     ("gpt2", "unsupported model_type 'gpt2' in config.json; SpecPipe runs llama"),
-    ("deepseek_v3", r"unsupported model_type 'deepseek_v3' in config.json \(it needs multi-head latent attention"),
+    ("deepseek_v32", r"unsupported model_type 'deepseek_v32' in config.json \(it needs DeepSeek-V3.2's sparse attention"),
 ])
 def test_unknown_model_type(tmp_path, tiny_llama_dir, model_type, message):
     cfg = json.loads((tiny_llama_dir / "config.json").read_text())
