@@ -20,12 +20,12 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from netns_helpers import Hosts, NamespacesUnavailable
 from proc_helpers import (Run, alive, clean_env, cmdline, descendants, kill_session,
                           stage_pids, wait_gone)
 
@@ -252,53 +252,16 @@ def test_bad_configuration_is_refused_before_starting(tiny_llama_dir, args, mess
 
 # -- three hosts: network namespaces -----------------------------------------------------------------
 
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30, check=check)
-
-
 @pytest.fixture
 def namespaces():
-    """Three network namespaces (driver + 2 stages) on one bridge: 10.231.0.1-3/24.
-
-    Yields [(namespace, interface, address)], removes everything on teardown, failure included."""
-    if sys.platform != "linux" or os.geteuid() != 0:
-        pytest.skip("network namespaces need root on Linux")
-    tag = f"{os.getpid() % 100000}{uuid.uuid4().hex[:2]}"  # unique, and short: interface names <= 15
-    bridge = f"spbr{tag}"
-    hosts = [(f"specpipe-{tag}-{i}", f"spv{tag}{i}", f"10.231.0.{i + 1}") for i in range(3)]
-    made_ns: list[str] = []
-    made_bridge = False
+    """Three hosts (driver + 2 stages): network namespaces on one bridge (tests/netns_helpers.py),
+    removed on teardown, failure included; skipped where namespaces cannot be made."""
     try:
-        try:
-            _ip("netns", "add", hosts[0][0])
-        except (subprocess.CalledProcessError, FileNotFoundError) as e:
-            pytest.skip(f"cannot create network namespaces here: {getattr(e, 'stderr', e)}")
-        made_ns.append(hosts[0][0])
-        _ip("link", "add", bridge, "type", "bridge")
-        made_bridge = True
-        _ip("link", "set", bridge, "up")
-        for i, (ns, ifname, addr) in enumerate(hosts):
-            if i:
-                _ip("netns", "add", ns)
-                made_ns.append(ns)
-            peer = f"spp{tag}{i}"
-            _ip("link", "add", ifname, "type", "veth", "peer", "name", peer)
-            _ip("link", "set", peer, "master", bridge)
-            _ip("link", "set", peer, "up")
-            _ip("link", "set", ifname, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
-            _ip("-n", ns, "link", "set", ifname, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
+        hosts = Hosts(3)
+    except NamespacesUnavailable as e:
+        pytest.skip(str(e))
+    with hosts:
         yield hosts
-    finally:
-        for ns in made_ns:  # deleting a namespace deletes the veth end in it, and so its peer
-            _ip("netns", "del", ns, check=False)
-        if made_bridge:
-            _ip("link", "del", bridge, check=False)
-        leftovers = _ip("-o", "link", "show", check=False).stdout
-        for i in range(3):  # should be gone already; make sure
-            if f"spp{tag}{i}" in leftovers:
-                _ip("link", "del", f"spp{tag}{i}", check=False)
 
 
 def _three_hosts(namespaces, tiny_llama_dir, port: int, key_file: Path) -> list[Run]:
@@ -307,12 +270,12 @@ def _three_hosts(namespaces, tiny_llama_dir, port: int, key_file: Path) -> list[
     procs: list[Run] = []
     try:
         for rank in (1, 2, 0):
-            ns, ifname, _ = namespaces[rank]
-            env = clean_env(RANK=str(rank), WORLD_SIZE="3", MASTER_ADDR=namespaces[0][2],
+            host = namespaces[rank]
+            env = clean_env(RANK=str(rank), WORLD_SIZE="3", MASTER_ADDR=namespaces[0].address,
                             MASTER_PORT=str(port))
             procs.append(Run(["generate", "--model", str(tiny_llama_dir), "--stages", "2", "--no-chat", "--json",
                               "--max-tokens", "12", "--link-delay-ms", "3", "--cluster-key-file", str(key_file), PROMPT],
-                             env=env, cmd_prefix=["ip", "netns", "exec", ns]))
+                             env=env, cmd_prefix=host.cmd()))
         for run in procs:
             if run.wait(120) != 0:
                 break  # the others would wait for it: they are stopped below
