@@ -69,6 +69,8 @@ SHAPES = {  # name: (N, K) of y = x @ W^T
              ("qwen gate/up 8960x1536", 8960, 1536), ("qwen down 1536x8960", 1536, 8960)],
     "smollm2": [("smollm2 q/o 576x576", 576, 576), ("smollm2 k/v 192x576", 192, 576),
                 ("smollm2 gate/up 1536x576", 1536, 576), ("smollm2 down 576x1536", 576, 1536)],
+    # weights far past the last-level cache (60-250 MB): a decode's streaming, bytes / ms = GB/s
+    "stream": [("stream 71680x1536", 71680, 1536)],
 }
 RESULTS = Path(__file__).resolve().parent / "results" / "native_kernel_cpu.json"
 

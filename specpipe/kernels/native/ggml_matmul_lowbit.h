@@ -52,21 +52,49 @@ SP_INLINE uint64_t signed_bytes8(uint64_t grid, uint32_t signs) {
   const uint64_t neg = (((bits + 0x7f7f7f7f7f7f7f7full) & 0x8080808080808080ull) >> 7) * 0xffu;
   return ((bias + grid) & ~neg) | ((bias - grid) & neg);
 }
-SP_INLINE void put8(uint8_t *q, uint64_t grid, uint32_t signs) {
-  const uint64_t v = signed_bytes8(grid, signs);
+/* The signed IQ2/IQ3 types are unpacked in two steps: unpack_lowbit writes each group's grid
+ * bytes (magnitudes) to q and its sign byte to signs[group]; apply_signs_<isa> then makes
+ * q = SP_LB_BIAS +- magnitude, 8 bytes a step (portable) or 32 (AVX2: a shuffle spreads each
+ * sign byte over its 8 bytes).  The same bytes either way. */
+SP_INLINE void apply_signs_portable(uint8_t *q, const uint8_t *signs) {
+  for (int g = 0; g < 32; g++) {
+    uint64_t v;
+    memcpy(&v, q + 8 * g, 8);
+    v = signed_bytes8(v, signs[g]);
+    memcpy(q + 8 * g, &v, 8);
+  }
+}
+#define apply_signs_neon apply_signs_portable
+#ifdef SP_X86
+SP_INLINE __attribute__((target("avx2,fma"))) void apply_signs_avx2(uint8_t *q, const uint8_t *signs) {
+  const __m256i which = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL), bias = _mm256_set1_epi8(SP_LB_BIAS);
+  for (int c = 0; c < 8; c++) {
+    uint32_t s4;
+    memcpy(&s4, signs + 4 * c, 4);
+    const __m256i sb = _mm256_shuffle_epi8(_mm256_set1_epi32((int)s4), which);
+    const __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(sb, bit), bit); /* 0xff where negative */
+    const __m256i g = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
+    /* bias + (g ^ neg) - neg = bias - g where neg, bias + g elsewhere */
+    const __m256i v = _mm256_sub_epi8(_mm256_add_epi8(bias, _mm256_xor_si256(g, neg)), neg);
+    _mm256_storeu_si256((__m256i *)(q + 32 * c), v);
+  }
+}
+#define apply_signs_vnni apply_signs_avx2
+#endif
+/* IQ1: grid bytes are int8 -1, 0, 1; v = 8 g + delta (delta = +-1): with t = g + 1 (0, 1, 2,
+ * added byte by byte without carries), q = SP_LB_BIAS - 8 + delta + 8 t in every byte. */
+SP_INLINE void put8_iq1(uint8_t *q, uint64_t grid, int delta) {
+  const uint64_t lo7 = 0x7f7f7f7f7f7f7f7full, ones = 0x0101010101010101ull;
+  const uint64_t t = ((grid & lo7) + ones) ^ (grid & ~lo7);
+  const uint64_t v = ones * (uint8_t)(SP_LB_BIAS - 8 + delta) + (t << 3);
   memcpy(q, &v, 8);
 }
-SP_INLINE void put4(uint8_t *q, uint32_t grid, uint32_t signs) {
-  const uint64_t v = signed_bytes8(grid, signs);
-  memcpy(q, &v, 4);
-}
-/* IQ1: grid bytes are int8 -1, 0, 1; v = 8 g + delta (delta = +-1) */
-SP_INLINE void put8_iq1(uint8_t *q, uint64_t grid, int delta) {
-  for (int i = 0; i < 8; i++) q[i] = (uint8_t)(SP_LB_BIAS + 8 * (int8_t)(grid >> (8 * i)) + delta);
-}
 
-/* 256-value low-bit block b into row r of the tile */
-SP_INLINE void unpack_lowbit(int type, const uint8_t *b, wtile *w, int r) {
+/* 256-value low-bit block b into row r of the tile; returns 1 when q holds magnitudes whose
+ * signs (one byte per 8 values) are in signs[32], for apply_signs (the IQ2 / IQ3 types). */
+SP_INLINE int unpack_lowbit(int type, const uint8_t *b, wtile *w, int r, uint8_t *restrict sg) {
   uint8_t *restrict q = w->q[r];
   int8_t *restrict sc = w->sc[r];
   switch (type) {
@@ -81,7 +109,7 @@ SP_INLINE void unpack_lowbit(int type, const uint8_t *b, wtile *w, int r) {
     for (int h = 0; h < 2; h++)
       for (int k = 0; k < 4; k++)
         for (int l = 0; l < 32; l++) q[128 * h + 32 * k + l] = (qs[32 * h + l] >> (2 * k)) & 3;
-    return;
+    return 0;
   }
   case SP_Q3_K: {
     const uint8_t *s = SP_FIELD(b, sp_block_q3_k, scales), *qs = SP_FIELD(b, sp_block_q3_k, qs);
@@ -96,7 +124,7 @@ SP_INLINE void unpack_lowbit(int type, const uint8_t *b, wtile *w, int r) {
         for (int l = 0; l < 32; l++) /* q3 = low 2 bits - 4 where the hmask bit is clear */
           q[128 * h + 32 * k + l] = (uint8_t)(SP_LB_BIAS - 4 + ((qs[32 * h + l] >> (2 * k)) & 3) +
                                               4 * ((hm[l] >> (4 * h + k)) & 1));
-    return;
+    return 0;
   }
   case SP_IQ2_XXS: case SP_IQ3_XXS: {
     const int iq2 = type == SP_IQ2_XXS;
@@ -108,16 +136,16 @@ SP_INLINE void unpack_lowbit(int type, const uint8_t *b, wtile *w, int r) {
       const uint32_t a1 = iq2 ? load_u32(qs + 8 * ib + 4) : load_u32(SP_FIELD(b, sp_block_iq3_xxs, scales_signs) + 4 * ib);
       sc[2 * ib] = sc[2 * ib + 1] = (int8_t)(2 * (a1 >> 28) + 1);
       for (int k = 0; k < 4; k++) {
-        const uint32_t signs = sp_ksigns_iq2xs[(a1 >> (7 * k)) & 127];
+        sg[4 * ib + k] = sp_ksigns_iq2xs[(a1 >> (7 * k)) & 127];
         if (iq2)
-          put8(q + 32 * ib + 8 * k, sp_iq2xxs_grid[idx[k]], signs);
+          memcpy(q + 32 * ib + 8 * k, &sp_iq2xxs_grid[idx[k]], 8);
         else {
-          put4(q + 32 * ib + 8 * k, sp_iq3xxs_grid[idx[2 * k]], signs);
-          put4(q + 32 * ib + 8 * k + 4, sp_iq3xxs_grid[idx[2 * k + 1]], signs >> 4);
+          memcpy(q + 32 * ib + 8 * k, &sp_iq3xxs_grid[idx[2 * k]], 4);
+          memcpy(q + 32 * ib + 8 * k + 4, &sp_iq3xxs_grid[idx[2 * k + 1]], 4);
         }
       }
     }
-    return;
+    return 1;
   }
   case SP_IQ2_XS: case SP_IQ2_S: {
     const uint8_t *s = type == SP_IQ2_XS ? SP_FIELD(b, sp_block_iq2_xs, scales) : SP_FIELD(b, sp_block_iq2_s, scales);
@@ -127,27 +155,25 @@ SP_INLINE void unpack_lowbit(int type, const uint8_t *b, wtile *w, int r) {
       const uint8_t *qs = SP_FIELD(b, sp_block_iq2_xs, qs);
       for (int g = 0; g < 32; g++) {
         const uint32_t v = qs[2 * g] | (uint32_t)qs[2 * g + 1] << 8;
-        put8(q + 8 * g, sp_iq2xs_grid[v & 511], sp_ksigns_iq2xs[v >> 9]);
+        memcpy(q + 8 * g, &sp_iq2xs_grid[v & 511], 8);
+        sg[g] = sp_ksigns_iq2xs[v >> 9];
       }
     } else {
-      const uint8_t *qs = SP_FIELD(b, sp_block_iq2_s, qs), *sg = SP_FIELD(b, sp_block_iq2_s, signs);
-      const uint8_t *qh = SP_FIELD(b, sp_block_iq2_s, qh);
+      const uint8_t *qs = SP_FIELD(b, sp_block_iq2_s, qs), *qh = SP_FIELD(b, sp_block_iq2_s, qh);
+      memcpy(sg, SP_FIELD(b, sp_block_iq2_s, signs), 32);
       for (int g = 0; g < 32; g++)
-        put8(q + 8 * g, sp_iq2s_grid[qs[g] | ((qh[g / 4] >> (2 * (g % 4))) & 3) << 8], sg[g]);
+        memcpy(q + 8 * g, &sp_iq2s_grid[qs[g] | ((qh[g / 4] >> (2 * (g % 4))) & 3) << 8], 8);
     }
-    return;
+    return 1;
   }
   case SP_IQ3_S: {
     const uint8_t *qs = SP_FIELD(b, sp_block_iq3_s, qs), *qh = SP_FIELD(b, sp_block_iq3_s, qh);
-    const uint8_t *sg = SP_FIELD(b, sp_block_iq3_s, signs), *s = SP_FIELD(b, sp_block_iq3_s, scales);
+    const uint8_t *s = SP_FIELD(b, sp_block_iq3_s, scales);
     w->d[0][r] = f16_to_f32(b);
     for (int j = 0; j < 16; j++) sc[j] = (int8_t)(2 * ((s[j / 4] >> (4 * ((j / 2) & 1))) & 15) + 1);
-    for (int g = 0; g < 32; g++)
-      for (int h = 0; h < 2; h++) {
-        const int j = 2 * g + h;
-        put4(q + 4 * j, sp_iq3s_grid[qs[j] | ((qh[j / 8] >> (j % 8)) & 1) << 8], (uint32_t)sg[g] >> (4 * h));
-      }
-    return;
+    memcpy(sg, SP_FIELD(b, sp_block_iq3_s, signs), 32);
+    for (int j = 0; j < 64; j++) memcpy(q + 4 * j, &sp_iq3s_grid[qs[j] | ((qh[j / 8] >> (j % 8)) & 1) << 8], 4);
+    return 1;
   }
   case SP_IQ1_S: {
     const uint8_t *qs = SP_FIELD(b, sp_block_iq1_s, qs), *qh = SP_FIELD(b, sp_block_iq1_s, qh);
@@ -159,7 +185,7 @@ SP_INLINE void unpack_lowbit(int type, const uint8_t *b, wtile *w, int r) {
       for (int k = 0; k < 4; k++)
         put8_iq1(q + 32 * ib + 8 * k, sp_iq1s_grid[qs[4 * ib + k] | ((h >> (3 * k)) & 7) << 8], delta);
     }
-    return;
+    return 0;
   }
   case SP_IQ1_M: {
     const uint8_t *qs = SP_FIELD(b, sp_block_iq1_m, qs), *qh = SP_FIELD(b, sp_block_iq1_m, qh);
@@ -173,7 +199,7 @@ SP_INLINE void unpack_lowbit(int type, const uint8_t *b, wtile *w, int r) {
       const int nib = (qh[g / 2] >> (4 * (g & 1))) & 15;
       put8_iq1(q + 8 * g, sp_iq1s_grid[qs[g] | (nib & 7) << 8], nib & 8 ? -1 : 1);
     }
-    return;
+    return 0;
   }
   case SP_TQ2_0: {
     const uint8_t *qs = SP_FIELD(b, sp_block_tq2_0, qs);
@@ -182,7 +208,7 @@ SP_INLINE void unpack_lowbit(int type, const uint8_t *b, wtile *w, int r) {
     for (int h = 0; h < 2; h++)
       for (int k = 0; k < 4; k++)
         for (int l = 0; l < 32; l++) q[128 * h + 32 * k + l] = (uint8_t)(SP_LB_BIAS - 1 + ((qs[32 * h + l] >> (2 * k)) & 3));
-    return;
+    return 0;
   }
   case SP_TQ1_0: {
     static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
@@ -198,9 +224,9 @@ SP_INLINE void unpack_lowbit(int type, const uint8_t *b, wtile *w, int r) {
     for (int p = 0; p < 4; p++)
       for (int l = 0; l < 4; l++) q[240 + 4 * p + l] = SP_TRIT(qh[l], p);
 #undef SP_TRIT
-    return;
+    return 0;
   }
-  default: return;
+  default: return 0;
   }
 }
 
@@ -221,36 +247,61 @@ SP_INLINE float e8m0_half(uint8_t e) {
   return f;
 }
 
-/* 16 bytes of nibbles -> 32 int8 lookup values (low nibbles first, as Q4_0) */
-SP_INLINE void lookup_nibbles16(const uint8_t *qs, const int8_t *kv, uint8_t *q) {
+/* 16 bytes of nibbles -> 32 int8 lookup values (low nibbles first, as Q4_0); the x86 tiles'
+ * version looks the 32 up in one byte shuffle (the same bytes). */
+SP_INLINE void lookup_nibbles16_portable(const uint8_t *qs, const int8_t *kv, uint8_t *q) {
   for (int l = 0; l < 16; l++) {
     q[l] = (uint8_t)kv[qs[l] & 15];
     q[16 + l] = (uint8_t)kv[qs[l] >> 4];
   }
 }
-
-/* IQ4_NL / MXFP4: group g of row r (nblk 32-blocks a row), as unpack_group32 */
-SP_INLINE void unpack_group32_lowbit(int type, const uint8_t *row, int64_t g, int64_t nblk, wtile *w, int r) {
-  const int nb = group32_blocks(row, g, nblk, w, r);
-  const int mx = type == SP_MXFP4;
-  const int64_t bytes = mx ? (int64_t)sizeof(sp_block_mxfp4) : (int64_t)sizeof(sp_block_iq4_nl);
-  for (int j = 0; j < nb; j++) {
-    const uint8_t *b = row + (8 * g + j) * bytes;
-    w->d[j][r] = mx ? e8m0_half(b[0]) : f16_to_f32(b);
-    lookup_nibbles16(mx ? SP_FIELD(b, sp_block_mxfp4, qs) : SP_FIELD(b, sp_block_iq4_nl, qs),
-                     mx ? sp_kvalues_mxfp4 : sp_kvalues_iq4nl, w->q[r] + 32 * j);
-  }
+#define lookup_nibbles16_neon lookup_nibbles16_portable
+#ifdef SP_X86
+SP_INLINE __attribute__((target("avx2,fma"))) void lookup_nibbles16_avx2(const uint8_t *qs, const int8_t *kv, uint8_t *q) {
+  const __m128i v = _mm_loadu_si128((const __m128i *)qs), m = _mm_set1_epi8(15);
+  const __m256i idx = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+  const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)kv));
+  _mm256_storeu_si256((__m256i *)q, _mm256_shuffle_epi8(tab, idx));
 }
+#define lookup_nibbles16_vnni lookup_nibbles16_avx2
+#endif
 
-/* IQ4_XS: one block = one group of 8 32-blocks, each with its float scale d * (ls - 32) */
-SP_INLINE void unpack_iq4_xs(const uint8_t *b, wtile *w, int r) {
-  const float d = f16_to_f32(b);
-  const uint32_t sh = b[offsetof(sp_block_iq4_xs, scales_h)] | (uint32_t)b[offsetof(sp_block_iq4_xs, scales_h) + 1] << 8;
-  const uint8_t *sl = SP_FIELD(b, sp_block_iq4_xs, scales_l), *qs = SP_FIELD(b, sp_block_iq4_xs, qs);
-  w->nb = 8;
-  for (int j = 0; j < 8; j++) {
-    const int ls = ((sl[j / 2] >> (4 * (j & 1))) & 15) | (((sh >> (2 * j)) & 3) << 4);
-    w->d[j][r] = d * (float)(ls - 32);
-    lookup_nibbles16(qs + 16 * j, sp_kvalues_iq4nl, w->q[r] + 32 * j);
+/* The s8 kinds' unpacking, once per ISA (isa: the suffix of its lookup_nibbles16, attr: its
+ * target attribute):
+ *   unpack_group32_lowbit_<isa>: IQ4_NL / MXFP4 group g of row r (nblk 32-blocks a row), as
+ *     unpack_group32;
+ *   unpack_iq4_xs_<isa>: one IQ4_XS block = one group of 8 32-blocks, each with its float scale
+ *     d * (ls - 32). */
+#define SP_LOWBIT_S8_UNPACK(isa, attr)                                                                   \
+  SP_INLINE attr void unpack_group32_lowbit_##isa(int type, const uint8_t *row, int64_t g, int64_t nblk, \
+                                                  wtile *w, int r) {                                     \
+    const int nb = group32_blocks(row, g, nblk, w, r);                                                   \
+    const int mx = type == SP_MXFP4;                                                                     \
+    const int64_t bytes = mx ? (int64_t)sizeof(sp_block_mxfp4) : (int64_t)sizeof(sp_block_iq4_nl);      \
+    for (int j = 0; j < nb; j++) {                                                                       \
+      const uint8_t *b = row + (8 * g + j) * bytes;                                                      \
+      w->d[j][r] = mx ? e8m0_half(b[0]) : f16_to_f32(b);                                                 \
+      lookup_nibbles16_##isa(mx ? SP_FIELD(b, sp_block_mxfp4, qs) : SP_FIELD(b, sp_block_iq4_nl, qs),    \
+                             mx ? sp_kvalues_mxfp4 : sp_kvalues_iq4nl, w->q[r] + 32 * j);                \
+    }                                                                                                    \
+  }                                                                                                      \
+  SP_INLINE attr void unpack_iq4_xs_##isa(const uint8_t *b, wtile *w, int r) {                          \
+    const float d = f16_to_f32(b);                                                                       \
+    const uint8_t *h = SP_FIELD(b, sp_block_iq4_xs, scales_h);                                          \
+    const uint32_t sh = h[0] | (uint32_t)h[1] << 8;                                                      \
+    const uint8_t *sl = SP_FIELD(b, sp_block_iq4_xs, scales_l), *qs = SP_FIELD(b, sp_block_iq4_xs, qs); \
+    w->nb = 8;                                                                                           \
+    for (int j = 0; j < 8; j++) {                                                                        \
+      const int ls = ((sl[j / 2] >> (4 * (j & 1))) & 15) | (((sh >> (2 * j)) & 3) << 4);                 \
+      w->d[j][r] = d * (float)(ls - 32);                                                                 \
+      lookup_nibbles16_##isa(qs + 16 * j, sp_kvalues_iq4nl, w->q[r] + 32 * j);                           \
+    }                                                                                                    \
   }
-}
+SP_LOWBIT_S8_UNPACK(portable, )
+#define unpack_group32_lowbit_neon unpack_group32_lowbit_portable
+#define unpack_iq4_xs_neon unpack_iq4_xs_portable
+#ifdef SP_X86
+SP_LOWBIT_S8_UNPACK(avx2, __attribute__((target("avx2,fma"))))
+#define unpack_group32_lowbit_vnni unpack_group32_lowbit_avx2
+#define unpack_iq4_xs_vnni unpack_iq4_xs_avx2
+#endif
