@@ -257,7 +257,7 @@ def weight_bytes(ckpt: Checkpoint, nbytes) -> dict:
     L = cfg.num_layers
     active = [lb - eb + (eb * cfg.moe.top_k // cfg.moe.num_experts if cfg.moe else 0)
               for lb, eb in zip(layers, experts)]
-    kv = 2 * cfg.num_kv_heads * cfg.head_dim * 4  # float32 K and V per token, per layer
+    kv = cfg.kv_values_per_token * 4  # float32 K and V (or MLA's latent) per token, per layer
     return {"layer_bytes_mean": sum(layers) / L, "layer_bytes_active_mean": sum(active) / L,
             "head_bytes": head, "embed_bytes": embed, "kv_bytes_per_token_layer": kv,
             "total_bytes": sum(layers) + head + (embed if "lm_head.weight" in ckpt.names() else 0)}
