@@ -11,10 +11,16 @@
 static uint32_t s = 12345;
 static uint32_t rnd(void) { s = s * 1664525u + 1013904223u; return s >> 8; }
 int main(void) {
-  const int types[] = {2, 3, 6, 7, 8, 12, 13, 14};
-  const int bsz[] = {32, 32, 32, 32, 32, 256, 256, 256}, bb[] = {18, 20, 22, 24, 34, 144, 176, 210};
+  /* the older types, then the low-bit ones (Q2_K .. MXFP4); dof: the f16 scale fields' offsets */
+  const int types[] = {2, 3, 6, 7, 8, 12, 13, 14, 10, 11, 16, 17, 22, 18, 21, 19, 29, 20, 23, 39, 34, 35};
+  const int bsz[] = {32, 32, 32, 32, 32, 256, 256, 256, 256, 256, 256, 256, 256, 256, 256, 256, 256, 32, 256, 32, 256, 256};
+  const int bb[] = {18, 20, 22, 24, 34, 144, 176, 210, 84, 110, 66, 74, 82, 98, 110, 50, 56, 18, 136, 17, 54, 66};
+  const int dof[][2] = {{0, -1}, {0, 2}, {0, -1}, {0, 2}, {0, -1}, {0, 2}, {0, 2}, {208, -1}, {80, 82}, {108, -1},
+                        {0, -1}, {0, -1}, {0, -1}, {0, -1}, {0, -1}, {0, -1}, {-1, -1}, {0, -1}, {0, -1}, {-1, -1},
+                        {52, -1}, {64, -1}};
+  const int ntypes = (int)(sizeof types / sizeof types[0]);
   int fails = 0, checks = 0;
-  for (int ti = 0; ti < 8; ti++) {
+  for (int ti = 0; ti < ntypes; ti++) {
     const long T = 19, N = 13, K = 768, rb = K / bsz[ti] * bb[ti];
     uint8_t *w = malloc(N * rb);
     float *x = malloc(T * K * 4), *y0 = malloc(T * N * 4), *y1 = malloc(T * N * 4);
@@ -22,9 +28,10 @@ int main(void) {
     for (long n = 0; n < N; n++)
       for (long b = 0; b < K / bsz[ti]; b++) {
         uint8_t *p = w + n * rb + b * bb[ti];
-        int off = types[ti] == 14 ? 208 : 0;
-        p[off + 1] = 0x18 | (rnd() & 0x83); /* f16 exponent small, random sign */
-        if (types[ti] == 3 || types[ti] == 7 || types[ti] == 12 || types[ti] == 13) p[3] = 0x18 | (rnd() & 3);
+        for (int f = 0; f < 2; f++)
+          if (dof[ti][f] >= 0) p[dof[ti][f] + 1] = 0x18 | (rnd() & 0x83); /* f16 exponent small, random sign */
+        if (types[ti] == 29) p[55] = (p[55] & 0x3f) | 0x20; /* IQ1_M: d's top bits in the scales */
+        if (types[ti] == 39) p[0] = 115 + rnd() % 10;       /* MXFP4: E8M0 exponent near 2^-8 */
       }
     for (long i = 0; i < T * K; i++) x[i] = ((int)(rnd() % 2001) - 1000) / 300.0f;
     sp_matmul(types[ti], x, T, K, w, N, rb, y0, 1, 0);
