@@ -10,8 +10,9 @@ in each: tests/netns_helpers.py), every number a real run:
   faults    a two-stage pipeline over the three hosts; `--trials` times, over the modes and the
             faults (a host frozen with SIGSTOP and resumed once the pipeline restarted without
             it; a host partitioned, its link down, healed after; a host lost, its Ray node
-            killed, started again after): tokens against an undisturbed run, requests lost, and
-            the time from the fault to the next token. One engine serves every trial of a mode:
+            killed, started again after; with --kinds slow too: the host's link at 10 Mbit/s
+            from the fault to the request's end): tokens against an undisturbed run, requests
+            lost, and the time from the fault to the next token. One engine serves every trial of a mode:
             the hosts come back between trials and the backend finds them again.
   stream    the first load of a model whose file only the driver has (every stage streamed,
             hashed as it lands) against the second (every stage from the hosts' caches), and
@@ -144,7 +145,7 @@ def faults(args) -> dict:
     net, rh = cluster(3)
     trials: list[dict] = []
     L = num_layers(args)
-    kinds = ("freeze", "partition", "loss")
+    kinds = tuple(args.kinds)
     per_mode = -(-args.trials // len(args.fault_modes))
     try:
         for mode in args.fault_modes:
@@ -188,6 +189,11 @@ def one_fault(engine: Engine, net: Hosts, rh: RayHosts, kind: str, mode: str, wa
             rh.thaw(state.pop("pids"))
         elif kind == "partition":
             host.link(True)
+            time.sleep(5.0)  # a partition longer than Ray's health checks ends the node: start it again
+            if host.address not in node_ids(net):
+                rh.start_node(host)
+        elif kind == "slow":
+            net.unthrottle()
         else:
             rh.start_node(host)
 
@@ -199,6 +205,8 @@ def one_fault(engine: Engine, net: Hosts, rh: RayHosts, kind: str, mode: str, wa
                 state["pids"] = rh.freeze(host)
             elif kind == "partition":
                 host.link(False)
+            elif kind == "slow":
+                net.throttle_host(host, "10mbit")
             else:
                 rh.kill(host)
         if "at" in state and "back" not in state and engine.core().stage_restarts > restarts:
@@ -211,7 +219,7 @@ def one_fault(engine: Engine, net: Hosts, rh: RayHosts, kind: str, mode: str, wa
     except Exception as e:  # noqa: BLE001
         got, lost = [], True
         print(f"  request lost: {type(e).__name__}: {e}", file=sys.stderr)
-    if "at" in state and "back" not in state:
+    if "at" in state and "back" not in state:  # no restart (a slow link survives as it is)
         bring_back()
     after = [s for s in stamps if s > state.get("at", float("inf"))]
     return {"mode": mode, "kind": kind, "host": host.address, "same_tokens": got == want, "lost": lost,
@@ -271,6 +279,8 @@ def main() -> None:
     p.add_argument("--fault-modes", nargs="*", default=list(MODES))
     p.add_argument("--trials", type=int, default=30, help="faults: in all, spread over the modes")
     p.add_argument("--stage-timeout", type=float, default=10.0)
+    p.add_argument("--kinds", nargs="*", default=["freeze", "partition", "loss"],
+                   help="faults: taken in turn (also: slow, the host's link at 10 Mbit/s from then on)")
     p.add_argument("--only", nargs="*", default=["links", "faults", "stream"])
     p.add_argument("--out", required=True)
     args = p.parse_args()

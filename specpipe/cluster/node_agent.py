@@ -116,6 +116,9 @@ class NodeAgent:
         from specpipe.loader import open_checkpoint
         from specpipe.model.stage import build_stage
 
+        from specpipe.cluster.stage_actor import normal_priority
+
+        normal_priority()  # timed at the priority a stage runs at
         torch.set_num_threads(max(1, threads))
         torch_dtype = getattr(torch, dtype) if dtype else None
         model = build_stage(open_checkpoint(path), StageSpec(layer, layer + 1, False, False), device, torch_dtype,

@@ -30,6 +30,7 @@ from specpipe.loader.checkpoint import Checkpoint
 
 Progress = Optional[Callable[[str], None]]
 PING_S = 5.0  # a node agent that does not answer within this is taken for lost
+AGENT_START_S = 60.0  # ... or, for an agent just started, within this
 LOAD_TIMEOUT_S = 600.0
 CHUNK_ENV = "SPECPIPE_WEIGHT_CHUNK"  # the streamed chunk's size on the driver, e.g. 1MiB (default 8 MiB)
 
@@ -123,15 +124,27 @@ class RayBackend:
 
         # Concurrency: a window of chunk writes for each stage streamed to the node, plus the link probes.
         agent_cls = ray.remote(num_cpus=0, max_concurrency=8)(NodeAgent)
+        started = set()
         for n in live_nodes():
             if n["NodeID"] not in self.agents:
                 self.agents[n["NodeID"]] = agent_cls.options(**on_node(n["NodeID"])).remote()
+                started.add(n["NodeID"])
         probes = {nid: a.probe.remote(self.config.device) for nid, a in self.agents.items()}
+        t0 = time.monotonic()
         for nid, ref in probes.items():
+            # A new agent's first answer waits for a worker process to start on its node (Python,
+            # Ray, our imports: over 5 s on a busy machine, which dropped healthy nodes at the
+            # first start); an agent that is running answers at once or its node is taken for
+            # lost. In a restart nobody waits that long: a node whose new agent is not up yet is
+            # left out this time and asked again at the next start.
+            wait = AGENT_START_S if nid in started and self.state == "starting" else PING_S
             try:
-                self.nodes[nid] = ray.get(ref, timeout=PING_S)
+                self.nodes[nid] = ray.get(ref, timeout=max(0.1, wait - (time.monotonic() - t0)))
             except Exception:  # dead, or unreachable: a lost node
-                self.agents.pop(nid)
+                try:
+                    ray.kill(self.agents.pop(nid), no_restart=True)
+                except Exception:  # noqa: BLE001 (its node is gone: nothing to end)
+                    pass
                 self.nodes.pop(nid, None)
                 self.reports.pop(nid, None)
         if not self.agents:
@@ -153,9 +166,12 @@ class RayBackend:
         mine = ProbeServer(self.driver_ip)
         servers = {DRIVER: (mine.address, mine.port, mine.token)}
         try:
-            for nid, out in zip(list(self.agents), ray.get([a.probe_open.remote() for a in self.agents.values()],
-                                                           timeout=PING_S)):
-                servers[nid] = tuple(out)
+            opened = {nid: a.probe_open.remote() for nid, a in self.agents.items()}
+            for nid, ref in opened.items():
+                try:
+                    servers[nid] = tuple(ray.get(ref, timeout=30.0))
+                except Exception as e:  # noqa: BLE001 (its links stay unmeasured)
+                    self._say(f"links of node {self._name(nid)}: not measured ({type(e).__name__})")
             ends = list(servers)
             for a in ends:
                 for b in ends:
