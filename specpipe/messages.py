@@ -6,7 +6,8 @@ nothing to say), which keeps every link in lock-step and the pipeline free of de
   Control   driver -> every stage   what to commit, prune, admit or release before computing, and
                                      which blocks join or leave the prefix cache
   Rows      driver -> stage 1, stage s -> stage s+1 (and stage S -> driver as `Results`)
-  Results   stage S -> driver        the target's token for each surviving row
+  Results   stage S -> driver        the target's token for each surviving row (and its
+                                     log-probabilities, for a request that asked)
 
 Control data are plain lists of ints; only the activations are a tensor.
 """
@@ -18,7 +19,7 @@ from typing import ClassVar, Optional, Protocol
 
 import torch
 
-from specpipe.sampling import SamplingParams
+from specpipe.sampling import SamplingParams, TokenLogprobs
 
 NO_PARENT = -1  # parent id of a request's very first token
 
@@ -125,6 +126,9 @@ class Results:
     node_ids: list[int]  # (N,)
     tokens: list[int]  # (N,)
     failed: bool = False
+    # (N,) only for a request that asked for them (SamplingParams.logprobs): each row's target
+    # log-probabilities (sampling.target_logprobs); the driver keeps those of committed nodes.
+    logprobs: Optional[list[TokenLogprobs]] = None
 
 
 @dataclass

@@ -6,6 +6,26 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from specpipe.request import Request
+from specpipe.sampling import TokenLogprobs
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """vLLM's: a token's log-probability and its rank at its position (1 = most likely; None for
+    a chosen token outside the top k asked for)."""
+
+    logprob: float
+    rank: Optional[int] = None
+
+
+def logprob_dicts(logprobs: list[TokenLogprobs]) -> list[dict[int, Logprob]]:
+    """vLLM's per-token {token id: Logprob} (the top k, plus the chosen token), from ours."""
+    out = []
+    for tok, lp in logprobs:
+        d = {t: Logprob(v, r) for r, (t, v) in enumerate(zip(lp.top_ids, lp.top_logprobs), 1)}
+        d.setdefault(tok, Logprob(lp.logprob))
+        out.append(d)
+    return out
 
 
 @dataclass
@@ -14,6 +34,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str
+    logprobs: Optional[list[dict[int, Logprob]]] = None  # vLLM's shape, when SamplingParams.logprobs is set
 
 
 @dataclass
@@ -28,16 +49,21 @@ class RequestOutput:
     finish_reason: str
     stats: dict = field(default_factory=dict)
     error: Optional[str] = None
+    # One per token when SamplingParams.logprobs is set: the target's raw log-probabilities at its
+    # position (sampling.target_logprobs), the same in every mode; None when not asked for.
+    logprobs: Optional[list[TokenLogprobs]] = None
 
     @staticmethod
     def of(req: Request, stats: dict, prompt: Optional[str] = None) -> "RequestOutput":
         return RequestOutput(req.request_id, prompt, req.prompt_ids, req.text, list(req.output_ids),
-                             req.finish_reason or "length", stats, req.error)
+                             req.finish_reason or "length", stats, req.error,
+                             None if req.sampling.logprobs is None else list(req.output_logprobs))
 
     @property
     def outputs(self) -> list[CompletionOutput]:
         """vLLM's shape (`out.outputs[0].text`), for code written against it."""
-        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason)]
+        lps = None if self.logprobs is None else logprob_dicts(list(zip(self.token_ids, self.logprobs)))
+        return [CompletionOutput(0, self.text, self.token_ids, self.finish_reason, lps)]
 
     def as_dict(self) -> dict:
         """`specpipe generate --json`'s object."""

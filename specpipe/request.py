@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
 
-from specpipe.sampling import SamplingParams
+from specpipe.sampling import SamplingParams, TokenLogprobs
 
 TextCallback = Callable[[str], None]
 
@@ -121,6 +121,9 @@ class Request:
     stats: DecodeStats = field(default_factory=DecodeStats)
     no_prefix_cache: bool = False  # a stage lacked a cached block for it: compute its whole prompt
     grammar: Optional[Grammar] = None  # structured output: follows the committed tokens
+    # One per output id when sampling.logprobs is set (else empty): output_logprobs[i] is set
+    # together with output_ids[i], so a reader on another thread may read any delivered index.
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -135,10 +138,15 @@ class Request:
         """Tokens committed so far, prompt included: the context its next rows attend to."""
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def append(self, token: int) -> bool:
-        """Record one committed output token; True when the request is now finished."""
+    def append(self, token: int, logprobs: Optional[TokenLogprobs] = None) -> bool:
+        """Record one committed output token (with its log-probabilities when the request asked
+        for them); True when the request is now finished."""
         if self.finished:
             return True
+        if (logprobs is None) != (self.sampling.logprobs is None):
+            raise ValueError(f"request {self.request_id}: logprobs {'missing' if logprobs is None else 'unasked'}")
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
         self.output_ids.append(token)
         self.token_times.append(time.perf_counter())
         if token in self.stop_ids:
@@ -177,7 +185,7 @@ class Request:
     def keep(self, n: int) -> None:
         """A stop string ended it after `n` output ids: later ones (committed before the engine
         heard) are dropped, and it finished with "stop" whatever the engine's reason was."""
-        del self.output_ids[n:], self.token_times[n:]
+        del self.output_ids[n:], self.token_times[n:], self.output_logprobs[n:]
         self.finish_reason, self.error = "stop", None
         self._close_grammar()
 

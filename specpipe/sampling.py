@@ -98,6 +98,7 @@ MAX_TEMPERATURE = 1e4  # beyond it the distribution is uniform to float precisio
 # Below this a temperature is greedy: logits / 1e-300 overflow to inf and softmax gives NaN,
 # while argmax is the limit of sampling as the temperature goes to 0 (vLLM's _SAMPLING_EPS).
 GREEDY_BELOW = 1e-5
+MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (OpenAI's bound)
 
 
 def _check_int(name: str, v: Any, lo: int, hi: int) -> None:
@@ -120,6 +121,9 @@ class SamplingParams:
     max_tokens: int = 128
     stop: tuple[str, ...] = ()  # strings that end the output (driver side; not part of the output)
     structured: Optional[StructuredOutput] = None  # the output must match it (specpipe/grammar/)
+    # Log-probabilities of each output token and of the `logprobs` most likely ones at its place
+    # (0: the token's own only; None: none are computed). See `target_logprobs` for which.
+    logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -134,6 +138,8 @@ class SamplingParams:
             raise ValueError(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
         if self.seed is not None:
             _check_int("seed", self.seed, 0, INT64_MAX)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
 
     @property
     def greedy(self) -> bool:
@@ -168,6 +174,29 @@ def target_tokens(logits: torch.Tensor, positions: Sequence[int], params: Sampli
         u = position_uniform(params.seed, pos) * float(cdf[i, -1])
         j = int(torch.searchsorted(cdf[i], torch.tensor([u], dtype=cdf.dtype, device=cdf.device)).item())
         out.append(int(order[i, min(j, cdf.shape[1] - 1)]))
+    return out
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """One output token's log-probability and the top ones at its position (most likely first)."""
+
+    logprob: float  # of the token the target chose
+    top_ids: tuple[int, ...] = ()  # (k,)
+    top_logprobs: tuple[float, ...] = ()  # (k,) descending
+
+
+def target_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprobs]:
+    """For each row: log p(token) and the k largest log p, where p = softmax(logits) is the
+    target's raw distribution at that position: before temperature, top-k/top-p and any grammar
+    mask (as vLLM returns by default, its "raw_logprobs"), so the values do not depend on how the
+    token was chosen. logits: (N, V), tokens: (N,). Each row alone, in float32: a row's values are
+    a function of its logits only, whatever rows share the step."""
+    out = []
+    for i, token in enumerate(tokens):
+        lp = torch.log_softmax(logits[i].float(), dim=-1)  # (V,)
+        top_lp, top_ids = lp.topk(k) if k else (lp[:0], lp[:0].long())
+        out.append(TokenLogprobs(float(lp[token]), tuple(top_ids.tolist()), tuple(top_lp.tolist())))
     return out
 
 

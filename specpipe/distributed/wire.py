@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from specpipe.messages import Admit, Control, Prune, Results, Rows, Share, StageStats
-from specpipe.sampling import SamplingParams
+from specpipe.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 
 DTYPES = [torch.long, torch.float32, torch.bfloat16, torch.float16]
 
@@ -60,6 +60,7 @@ class _Reader:
     def __init__(self, values: list[int]) -> None:
         self.v, self.i = values, 0
         self.masked = False  # the last Rows flags read announced token masks
+        self.logprobs = False  # the last Results flags read announced log-probabilities
 
     def take(self, n: int = 1) -> list[int]:
         if n < 0 or self.i + n > len(self.v):
@@ -88,7 +89,8 @@ def encode_control(c: Control) -> list[int]:
     for a in c.admit:
         s = a.sampling
         out += [a.request_id, _f2i(s.temperature), _f2i(s.top_p), s.top_k,
-                -1 if s.seed is None else s.seed, s.max_tokens, len(a.cached), *a.cached]
+                -1 if s.seed is None else s.seed, s.max_tokens, -1 if s.logprobs is None else s.logprobs,
+                len(a.cached), *a.cached]
     out.append(len(c.prune))
     for p in c.prune:
         out += [p.request_id, len(p.commit), *p.commit, len(p.drop), *p.drop]
@@ -106,9 +108,10 @@ def decode_control(values: list[int]) -> Control:
         raise WireError(f"unknown control flags {flags:#x}")
     c = Control(shutdown=bool(flags & 1), report=bool(flags & 2))
     for _ in range(r.count()):
-        rid, temp, top_p, top_k, seed, max_tokens = r.take(6)
+        rid, temp, top_p, top_k, seed, max_tokens, logprobs = r.take(7)
         try:
-            sampling = SamplingParams(_i2f(temp), _i2f(top_p), top_k, None if seed == -1 else seed, max_tokens)
+            sampling = SamplingParams(_i2f(temp), _i2f(top_p), top_k, None if seed == -1 else seed, max_tokens,
+                                      logprobs=None if logprobs == -1 else logprobs)
         except ValueError as e:  # out-of-range values: not something a driver of ours sends
             raise WireError(f"bad sampling parameters for request {rid}: {e}") from None
         c.admit.append(Admit(rid, sampling, r.take(r.count())))
@@ -128,15 +131,17 @@ def decode_control(values: list[int]) -> Control:
 
 FAILED = 1  # flag of a Rows or Results: the request ran out of KV at some stage (no rows)
 MASKED = 2  # flag of a Rows: a second tensor follows, its head rows' token masks (int64 bits)
+LOGPROBS = 2  # flag of a Results: each row's log-probabilities follow its tokens
 MAX_MASK_WORDS = 1 << 16  # int64 words per mask row without RowLimits: vocabularies up to 4M tokens
 
 
 def _flags(values: _Reader, what: str) -> bool:
     """The flags value of a Rows or Results entry: True when it is a failure marker."""
     flags = values.one()
-    if flags & ~(FAILED | (MASKED if what == "rows" else 0)):
+    if flags & ~(FAILED | (MASKED if what == "rows" else LOGPROBS)):
         raise WireError(f"unknown {what} flags {flags:#x}")
-    values.masked = bool(flags & MASKED)
+    values.masked = bool(flags & MASKED) if what == "rows" else False
+    values.logprobs = bool(flags & LOGPROBS) if what == "results" else False
     return bool(flags & FAILED)
 
 
@@ -251,11 +256,22 @@ def check_rows(rows: Rows, limits: RowLimits) -> None:
 
 
 def encode_results(results: list[Results]) -> list[int]:
+    """[n, then per result: request id, flags, N, node ids (N), tokens (N), and with LOGPROBS:
+    k, then per row its logprob, k top ids, k top logprobs (floats as their bits)]."""
     out = [len(results)]
     for res in results:
         if res.failed and res.node_ids:
             raise ValueError(f"request {res.request_id}: a failed result carries no tokens")
-        out += [res.request_id, FAILED if res.failed else 0, len(res.node_ids), *res.node_ids, *res.tokens]
+        lps = res.logprobs
+        flags = (FAILED if res.failed else 0) | (LOGPROBS if lps is not None else 0)
+        out += [res.request_id, flags, len(res.node_ids), *res.node_ids, *res.tokens]
+        if lps is not None:
+            if len(lps) != len(res.node_ids) or len({len(t.top_ids) for t in lps}) > 1:
+                raise ValueError(f"request {res.request_id}: logprobs for {len(lps)} of {len(res.node_ids)} rows, "
+                                 f"or rows with different top counts")
+            out.append(len(lps[0].top_ids) if lps else 0)
+            for t in lps:
+                out += [_f2i(t.logprob), *t.top_ids, *(_f2i(v) for v in t.top_logprobs)]
     return out
 
 
@@ -268,7 +284,16 @@ def decode_results(values: list[int]) -> list[Results]:
         n = r.count()
         if failed and n:
             raise WireError(f"request {rid}: a failed result with {n} tokens")
-        out.append(Results(rid, r.take(n), r.take(n), failed))
+        res = Results(rid, r.take(n), r.take(n), failed)
+        if r.logprobs:
+            k = r.count()
+            if k > MAX_LOGPROBS:
+                raise WireError(f"request {rid}: {k} top logprobs a row, at most {MAX_LOGPROBS}")
+            res.logprobs = []
+            for _ in range(n):
+                lp, ids, top = r.one(), r.take(k), r.take(k)
+                res.logprobs.append(TokenLogprobs(_i2f(lp), tuple(ids), tuple(_i2f(v) for v in top)))
+        out.append(res)
     r.done()
     return out
 

@@ -31,7 +31,7 @@ from specpipe.messages import Control, Results, Rows, StageStats
 from specpipe.model.llama import LlamaStage
 from specpipe.model.stage import weight_nbytes
 from specpipe.grammar.bitmask import apply_masks
-from specpipe.sampling import SamplingParams, target_tokens
+from specpipe.sampling import SamplingParams, target_logprobs, target_tokens
 from specpipe.kv.packed_forward import run_packed
 from specpipe.distributed.wire import RowLimits, RowsMalformed, check_rows
 from specpipe.grammar.bitmask import row_words
@@ -155,6 +155,7 @@ class StageWorker:
         """The target's token for each head row, sampled per request with its own parameters (RNG
         keyed by (seed, position)). All greedy requests share one argmax: one device sync per
         step instead of one per request."""
+        raw = {id(rows): logits for rows, logits in done}  # logprobs describe the unmasked distribution
         # Structured output: the grammar's masks first, so greedy and sampling pick allowed tokens only.
         done = [(rows, logits if rows.masks is None else
                  apply_masks(logits, rows.masks, greedy=self.sampling[rows.request_id].greedy)) for rows, logits in done]
@@ -166,7 +167,9 @@ class StageWorker:
             params = self.sampling[rows.request_id]
             tokens = [next(argmax) for _ in picked] if params.greedy else \
                 target_tokens(logits, [rows.positions[i] for i in picked], params)
-            out.append(Results(rows.request_id, [rows.node_ids[i] for i in picked], tokens))
+            logprobs = None if params.logprobs is None else \
+                target_logprobs(raw[id(rows)], tokens, params.logprobs)  # asked for: one per head row
+            out.append(Results(rows.request_id, [rows.node_ids[i] for i in picked], tokens, logprobs=logprobs))
         return out
 
     def _failure(self, request_id: int) -> Rows | Results:

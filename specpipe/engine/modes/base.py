@@ -8,7 +8,8 @@ Each pipeline step the core asks every running request, in this order:
   send()              the Rows it puts into stage 1 (None: nothing this step)
   control()           its admit / pruning message for every stage this step
   drafting(DURING)    source calls made while the stages compute (SpecPipe drafts its new layer)
-  receive(results)    the target's tokens for its rows that left the last stage
+  receive(results)    the target's tokens for its rows that left the last stage (and their
+                      log-probabilities, when the request asked for them)
   verify()            commit tokens (Request.append), prune, prepare next step's message
   drafting(AFTER)     source calls after verification (SpecPipe drafts a new root at once)
 
@@ -29,6 +30,7 @@ from typing import Optional
 from specpipe.engine.rows import Prefill
 from specpipe.messages import Admit, Prune, Results, Rows
 from specpipe.request import Request
+from specpipe.sampling import TokenLogprobs
 from specpipe.sched.scheduler import Grant, Want
 from specpipe.spec_decode.sources import ProposeCall, TokenSource
 from specpipe.spec_decode.tree import TokenTree
@@ -52,6 +54,10 @@ class ModeState(ABC):
         self._admit: Optional[Admit] = Admit(pid, req.sampling)
         self._commit: list[int] = list(self.prefill.node_ids)  # the prompt is committed up front
         self._drop: list[int] = []
+        # Log-probabilities of computed nodes not yet verified (requests that asked only): the
+        # committed token at position p + 1 takes those of the node at p, the row that chose it,
+        # so a request keeps plain decoding's values whatever tree its tokens came through.
+        self._logprobs: dict[int, TokenLogprobs] = {}
         if source is not None:
             source.start(pid)
             source.observe(pid, list(self.prefill.node_ids), [])  # and so it is for the source
@@ -102,6 +108,18 @@ class ModeState(ABC):
         for node, tok in zip(results.node_ids, results.tokens):
             if node in self.tree:
                 self.tree.record_target(node, tok)
+        if results.logprobs is not None:
+            self._logprobs.update((n, lp) for n, lp in zip(results.node_ids, results.logprobs) if n in self.tree)
+
+    def _logprobs_of(self, node: int) -> Optional[TokenLogprobs]:
+        """The log-probabilities computed at `node` (its target token was just committed), or
+        None when the request did not ask for them."""
+        if self.req.sampling.logprobs is None:
+            return None
+        lp = self._logprobs.pop(node, None)
+        if lp is None:  # every computed row of a request that asked carries them
+            raise RuntimeError(f"request {self.req.request_id}: no logprobs came for node {node}")
+        return lp
 
     @abstractmethod
     def verify(self) -> None: ...
@@ -125,6 +143,8 @@ class ModeState(ABC):
         `drop`: rows the stages hold; `source_drop`: what the source holds, if that differs."""
         self._commit += commit
         self._drop += drop
+        if self._logprobs:  # those of pruned nodes go with them
+            self._logprobs = {n: lp for n, lp in self._logprobs.items() if n in self.tree}
         self.held -= len(drop)
         source_drop = drop if source_drop is None else source_drop
         if self.source is not None and (commit or source_drop):

@@ -104,7 +104,7 @@ class RoundsState(ModeState):
             v = tree.verify(tree.root_target())
             commit.append(v.committed_id)
             drop.extend(v.pruned)
-            req.append(v.token)
+            req.append(v.token, self._logprobs_of(parent))
             if self.source is not None:
                 stats.verifications += 1
                 if v.hit:

@@ -272,7 +272,7 @@ class SpecPipeState(ModeState):
                 self._last_root = parent  # the new root's parent, for a draft that takes it in late
             commit.append(v.committed_id)
             drop.extend(v.pruned)
-            req.append(v.token)
+            req.append(v.token, self._logprobs_of(parent))
         if self.started and not self.prefill.left():
             stats.commits_per_step[len(commit)] = stats.commits_per_step.get(len(commit), 0) + 1
             if planning:
