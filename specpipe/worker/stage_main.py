@@ -74,7 +74,6 @@ def run_stage(t: Transport, model_path: str, spec: StageSpec, num_blocks: int, b
     nxt = 0 if rank == num_stages else rank + 1
     stats = worker.stats
     send_rows(t, nxt, [])  # prime the link: at step k the next stage computes what we sent at k-1
-    hidden = model.cfg.hidden_size
     while True:
         t0 = time.perf_counter()
         with from_peer(0):
@@ -84,7 +83,7 @@ def run_stage(t: Transport, model_path: str, spec: StageSpec, num_blocks: int, b
         t.end_step()
         batch = []
         with from_peer(prev):
-            for rows, shape, dt in decode_rows_header(t.recv_ints(prev, TAG_ROWS), hidden, worker.slots.num_slots):
+            for rows, shape, dt in decode_rows_header(t.recv_ints(prev, TAG_ROWS), limits=worker.limits):
                 if shape is not None:  # a failure marker carries no tensor
                     rows.data = t.recv_tensor(prev, TAG_ROWS, shape, dt)
                     if rows.masks is not None:  # structured output: the head rows' token masks
