@@ -205,3 +205,68 @@ def test_strict_tool_calls_keep_a_fenced_block_as_text(engine):
         assert choice.finish_reason == "stop"
     finally:
         s.stop()
+
+
+# -- logprobs ---------------------------------------------------------------------------------------
+
+def offline(engine, prompt_ids, **kw):
+    """The same request run alone by the engine (its own pp-free path: the same mode and stages)."""
+    from specpipe.sampling import SamplingParams
+
+    req = engine.prompts.make_request(prompt_ids, SamplingParams(**kw))
+    engine.run([req])
+    return req
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_completion_logprobs_streamed_and_not(server, engine, sampled):
+    client = server.client()
+    kw = dict(temperature=0.8, top_p=0.9, seed=7) if sampled else dict(temperature=0)
+    r = client.completions.create(model=NAMES[0], prompt="the cat sat on the", max_tokens=10, logprobs=3, **kw)
+    lp = r.choices[0].logprobs
+    ref = offline(engine, engine.tokenizer.encode("the cat sat on the"), max_tokens=10, logprobs=3, **kw)
+    assert lp.token_logprobs == [x.logprob for x in ref.output_logprobs]
+    assert lp.tokens == [engine.tokenizer.decode([t], skip_special_tokens=False) for t in ref.output_ids]
+    # (the tokens' texts need not join to the text: a byte of a character alone decodes to U+FFFD)
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    for top, x in zip(lp.top_logprobs, ref.output_logprobs):
+        assert 1 <= len(top) <= 4 and max(top.values()) == x.top_logprobs[0]  # texts may coincide
+
+    chunks = list(client.completions.create(model=NAMES[0], prompt="the cat sat on the", max_tokens=10, logprobs=3,
+                                            stream=True, **kw))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices]
+    assert sum((s.token_logprobs for s in streamed), []) == lp.token_logprobs
+    assert sum((s.text_offset for s in streamed), []) == lp.text_offset
+    plain = client.completions.create(model=NAMES[0], prompt="the cat sat on the", max_tokens=10, **kw)
+    assert plain.choices[0].logprobs is None and plain.choices[0].text == r.choices[0].text
+
+
+def test_chat_logprobs_streamed_and_not(server, engine):
+    client = server.client()
+    messages = [{"role": "user", "content": "hi there"}]
+    r = client.chat.completions.create(model=NAMES[0], messages=messages, max_tokens=8, temperature=0,
+                                       logprobs=True, top_logprobs=4)
+    content = r.choices[0].logprobs.content
+    ref = offline(engine, engine.prompts.encode_chat(messages), max_tokens=8, logprobs=4)
+    assert [c.logprob for c in content] == [x.logprob for x in ref.output_logprobs]
+    for c, x in zip(content, ref.output_logprobs):
+        assert [t.logprob for t in c.top_logprobs] == list(x.top_logprobs)
+        assert c.bytes == list(c.token.encode()) and c.top_logprobs[0].logprob == c.logprob  # greedy: the top one
+    chunks = list(client.chat.completions.create(model=NAMES[0], messages=messages, max_tokens=8, temperature=0,
+                                                 logprobs=True, top_logprobs=4, stream=True))
+    streamed = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+    assert [c.model_dump() for c in streamed] == [c.model_dump() for c in content]
+    only = client.chat.completions.create(model=NAMES[0], messages=messages, max_tokens=8, temperature=0, logprobs=True)
+    assert [c.logprob for c in only.choices[0].logprobs.content] == [c.logprob for c in content]
+    assert all(c.top_logprobs == [] for c in only.choices[0].logprobs.content)
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "a", "logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"prompt": "a", "logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": True,
+                              "top_logprobs": 21}, "top_logprobs"),
+])
+def test_logprobs_refusals(server, path, body, param):
+    assert error_of(server.post(path, json={"model": NAMES[0], **body}), 400)["param"] == param

@@ -1,8 +1,12 @@
 """Request and response bodies of the OpenAI-compatible API (the subset SpecPipe serves).
 
 Fields a client may send that change nothing here (user, metadata, ...) are ignored, as OpenAI's
-own server does; fields that would change the output but are not supported (n > 1, logprobs,
-penalties, tools, ...) are refused with a 400 naming the field, never silently dropped.
+own server does; fields that would change the output but are not supported (n > 1, echo,
+penalties, ...) are refused with a 400 naming the field, never silently dropped.
+
+Logprobs (completions' `logprobs: k`, chat's `logprobs: true` + `top_logprobs: k`, k <= 20) are
+the target's raw log-probabilities, before temperature and top-p (vLLM's default), identical in
+every mode: see sampling.target_logprobs.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 
-from specpipe.sampling import MAX_TOKENS, MAX_TOP_K
+from specpipe.sampling import MAX_LOGPROBS, MAX_TOKENS, MAX_TOP_K
 
 # Stop strings are matched after every token of the request (on the output thread), so what a
 # request may give is bounded by their total size, not their number (vLLM takes any number; so
@@ -145,8 +149,6 @@ class SamplingFields(OpenAIModel):
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     # Refused unless left at their no-op values (see unsupported()).
-    logprobs: Optional[Any] = Only(None, {"enum": [None, False, 0]})
-    top_logprobs: Optional[Int] = Only(None, {"enum": [None, 0]})
     presence_penalty: Float = Only(0.0, {"enum": [0]})
     frequency_penalty: Float = Only(0.0, {"enum": [0]})
     logit_bias: Optional[dict[str, Float]] = Only(None, {"maxProperties": 0})
@@ -161,8 +163,6 @@ class SamplingFields(OpenAIModel):
         """(field, why) for the first field set to something this server cannot do."""
         checks = [("n", self.n != 1, "only n = 1 is supported"),
                   ("best_of", self.best_of not in (None, 1), "best_of is not supported"),
-                  ("logprobs", self.logprobs not in (None, False, 0), "logprobs are not supported"),
-                  ("top_logprobs", bool(self.top_logprobs), "logprobs are not supported"),
                   ("presence_penalty", self.presence_penalty != 0, "penalties are not supported"),
                   ("frequency_penalty", self.frequency_penalty != 0, "penalties are not supported"),
                   ("logit_bias", bool(self.logit_bias), "logit_bias is not supported")]
@@ -172,6 +172,13 @@ class SamplingFields(OpenAIModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def logprobs_asked(self) -> Optional[int]:
+        """How many top log-probabilities each token gets (0: its own only); None: none."""
+        return None
+
+
+Logprobs = Num(int, ge=0, le=MAX_LOGPROBS)
+
 
 class CompletionRequest(SamplingFields):
     # One prompt per request (a list holding one prompt is accepted too), never empty.
@@ -180,6 +187,10 @@ class CompletionRequest(SamplingFields):
                   Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)]]
     echo: StrictBool = Only(False, {"enum": [False]})
     suffix: Optional[str] = Only(None, {"maxLength": 0})
+    logprobs: Optional[Logprobs] = None  # the top k of each token's position (OpenAI's legacy shape)
+
+    def logprobs_asked(self) -> Optional[int]:
+        return self.logprobs
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         if self.echo:
@@ -235,6 +246,16 @@ class ChatCompletionRequest(SamplingFields):
     tools: Optional[Annotated[list[ToolDef], Field(max_length=MAX_TOOLS)]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[StrictBool] = None  # accepted; a model may write several calls either way
+    logprobs: Optional[StrictBool] = None  # each output token's log-probability in choices[].logprobs.content
+    top_logprobs: Optional[Logprobs] = None  # and the top k at its position (needs logprobs: true)
+
+    def logprobs_asked(self) -> Optional[int]:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def unsupported(self) -> Optional[tuple[str, str]]:
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
+        return super().unsupported()
 
     def conversation(self) -> list[dict]:
         # "developer" is OpenAI's newer name for the system role.
@@ -287,11 +308,35 @@ def now() -> int:
     return int(time.time())
 
 
+class CompletionLogprobs(BaseModel):
+    """A completion's log-probabilities (OpenAI's legacy shape): per token its text, its
+    log-probability, {text: log-probability} of the top k (and the token), its offset in the text."""
+
+    tokens: list[str] = []
+    token_logprobs: list[Optional[float]] = []
+    top_logprobs: list[Optional[dict[str, float]]] = []
+    text_offset: list[int] = []
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None  # the token's UTF-8 bytes
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: Optional[list[ChatTokenLogprob]] = None
+
+
 class Choice(BaseModel):
     """What every choice carries besides its text (a completion's, a message or a delta)."""
 
     index: int = 0
-    logprobs: None = None
+    logprobs: Optional[Union[CompletionLogprobs, ChatLogprobs]] = None  # when asked
     finish_reason: Optional[str] = None
 
 

@@ -188,8 +188,8 @@ class OpenAIServing:
                            code="context_length_exceeded")
         try:
             sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                                      seed=body.seed,
-                                      max_tokens=max_tokens, stop=tuple(body.stop or ()), structured=structured)
+                                      seed=body.seed, max_tokens=max_tokens, stop=tuple(body.stop or ()),
+                                      structured=structured, logprobs=body.logprobs_asked())
             req = self.engine.prompts.make_request(prompt_ids, sampling, ignore_eos=body.ignore_eos)
         except PromptError as e:  # empty, or token ids outside the vocabulary
             raise ApiError(400, str(e), param="prompt") from None
@@ -214,34 +214,40 @@ class OpenAIServing:
     # -- whole responses -----------------------------------------------------------------------------
     async def completion(self, stream: RequestStream) -> p.CompletionResponse:
         s = await _drain(stream)
-        return p.CompletionResponse(id=p.new_id("cmpl"), model=s.model, usage=_usage(s),
-                                    choices=[p.CompletionChoice(text=s.text, finish_reason=s.finish_reason)])
+        lps = Logprobs(self.engine.tokenizer, s)
+        return p.CompletionResponse(id=p.new_id("cmpl"), model=s.model, usage=_usage(s), choices=[
+            p.CompletionChoice(text=s.text, finish_reason=s.finish_reason, logprobs=lps.completion(len(s.token_ids)))])
 
     async def chat(self, stream: RequestStream) -> p.ChatCompletionResponse:
         s = await _drain(stream)
         content, calls = _answer(s)
         message = p.AssistantMessage(content=content, tool_calls=[c.as_openai() for c in calls] or None)
+        lps = Logprobs(self.engine.tokenizer, s)
         return p.ChatCompletionResponse(
             id=p.new_id("chatcmpl"), model=s.model, usage=_usage(s),
-            choices=[p.ChatChoice(message=message, finish_reason="tool_calls" if calls else s.finish_reason)])
+            choices=[p.ChatChoice(message=message, finish_reason="tool_calls" if calls else s.finish_reason,
+                                  logprobs=lps.chat(len(s.token_ids)))])
 
     # -- streams ----------------------------------------------------------------------------------------
     def completion_events(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
         rid = p.new_id("cmpl")
+        lps = Logprobs(self.engine.tokenizer, stream)
 
         def chunk(d: Optional[Delta], usage: Optional[p.UsageInfo] = None) -> p.CompletionResponse:
-            choices = [] if d is None else [p.CompletionChoice(text=d.text, finish_reason=d.finish_reason)]
+            choices = [] if d is None else [p.CompletionChoice(text=d.text, finish_reason=d.finish_reason,
+                                                               logprobs=lps.completion(len(stream.token_ids)))]
             return p.CompletionResponse(id=rid, model=stream.model, choices=choices, usage=usage)
 
         return _events(stream, include_usage, chunk, first=None)
 
     def chat_events(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
         rid = p.new_id("chatcmpl")
+        lps = Logprobs(self.engine.tokenizer, stream)
 
         def chunk(d: Optional[Delta], usage: Optional[p.UsageInfo] = None) -> p.ChatCompletionChunk:
             choices = [] if d is None else [p.ChatChunkChoice(
                 delta=p.DeltaMessage(content=d.text if d.text or d.finish_reason is None else None),
-                finish_reason=d.finish_reason)]
+                finish_reason=d.finish_reason, logprobs=lps.chat(len(stream.token_ids)))]
             return p.ChatCompletionChunk(id=rid, model=stream.model, choices=choices, usage=usage)
 
         # OpenAI opens a chat stream with the assistant's role and empty content.
@@ -267,8 +273,8 @@ async def _events(stream: RequestStream, include_usage: bool, chunk: Callable[..
             if d.finish_reason in ("error", "abort"):
                 yield _sse(_failure(stream).body.model_dump_json())
                 break
-            if d.text or d.finish_reason is not None:
-                yield _sse(chunk(d).model_dump_json())
+            if d.text or d.finish_reason is not None or (d.token_ids and stream.req.sampling.logprobs is not None):
+                yield _sse(chunk(d).model_dump_json())  # tokens whose text is held back still bring logprobs
         else:
             if include_usage:
                 yield _sse(chunk(None, _usage(stream)).model_dump_json())
@@ -312,6 +318,56 @@ async def _tool_events(stream: RequestStream, include_usage: bool, rid: str, mod
         yield _sse("[DONE]")
     finally:
         stream.cancel()
+
+
+class Logprobs:
+    """A request's log-probabilities in OpenAI's shapes, handed out in order: each call returns
+    those of the tokens delivered since the last (all of them for a whole response), None when
+    the request did not ask. Request.output_logprobs[i] is set with output_ids[i], so those of
+    delivered tokens may be read while the engine thread goes on. A token's text is its id
+    decoded alone (special tokens kept), as vLLM shows it."""
+
+    def __init__(self, tokenizer, stream: RequestStream) -> None:
+        self.tokenizer, self.req = tokenizer, stream.req
+        self.done = 0  # tokens handed out so far
+        self.offset = 0  # characters of their texts (completions' text_offset)
+
+    def _next(self, upto: int) -> Optional[list]:
+        if self.req.sampling.logprobs is None:
+            return None
+        ids, lps = self.req.output_ids[self.done:upto], self.req.output_logprobs[self.done:upto]
+        self.done = max(self.done, upto)
+        return list(zip(ids, lps))
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    def completion(self, upto: int) -> Optional[p.CompletionLogprobs]:
+        got = self._next(upto)
+        if got is None:
+            return None
+        out = p.CompletionLogprobs()
+        for token, lp in got:
+            text = self._text(token)
+            top: dict[str, float] = {}
+            for t, v in [*zip(lp.top_ids, lp.top_logprobs), (token, lp.logprob)]:  # and the chosen one, as vLLM
+                top.setdefault(self._text(t), v)  # tokens of one text (bytes alone: U+FFFD) keep the likeliest
+            out.tokens.append(text)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append(top)
+            out.text_offset.append(self.offset)
+            self.offset += len(text)
+        return out
+
+    def chat(self, upto: int) -> Optional[p.ChatLogprobs]:
+        got = self._next(upto)
+        if got is None:
+            return None
+        entry = lambda t, v: dict(token=self._text(t), logprob=v, bytes=list(self._text(t).encode()))  # noqa: E731
+        return p.ChatLogprobs(content=[
+            p.ChatTokenLogprob(**entry(token, lp.logprob),
+                               top_logprobs=[p.TopLogprob(**entry(t, v)) for t, v in zip(lp.top_ids, lp.top_logprobs)])
+            for token, lp in got])
 
 
 def _dumped(v):
