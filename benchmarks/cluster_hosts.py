@@ -157,8 +157,13 @@ def faults(args) -> dict:
                 want = engine.generate(PROMPT, SamplingParams(max_tokens=args.tokens), chat=True).token_ids
                 for t in range(per_mode):
                     kind = kinds[t % len(kinds)]
+                    restored = every_host_up(net, rh)
+                    if restored:
+                        print(f"  started again (Ray had ended them): {restored}", file=sys.stderr)
                     trials.append(one_fault(engine, net, rh, kind, mode, want, args))
                     print(f"faults {mode} {kind}: {trials[-1]}", file=sys.stderr, flush=True)
+                    # Each trial kept as it ends: a run of 30 takes long enough to be cut short.
+                    Path(args.out).with_suffix(".trials.json").write_text(json.dumps(trials, indent=1))
             finally:
                 engine.close()
     finally:
@@ -172,6 +177,22 @@ def faults(args) -> dict:
             "by_kind": {k: statistics.median([t["fault_to_next_token_s"] for t in trials
                                               if t["kind"] == k and t["fault_to_next_token_s"] is not None] or [0])
                         for k in kinds}}
+
+
+def every_host_up(net: Hosts, rh: RayHosts) -> list[str]:
+    """Each host with a live Ray node before a trial: a partition longer than Ray's health checks
+    (or a busy machine missing them) makes the GCS declare a node dead, and its raylet then exits
+    when it hears so; such a host gets a node again, as an operator would start it."""
+    from netns_helpers import end_processes
+
+    live = node_ids(net)
+    gone = [h for h in net.hosts if h.address not in live]
+    for h in gone:
+        end_processes(rh.pids(h))
+        rh.start_node(h)
+    if gone:
+        time.sleep(2.0)
+    return [h.address for h in gone]
 
 
 def one_fault(engine: Engine, net: Hosts, rh: RayHosts, kind: str, mode: str, want: list[int], args) -> dict:
@@ -188,10 +209,7 @@ def one_fault(engine: Engine, net: Hosts, rh: RayHosts, kind: str, mode: str, wa
         if kind == "freeze":
             rh.thaw(state.pop("pids"))
         elif kind == "partition":
-            host.link(True)
-            time.sleep(5.0)  # a partition longer than Ray's health checks ends the node: start it again
-            if host.address not in node_ids(net):
-                rh.start_node(host)
+            host.link(True)  # (a partition Ray's health checks saw ends the node: every_host_up)
         elif kind == "slow":
             net.unthrottle()
         else:

@@ -214,7 +214,7 @@ class RayBackend:
             group = [nid for nid in node_ids if self._host(nid) == host]
             refs = [self.agents[nid].calibrate.remote(paths[nid], layer, [rows], self.nodes[nid]["cores"], c.device,
                                                       _dtype_name(c), c.quantization) for nid in group]
-            ms_of.update({nid: out[rows] for nid, out in zip(group, ray.get(refs))})
+            ms_of.update({nid: out[rows] for nid, out in zip(group, ray.get(refs, timeout=LOAD_TIMEOUT_S))})
         for nid in node_ids:
             ms = ms_of[nid]
             probe = self.nodes[nid]
@@ -263,8 +263,10 @@ class RayBackend:
             if spec not in self._digests:
                 sb = self.ckpt.stage_ranges(spec)
                 self._digests[spec] = (sb, stage_digest(sb.root_of(self.model_path), sb))
+        # find() hashes a cache entry again (seconds per GB); a node that does not answer in
+        # LOAD_TIMEOUT_S fails this start (a restart plans without it if it stays silent).
         found = ray.get([self.agents[nid].find.remote(*self._digests[spec], str(self.model_path))
-                         for nid, spec, _ in items])
+                         for nid, spec, _ in items], timeout=LOAD_TIMEOUT_S)
         todo: dict[tuple[str, str], Transfer] = {}  # (node, digest): one transfer, whoever asks
         for (nid, spec, label), path in zip(items, found):
             sb, digest = self._digests[spec]

@@ -26,6 +26,8 @@ from typing import Callable, Optional
 from specpipe.cluster.weights import CHUNK_BYTES, StageBytes, chunk_hash, chunk_spans
 
 WINDOW = 4  # chunks in flight per transfer: the link stays busy, memory stays bounded
+STALL_S = 120.0  # a node that takes no chunk for this long (frozen, cut off) is taken for lost
+FINISH_S = 1800.0  # finish() hashes the whole entry again: minutes for tens of GB
 BAR_WIDTH = 20
 BAR_EVERY_S = 3.0
 
@@ -106,7 +108,7 @@ def stream(transfers: list[Transfer], chunk_bytes: int = CHUNK_BYTES, window: in
     if not transfers:
         return []
     plans: list[tuple[list, int]] = []  # per transfer: the spans to send, bytes held already
-    begun = ray.get([t.agent.begin.remote(t.sb, t.digest) for t in transfers])
+    begun = ray.get([t.agent.begin.remote(t.sb, t.digest) for t in transfers], timeout=FINISH_S)
     for t, held in zip(transfers, begun):
         todo = missing(chunk_spans(t.sb, chunk_bytes), [tuple(h) for h in held])
         plans.append((todo, t.sb.total - sum(n for _, _, n in todo)))
@@ -132,13 +134,13 @@ def stream(transfers: list[Transfer], chunk_bytes: int = CHUNK_BYTES, window: in
                 inflight.append((t.agent.write.remote(t.digest, rel, offset, data, chunk_hash(data)), len(data)))
                 if len(inflight) >= window:
                     ref, n = inflight.pop(0)
-                    ray.get(ref)
+                    ray.get(ref, timeout=STALL_S)
                     bars[t.node].add(n)
             while inflight:
                 ref, n = inflight.pop(0)
-                ray.get(ref)
+                ray.get(ref, timeout=STALL_S)
                 bars[t.node].add(n)
-            return ray.get(t.agent.finish.remote(t.digest))
+            return ray.get(t.agent.finish.remote(t.digest), timeout=FINISH_S)
         except BaseException:
             try:  # keep what landed for the next attempt; a node that is gone keeps it anyway
                 ray.get(t.agent.suspend.remote(t.digest), timeout=5.0)
