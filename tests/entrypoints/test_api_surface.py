@@ -185,12 +185,15 @@ def _ask_fenced(client, **kw):
 
 def test_fenced_call_is_a_tool_call(server):
     client = server.client()
-    choice = _ask_fenced(client).choices[0]
+    whole = _ask_fenced(client)
+    choice = whole.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Let me check."
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
 
-    chunks = list(_ask_fenced(client, stream=True))
+    chunks = list(_ask_fenced(client, stream=True, logprobs=True))
+    lps = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.content]
+    assert len(lps) == whole.usage.completion_tokens  # a held-back stream still brings every token's logprob
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     calls = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
     assert content == "Let me check.\n" and [t.function.name for t in calls] == ["get_weather"]

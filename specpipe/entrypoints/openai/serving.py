@@ -254,7 +254,7 @@ class OpenAIServing:
         first = p.ChatCompletionChunk(id=rid, model=stream.model, choices=[p.ChatChunkChoice(
             delta=p.DeltaMessage(role="assistant", content=""))])
         if getattr(stream, "tool_funcs", None):
-            return _tool_events(stream, include_usage, rid, stream.model, first)
+            return _tool_events(stream, include_usage, rid, stream.model, first, lps)
         return _events(stream, include_usage, chunk, first)
 
 
@@ -284,14 +284,16 @@ async def _events(stream: RequestStream, include_usage: bool, chunk: Callable[..
 
 
 async def _tool_events(stream: RequestStream, include_usage: bool, rid: str, model: str,
-                       first: p.ChatCompletionChunk) -> AsyncIterator[str]:
+                       first: p.ChatCompletionChunk, lps: "Logprobs") -> AsyncIterator[str]:
     """A chat stream that may end in tool calls. Text streams as content while it cannot be the
     start of a call; from a `<tool_call>` tag (or an answer that opens with JSON, Llama 3's calls)
     it is held until the end, since a call is only known once its JSON is complete. Then the
     calls go out as one delta each (index, id, name, arguments), which the openai client
-    assembles, with finish_reason "tool_calls"; held text that holds no call goes out as content."""
+    assembles, with finish_reason "tool_calls"; held text that holds no call goes out as content.
+    Logprobs (when asked) ride on each chunk: those of the tokens delivered since the last one."""
     def chunk(delta: p.DeltaMessage, finish: Optional[str] = None) -> str:
-        c = p.ChatCompletionChunk(id=rid, model=model, choices=[p.ChatChunkChoice(delta=delta, finish_reason=finish)])
+        c = p.ChatCompletionChunk(id=rid, model=model, choices=[p.ChatChunkChoice(
+            delta=delta, finish_reason=finish, logprobs=lps.chat(len(stream.token_ids)))])
         return _sse(c.model_dump_json())
 
     try:
