@@ -157,3 +157,14 @@ def test_without_links_the_uniform_hop_is_kept():
     plan = plan_split([node(n, 8, 1.0) for n in "ab"], model(), "latency", stages=2, link_ms=3.0)
     assert plan.step_ms == pytest.approx(sum(s.predicted_ms for s in plan.stages) + 3.0)
     assert "link " not in "\n".join(plan.describe())
+
+
+def test_an_order_by_hand_is_kept_and_costed():
+    """order=: the benchmark's orders by hand; the split is still planned, the hops still costed."""
+    nodes = [node(n, 1.2, 1.0) for n in "abc"]
+    links = links_among(["a", "b", "c"], ("a", "b"))
+    plan = plan_split(nodes, wide_model(), "latency", stages=3, links=links, order=["a", "b", "c"])
+    assert [s.node.name for s in plan.stages] == ["a", "b", "c"]
+    assert plan.stages[1].hop_in_ms > 40  # 64 KiB over 10 Mbit/s: predicted, not hidden
+    best = plan_split(nodes, wide_model(), "latency", stages=3, links=links)
+    assert best.step_ms < plan.step_ms
