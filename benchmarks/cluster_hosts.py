@@ -59,9 +59,12 @@ def cluster(n: int = 3):
 
 
 def close(net, rh) -> None:
+    import shutil
+
     ray.shutdown()
     rh.close()
     net.close()
+    shutil.rmtree(rh.root, ignore_errors=True)  # the hosts' weight caches: gigabytes after many re-plans
 
 
 def base(args, **extra) -> EngineConfig:
