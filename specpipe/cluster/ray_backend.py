@@ -106,7 +106,7 @@ class RayBackend:
         c, cfg = self.config, self.ckpt.config
         if c.kv_memory is not None:
             return 1 << 62  # --kv-memory: the engine's cluster_blocks sized it already
-        per_block = layers * c.block_size * 2 * cfg.num_kv_heads * cfg.head_dim * _dtype_bytes(c)
+        per_block = layers * c.block_size * cfg.kv_values_per_token * _dtype_bytes(c)
         return max(1, int(max(0, free_bytes - held_bytes) * c.kv_memory_fraction) // max(1, per_block))
 
     # -- nodes ---------------------------------------------------------------------------------
@@ -438,7 +438,7 @@ def model_bytes(ckpt: Checkpoint, config: EngineConfig, num_blocks: int, weight_
     head = need(StageSpec(L, L, False, True)) - base
     stored = sum(layers) + embed + head
     scale = max(1.0, weight_bytes / max(1, stored))
-    kv = num_blocks * config.block_size * 2 * cfg.num_kv_heads * cfg.head_dim * _dtype_bytes(config)
+    kv = num_blocks * config.block_size * cfg.kv_values_per_token * _dtype_bytes(config)
     row = cfg.hidden_size * _dtype_bytes(config)  # a hidden state between stages, as the links send it
     return ModelBytes(tuple(int(b * scale) for b in layers), int(embed * scale), int(head * scale), kv,
                       row_bytes=row)
