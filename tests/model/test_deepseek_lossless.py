@@ -1,7 +1,7 @@
 """DeepSeek V2 and V3 (latent attention, a latent KV cache, DeepSeek's MoE) in every mode: the
 tokens of plain pp.
 
-Each mode, greedy at S = 1, 2, 3 (the 4-layer tiny models split 2+1+1 at S = 3: the dense layer
+Each mode, greedy at S = 1 and 3 (the 4-layer tiny models split 2+1+1 at S = 3: the dense layer
 and a sparse one, then sparse layers alone) and seeded at S = 2 (to keep the time down), with a
 same-family draft (the target's first two layers, its own latent cache) merged with n-grams, and
 prefix caching on at the stages and in the draft: a first request, then a chat turn that repeats it, served partly from cached
@@ -65,7 +65,7 @@ def test_every_mode_equals_pp(tiny_model_dir, family, sampling):
     ckpt = open_checkpoint(tiny_model_dir(family))
     reference = [r.output_ids for r in serve(ckpt, "pp", 1, sampling, cached=False)]
     assert all(len(out) == sampling.max_tokens and len(set(out)) > 3 for out in reference)
-    for num_stages, mode in itertools.product([1, 2, 3] if sampling.temperature == 0 else [2], MODES):
+    for num_stages, mode in itertools.product([1, 3] if sampling.temperature == 0 else [2], MODES):
         first, second = serve(ckpt, mode, num_stages, sampling, cached=True)
         assert [first.output_ids, second.output_ids] == reference, f"{family}: {mode} at S={num_stages}"
         assert second.stats.cached_tokens >= len(PROMPT) // BLOCK_SIZE * BLOCK_SIZE, (mode, num_stages)
