@@ -1,6 +1,6 @@
 """GLM-4.5 (`glm4_moe`) and MiniMax-M2 (`minimax_m2`) in every mode: the tokens of plain pp.
 
-Each mode greedy at S = 1 and 3, seeded at S = 2 (the 4-layer tiny models split 2+1+1 at S = 3: GLM's dense layer
+Each mode greedy at S = 1 and 3 (the 4-layer tiny models split 2+1+1 at S = 3: GLM's dense layer
 shares the first stage with a sparse one) and seeded at S = 2 (the greedy half alone took 13
 minutes a family on a loaded 2-core machine), with a same-family draft (the target's first two
 layers) merged with n-grams, and prefix caching on at the stages and in the draft: a first
