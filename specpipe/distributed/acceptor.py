@@ -105,8 +105,4 @@ class Acceptor:
         self._thread.join(timeout=1.0)
 
 
-def listen(bind: str, port: int = 0) -> socket.socket:
-    return socket.create_server((bind, port), backlog=128)
-
-
-__all__ = ["Acceptor", "listen", "PER_SOURCE", "MAX_PENDING"]
+__all__ = ["Acceptor", "PER_SOURCE", "MAX_PENDING"]

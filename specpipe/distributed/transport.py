@@ -121,8 +121,7 @@ class Transport:
             bind = addresses(master_addr, 0)[1] if rank == 0 else None  # where the mesh's rank 0 listens too
             store = open_store(rank, world_size, master_addr, master_port, key, connect_timeout_s, bind)
         self.store = store
-        self._addr, self._port = master_addr, master_port
-        self._address = address
+        self._addr, self._address = master_addr, address
         self._connect_timeout_s = connect_timeout_s
         self.mesh: Optional[Mesh] = None
         self._heartbeat: Optional[threading.Thread] = None
