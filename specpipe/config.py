@@ -14,6 +14,7 @@ Glossary:
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from typing import Optional
@@ -327,11 +328,8 @@ class EngineConfig:
             raise ConfigError("--cluster ray runs every stage as a Ray actor; --transport inproc cannot go with it")
         if self.link_delay_ms < 0 or self.link_bandwidth_mbps < 0:
             raise ConfigError("--link-delay-ms and --link-bandwidth-mbps must be >= 0")
-        if self.link_encryption:
-            from specpipe.distributed.channel import encryption_available
-
-            if (why := encryption_available()) is not None:
-                raise ConfigError(why)
+        if self.link_encryption and importlib.util.find_spec("cryptography") is None:
+            raise ConfigError("--link-encryption needs the `cryptography` package (pip install specpipe[encryption])")
         if self.stage_threads < 0:
             raise ConfigError(f"--stage-threads must be >= 0, got {self.stage_threads}")
         if self.restart_stages < 0:

@@ -94,15 +94,6 @@ class Cipher:
             return None
 
 
-def encryption_available() -> Optional[str]:
-    """None where --link-encryption can run, else why not."""
-    try:
-        import cryptography.hazmat.primitives.ciphers.aead  # noqa: F401
-    except ImportError:
-        return "--link-encryption needs the `cryptography` package (pip install cryptography)"
-    return None
-
-
 class Channel:
     """A connected socket after a completed handshake, with the two directions' sealers (or
     ciphers, on an encrypted link)."""
