@@ -70,7 +70,8 @@ _scratch = threading.local()
 
 def _tile_buffer(numel: int) -> torch.Tensor:
     buf = getattr(_scratch, "buf", None)
-    if buf is None or buf.numel() < numel:
+    # A buffer made under torch.inference_mode (a model's forward) cannot be written outside it.
+    if buf is None or buf.numel() < numel or (buf.is_inference() and not torch.is_inference_mode_enabled()):
         buf = _scratch.buf = torch.empty(numel)
     return buf[:numel]
 

@@ -59,11 +59,24 @@ class LiveServer:
         self.aengine.shutdown()
 
 
+def _engine(tiny_model_dir) -> Engine:
+    return Engine(EngineConfig(model=str(tiny_model_dir("llama", num_hidden_layers=2, max_position_embeddings=1024)),
+                               mode="specpipe-db", draft="ngram", stages=2, transport="inproc", kv_memory="8MiB",
+                               max_context=1024))
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir):
-    e = Engine(EngineConfig(model=str(tiny_model_dir("llama", num_hidden_layers=2, max_position_embeddings=1024)),
-                            mode="specpipe-db", draft="ngram", stages=2, transport="inproc", kv_memory="8MiB",
-                            max_context=1024))
+    e = _engine(tiny_model_dir)
+    yield e
+    e.close()
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_model_dir):
+    """The same engine again, for reference runs: the server's engine core owns its stages, and a
+    second core on them would reuse its request ids (which the stages now refuse)."""
+    e = _engine(tiny_model_dir)
     yield e
     e.close()
 
@@ -222,12 +235,12 @@ def offline(engine, prompt_ids, **kw):
 
 
 @pytest.mark.parametrize("sampled", [False, True])
-def test_completion_logprobs_streamed_and_not(server, engine, sampled):
+def test_completion_logprobs_streamed_and_not(server, engine, alone, sampled):
     client = server.client()
     kw = dict(temperature=0.8, top_p=0.9, seed=7) if sampled else dict(temperature=0)
     r = client.completions.create(model=NAMES[0], prompt="the cat sat on the", max_tokens=10, logprobs=3, **kw)
     lp = r.choices[0].logprobs
-    ref = offline(engine, engine.tokenizer.encode("the cat sat on the"), max_tokens=10, logprobs=3, **kw)
+    ref = offline(alone, engine.tokenizer.encode("the cat sat on the"), max_tokens=10, logprobs=3, **kw)
     assert lp.token_logprobs == [x.logprob for x in ref.output_logprobs]
     assert lp.tokens == [engine.tokenizer.decode([t], skip_special_tokens=False) for t in ref.output_ids]
     # (the tokens' texts need not join to the text: a byte of a character alone decodes to U+FFFD)
@@ -244,13 +257,13 @@ def test_completion_logprobs_streamed_and_not(server, engine, sampled):
     assert plain.choices[0].logprobs is None and plain.choices[0].text == r.choices[0].text
 
 
-def test_chat_logprobs_streamed_and_not(server, engine):
+def test_chat_logprobs_streamed_and_not(server, engine, alone):
     client = server.client()
     messages = [{"role": "user", "content": "hi there"}]
     r = client.chat.completions.create(model=NAMES[0], messages=messages, max_tokens=8, temperature=0,
                                        logprobs=True, top_logprobs=4)
     content = r.choices[0].logprobs.content
-    ref = offline(engine, engine.prompts.encode_chat(messages), max_tokens=8, logprobs=4)
+    ref = offline(alone, engine.prompts.encode_chat(messages), max_tokens=8, logprobs=4)
     assert [c.logprob for c in content] == [x.logprob for x in ref.output_logprobs]
     for c, x in zip(content, ref.output_logprobs):
         assert [t.logprob for t in c.top_logprobs] == list(x.top_logprobs)
