@@ -24,7 +24,7 @@ EXAMPLES = int(os.environ.get("SPECPIPE_HTTP_FUZZ_EXAMPLES", "4"))  # per route 
 
 @pytest.fixture(scope="module")
 def fuzz_server(engine):  # noqa: F811
-    s = LiveServer(engine, ServerOptions(api_keys=KEYS, max_body_bytes=64 << 10))
+    s = LiveServer(engine, ServerOptions(api_keys=KEYS))  # the default body limit: bodies reach validation
     yield s
     s.stop()
 
@@ -37,13 +37,15 @@ def api_schema(fuzz_server):
 schema = schemathesis.pytest.from_fixture("api_schema")
 
 
-def steer(case, context: int) -> None:
+def steer(case, context: int, vocab: int) -> None:
     """In valid bodies: the served model's name, so that most reach the engine instead of a 404,
     and a small max_tokens that fits beside the prompt. The schema bounds a prompt of token ids
     and max_tokens each by the context, but their sum (also bounded) is beyond what JSON Schema
     can say. Output constraints and tools are taken out: whether a schema, regex or grammar
     compiles, or a tool_choice names one of the tools, is beyond JSON Schema too (their 400s are
-    tests/entrypoints/test_structured_api.py's). Invalid bodies are left as they are."""
+    tests/entrypoints/test_structured_api.py's). So are /detokenize's ids within the model's
+    vocabulary and top_logprobs only with logprobs: true (their 400s are test_api_surface.py's).
+    Invalid bodies are left as they are."""
     body = case.body
     if not isinstance(body, dict) or case.meta is None or case.meta.generation.mode.name != "POSITIVE":
         return
@@ -58,6 +60,11 @@ def steer(case, context: int) -> None:
         body["model"] = NAME
     for field in ("guided_json", "guided_regex", "guided_grammar", "response_format", "tools", "tool_choice"):
         body.pop(field, None)
+    if isinstance(body.get("tokens"), list):
+        body["tokens"] = [int(t) % vocab if isinstance(t, (int, float)) and not isinstance(t, bool) else t
+                          for t in body["tokens"]]  # integral floats (1e11) are JSON integers too
+    if body.get("top_logprobs") is not None and "messages" in body:
+        body["logprobs"] = True
 
 
 STATUSES: Counter = Counter()  # (valid|invalid body, status) -> answers
@@ -66,7 +73,7 @@ STATUSES: Counter = Counter()  # (valid|invalid body, status) -> answers
 @schema.parametrize()
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 def test_every_route_answers_within_its_schema(case, fuzz_server, engine):  # noqa: F811
-    steer(case, engine.max_context)
+    steer(case, engine.max_context, engine.prompts.vocab_size)
     kind = "valid" if case.meta is not None and case.meta.generation.mode.name == "POSITIVE" else "invalid"
     try:
         r = case.call_and_validate(headers={"Authorization": f"Bearer {KEYS[0]}"}, timeout=60)

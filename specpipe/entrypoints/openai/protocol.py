@@ -414,11 +414,16 @@ class ModelList(BaseModel):
 
 # -- vLLM's /tokenize and /detokenize -------------------------------------------------------------------
 class TokenizeRequest(OpenAIModel):
-    """A plain prompt, or chat messages rendered by the model's template (as vLLM's /tokenize)."""
+    """A plain prompt, or chat messages rendered by the model's template (as vLLM's /tokenize):
+    exactly one of the two, which the served schema says too (oneOf)."""
+
+    model_config = ConfigDict(extra="ignore", json_schema_extra={
+        "oneOf": [{"required": ["prompt"], "not": {"required": ["messages"]}},
+                  {"required": ["messages"], "not": {"required": ["prompt"]}}]})
 
     model: Optional[str] = Field(default=None, max_length=256)
-    prompt: Optional[str] = None
-    messages: Optional[list[ChatMessage]] = Field(default=None, min_length=1)
+    prompt: str = None  # type: ignore[assignment]  (not nullable in the schema: absent or a string)
+    messages: list[ChatMessage] = Field(default=None, min_length=1)  # type: ignore[assignment]
     add_special_tokens: Optional[StrictBool] = None  # default: True for a prompt, False for messages
     add_generation_prompt: StrictBool = True  # messages only
     return_token_strs: StrictBool = False
