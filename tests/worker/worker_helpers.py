@@ -34,7 +34,7 @@ def stages(tiny_llama_dir):
 def state(w: StageWorker):
     t = w.slots
     return copy.deepcopy((t.requests, t.cached, dict(t.readers), t.lost, t.clock, sorted(t.pool._free), t.idle,
-                          sorted(w.sampling), w.stats.steps)), w.kv.k.clone()
+                          sorted(w.sampling), w.stats.steps)), w.kv.k.clone().view(torch.uint8)  # bytes: torch.empty holds NaNs
 
 
 def assert_refused(w: StageWorker, error, source: str, control: Control, rows: list[Rows], match: str = ""):
