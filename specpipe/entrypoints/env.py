@@ -67,6 +67,11 @@ def collect(model: Optional[str] = None, device: str = "cpu") -> dict:
     if device.startswith("cuda") and not torch.cuda.is_available():
         problems.append({"problem": f"--device {device}, but torch cannot use a GPU ({torch_info['build']} build)",
                          "cost": "--device cuda fails", "do": "install a CUDA build of torch (pytorch.org)"})
+    elif cuda and not torch.cuda.is_available():
+        problems.append({"problem": f"torch is a CUDA {cuda} build, but this machine has no GPU it can use",
+                         "cost": "gigabytes of CUDA libraries on disk (and in every process's import) for nothing",
+                         "do": "pip uninstall torch && pip install torch --index-url "
+                               "https://download.pytorch.org/whl/cpu"})
     found, cache = _default_model()
     path = Path(model) if model else found
     weights = None
