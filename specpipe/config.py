@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen3", "qwen3_moe", "mixtral", "gemma3", "phi3", "glm4_moe",
-                           "minimax_m2", "deepseek_v2", "deepseek_v3")
+                           "minimax_m2", "deepseek_v2", "deepseek_v3", "gpt_oss")
 MODES = ("pp", "pp-cb", "tree", "specpipe", "specpipe-db")
 # Modes whose requests share a row budget per step, with chunked prefill (and, for specpipe-db,
 # tree widths that shrink as the pipeline fills); the others send exactly what their rule asks.
@@ -134,11 +134,18 @@ class MoEConfig:
     group_score: str = "top2_sum"  # a group's score: sum of its best two (V3, GLM) | max (V2)
     scaling_factor: float = 1.0  # routed_scaling_factor: the chosen weights times this
     shared_intermediate_size: int = 0  # an always-on shared expert of this width (0 = none)
+    # gpt-oss: scoring "topk_softmax" (the top_k logits chosen, then softmaxed among themselves),
+    # a bias on the router's logits, biases on every expert projection, and the clamped SwiGLU
+    # (model/moe.py clamped_swiglu) when swiglu_limit is set
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: Optional[float] = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts or self.intermediate_size <= 0:
             raise ConfigError(f"model config: bad mixture of experts {self}")
-        if self.scoring not in ("softmax", "sigmoid") or self.group_score not in ("top2_sum", "max"):
+        if self.scoring not in ("softmax", "sigmoid", "topk_softmax") or self.group_score not in ("top2_sum", "max"):
             raise ConfigError(f"model config: unknown expert scoring {self.scoring!r} / group score {self.group_score!r}")
         groups, per_group = self.num_groups, self.num_experts // max(self.num_groups, 1)
         if (groups < 1 or self.num_experts % groups or not 1 <= self.top_groups <= groups
@@ -166,6 +173,8 @@ class ModelConfig:
     max_position: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has biases on q/k/v
+    o_proj_bias: bool = False  # gpt-oss: on the output projection too
+    attention_sinks: bool = False  # gpt-oss: a learned logit per query head in each softmax's denominator
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # Where the families differ (defaults: Llama). Each is one named place in model/llama.py.
