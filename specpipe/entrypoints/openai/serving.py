@@ -19,6 +19,7 @@ from specpipe.engine.engine import Engine
 from specpipe.engine.prompts import PromptError
 from specpipe.entrypoints.openai import protocol as p
 from specpipe.entrypoints.openai.structured import BadConstraint, constraint_of, param_of
+from specpipe.entrypoints.openai.tool_formats import OPENERS as FAMILY_OPENERS
 from specpipe.entrypoints.openai.tools import FENCE, TOOL_TAG, check_tools, forced_constraint, parse_tool_calls, tools_prompt
 from specpipe.grammar import GrammarSpecError, StructuredOutput
 from specpipe.sampling import SamplingParams
@@ -383,7 +384,7 @@ def _free_text_end(text: str, fenced: bool = False) -> int:
     """How much of an answer so far is surely content, not (the start of) a tool call.
     `fenced`: a ``` fence may open a call (tools.py), so text from one is held to the end."""
     body = text.lstrip()
-    openers = (TOOL_TAG, FENCE) if fenced else (TOOL_TAG,)
+    openers = (TOOL_TAG, *FAMILY_OPENERS, FENCE) if fenced else (TOOL_TAG, *FAMILY_OPENERS)
     if not body or body[0] in "{[" or any(o.startswith(body) for o in openers):
         return 0  # undecided, or Llama 3 style JSON calls: hold it all
     cuts = [i for i in (text.find(o) for o in openers) if i >= 0]

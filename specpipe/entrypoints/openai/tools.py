@@ -2,7 +2,8 @@
 output, the prompt for templates that cannot render tools, and parsing the calls a model wrote.
 
 Calls are read in the formats of the families we ship: Qwen2.5's `<tool_call>{"name": ...,
-"arguments": {...}}</tool_call>` blocks (Hermes style), and Llama 3.x's bare JSON
+"arguments": {...}}</tool_call>` blocks (Hermes style), DeepSeek's, GLM-4.5's and MiniMax-M2's
+own formats (tool_formats.py), and Llama 3.x's bare JSON
 `{"name": ..., "parameters": {...}}` (one object, or several separated by ';' or in a list).
 Small models often write the call as Markdown instead (Qwen2.5-Coder-1.5B does): a fenced block
 ```` ```json {"name": ..., "arguments": {...}} ``` ```` whose JSON names an offered function is a
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from specpipe.entrypoints.openai.structured import BadConstraint
+from specpipe.entrypoints.openai.tool_formats import parse_family_calls
 from specpipe.grammar import GrammarSpecError, StructuredOutput
 
 TOOL_TAG = "<tool_call>"  # Qwen2.5's (Hermes-style) call opener
@@ -114,7 +116,11 @@ def _call_of(obj: Any, funcs: dict[str, dict]) -> Optional[ToolCall]:
 
 def parse_tool_calls(text: str, funcs: dict[str, dict], fenced: bool = True) -> tuple[str, list[ToolCall]]:
     """(content left, calls) from a model's answer; no calls when none parses as a call of a
-    given function (then the whole text is content). `fenced`: read ```json fenced calls too."""
+    given function (then the whole text is content). `fenced`: read ```json fenced calls too.
+    The DeepSeek, GLM and MiniMax formats are read first (tool_formats.py)."""
+    family = parse_family_calls(text, funcs)
+    if family is not None:
+        return family[0], [ToolCall(name, json.dumps(args, ensure_ascii=False)) for name, args in family[1]]
     if "<tool_call>" in text:
         calls = []
         for m in _TAGGED.finditer(text):
