@@ -248,6 +248,8 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: Optional[StrictBool] = None  # accepted; a model may write several calls either way
     logprobs: Optional[StrictBool] = None  # each output token's log-probability in choices[].logprobs.content
     top_logprobs: Optional[Logprobs] = None  # and the top k at its position (needs logprobs: true)
+    # vLLM's: extra variables for the chat template, e.g. {"enable_thinking": false} (Qwen3)
+    chat_template_kwargs: Optional[dict[str, Any]] = None
 
     def logprobs_asked(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -364,6 +366,7 @@ class CompletionResponse(Response):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str]
+    reasoning_content: Optional[str] = None  # <think>…</think> (reasoning.py), as vLLM returns it
     tool_calls: Optional[list[dict]] = None
 
 
@@ -380,6 +383,7 @@ class ChatCompletionResponse(Response):
 class DeltaMessage(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
     tool_calls: Optional[list[dict]] = None
 
 
