@@ -46,11 +46,14 @@ class PromptProcessor:
             return self.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
 
-    def encode_chat(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
-        """`tools`: OpenAI tool definitions, for a template that renders them (Qwen2.5's)."""
+    def encode_chat(self, messages: list[dict], tools: Optional[list[dict]] = None,
+                    template_kwargs: Optional[dict] = None) -> list[int]:
+        """`tools`: OpenAI tool definitions, for a template that renders them (Qwen2.5's).
+        `template_kwargs`: more variables for the template (vLLM's chat_template_kwargs)."""
         if not self.tokenizer.has_chat_template:
             raise ConfigError("this model has no chat template; pass plain prompts instead")
-        text = self.tokenizer.apply_chat_template(messages, **({"tools": tools} if tools else {}))
+        text = self.tokenizer.apply_chat_template(messages, **{**(template_kwargs or {}),
+                                                               **({"tools": tools} if tools else {})})
         # The template already holds the special tokens (BOS included where the model has one).
         return self.tokenizer.encode(text, add_special_tokens=False)
 
