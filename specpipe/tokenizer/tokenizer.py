@@ -346,6 +346,12 @@ class Tokenizer:
         return self._chat_template is not None
 
     @property
+    def reasons(self) -> bool:
+        """The chat template is a reasoning model's: it writes or strips `</think>` (Qwen3,
+        DeepSeek-R1, GLM-4.5, MiniMax-M2), so answers may open with <think>…</think>."""
+        return "</think>" in (self._chat_template or "")
+
+    @property
     def renders_tools(self) -> bool:
         """The chat template renders OpenAI tool definitions passed as `tools` (Qwen2.5's does)."""
         return "tools" in (self._chat_template or "")
