@@ -101,7 +101,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests in the pipeline at once (default 1: one after another, for latency)")
     p.add_argument("--oracle", action="store_true", help="step counts against oracle stages (no wall clock)")
     p.add_argument("--max-step-rows", type=int, default=64, help="row budget per step of pp-cb/specpipe-db")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     p.add_argument("--transport", default="auto", help="inproc | processes (default: processes when S > 1)")
     p.add_argument("--stage-threads", type=int, default=0, help="CPU threads per stage process (default: cores / S)")
     p.add_argument("--cluster", default="local", choices=["local", "ray"],
@@ -114,9 +114,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the stages' measured times)")
     p.add_argument("--cost-profile", default=None,
                    help="what runs with layers=auto plan with (a profile file or shipped name; default: rows nearly free)")
-    p.add_argument("--result-json", default=None)
-    p.add_argument("--result-md", default=None)
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--result-json", default=None, help="write every run's figures (JSON) here")
+    p.add_argument("--result-md", default=None, help="write the Markdown tables here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 @dataclass

@@ -46,12 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true",
                    help="decode up to --max-tokens whatever the model says (benchmarks; as the server's ignore_eos)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the smallest set of tokens whose probability reaches P (default 1.0 = off)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--seed", type=int, default=None, help="reproduce a sampled completion")
     g.add_argument("--chat", dest="chat", action="store_true", default=None,
                    help="wrap the prompt in the model's chat template (default when it has one)")
-    g.add_argument("--no-chat", dest="chat", action="store_false")
+    g.add_argument("--no-chat", dest="chat", action="store_false", help="send the prompt as it is, without the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object with tokens and stats as the last line")
     so = g.add_argument_group("structured output (the output must match one of these)").add_mutually_exclusive_group()
     so.add_argument("--json-schema", metavar="SCHEMA", help="a JSON schema: its JSON text, or @FILE")
