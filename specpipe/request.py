@@ -65,6 +65,7 @@ class RequestText:
         self.text = ""
         self.seen = 0  # output ids fed so far
         self.kept: Optional[int] = None
+        self.stop_string: Optional[str] = None  # the stop string that ended it (Anthropic's stop_sequence)
         self._streamed = 0  # characters of `text` already returned by feed
 
     def feed(self, new_ids: list[int], reason: Optional[str] = None) -> str:
@@ -92,9 +93,10 @@ class RequestText:
             return False
         # Only the tail can hold a new match: the new piece plus a stop string's length.
         start = max(0, before - max(map(len, self.stops)) + 1)
-        cut = min((i for i in (self.text.find(s, start) for s in self.stops) if i >= 0), default=-1)
-        if cut < 0:
+        hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stops) if i >= 0]
+        if not hits:
             return False
+        cut, self.stop_string = min(hits)
         self.text = self.text[:cut]
         return True
 
