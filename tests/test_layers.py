@@ -1,4 +1,4 @@
-"""The rooms import downwards only (README, "How it is built"): read from the code's own imports,
+"""The rooms import downwards only (docs/architecture.md): read from the code's own imports,
 lazy ones inside functions included."""
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from typing import Optional
 from specpipe.config import ConfigError
 
 HOW_TO_START = ("start one with `ray start --head` on this machine (and `ray start --address HEAD:6379` on "
-                "the others), or pass --ray-address; see the README's \"Several machines\"")
+                "the others), or pass --ray-address; see docs/cluster.md")
 
 
 def connect(address: str = "auto") -> None:

@@ -14,7 +14,7 @@ offers no CPU. Every node has its own cache and ignores the driver's model path
     The host that left is never in the new plan.
 
 Cost: about 0.5 GB and a few seconds of CPU per Ray node; the module takes some minutes on two
-cores (see the README's "Several machines" and docs/benchmarks.md §6).
+cores (see docs/cluster.md and docs/benchmarks.md §6).
 """
 
 from __future__ import annotations

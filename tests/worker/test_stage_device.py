@@ -10,7 +10,7 @@ def test_local_spawn_uses_rank_minus_one():
 
 
 def test_torchrun_uses_local_rank():
-    # README's two machines: driver (LOCAL_RANK 0) and stage 1 (LOCAL_RANK 1) on the first, stage 2
+    # docs/cluster.md's torchrun example: driver (LOCAL_RANK 0) and stage 1 (LOCAL_RANK 1) on the first, stage 2
     # alone on the second with LOCAL_RANK 0: it must take that machine's GPU 0, not -1.
     assert cuda_index(1, 2, "1") == 1
     assert cuda_index(2, 1, "0") == 0

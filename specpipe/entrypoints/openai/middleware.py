@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-DEFAULT_MAX_BODY_BYTES = 1 << 20  # see README (Serving): a full context of text is far smaller
+DEFAULT_MAX_BODY_BYTES = 1 << 20  # see docs/serving.md (Limits): a full context of text is far smaller
 # A refused body is still read (and dropped) up to this much before the 413 goes out: a client
 # still sending when the server closes gets a reset, not the 413. Beyond it, answer and close.
 DRAIN_MAX_BYTES = 64 << 20
