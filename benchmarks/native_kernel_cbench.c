@@ -8,7 +8,8 @@
  *   valgrind --tool=callgrind --callgrind-out-file=/tmp/cg.out /tmp/native_cbench 12 8 1536 8960 1 1
  *   callgrind_annotate --inclusive=yes /tmp/cg.out | grep sp_matmul
  *
- * TYPE is the ggml type id (2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 12 Q4_K, 13 Q5_K, 14 Q6_K);
+ * TYPE is the ggml type id (2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 10 Q2_K, 11 Q3_K, 12 Q4_K, 13 Q5_K,
+ * 14 Q6_K);
  * ISA 0 portable, 1 avx2, 2 avx512vnni, 3 neon (default: the best).  Weights are random bytes
  * with small finite f16 scales. */
 #include <stdint.h>
@@ -45,6 +46,8 @@ int main(int argc, char **argv) {
   case 6: bs = 32, bb = 22; break;
   case 7: bs = 32, bb = 24; break;
   case 8: bs = 32, bb = 34; break;
+  case 10: bs = 256, bb = 84; break;
+  case 11: bs = 256, bb = 110; break;
   case 12: bs = 256, bb = 144; break;
   case 13: bs = 256, bb = 176; break;
   case 14: bs = 256, bb = 210; break;
@@ -56,9 +59,10 @@ int main(int argc, char **argv) {
   for (long i = 0; i < n * rb; i++) w[i] = (uint8_t)rnd();
   for (long r = 0; r < n; r++) /* f16 scales (and mins) with a small exponent */
     for (long b = 0; b < k / bs; b++) {
-      uint8_t *p = w + r * rb + b * bb + (type == 14 ? 208 : 0);
+      /* the block's f16 d (and dmin) come last in Q2_K, Q3_K and Q6_K */
+      uint8_t *p = w + r * rb + b * bb + (type == 14 ? 208 : type == 10 ? 80 : type == 11 ? 108 : 0);
       p[1] = 0x1c;
-      if (type == 3 || type == 7 || type == 12 || type == 13) p[3] = 0x1c;
+      if (type == 3 || type == 7 || type == 10 || type == 12 || type == 13) p[3] = 0x1c;
     }
   for (long i = 0; i < t * k; i++) x[i] = (float)((int)(rnd() % 2001) - 1000) / 1000.f;
   double best = 1e30;

@@ -92,6 +92,37 @@ SP_INLINE void put8_iq1(uint8_t *q, uint64_t grid, int delta) {
   memcpy(q, &v, 8);
 }
 
+/* 32 bytes of 2-bit values ("crumbs", value l + 32 k at bits 2k of byte l) -> 128 bytes q, on
+ * 32-byte vectors (the compiler leaves the byte loop nearly scalar).  Without hm: q = the crumb
+ * (Q2_K).  With hm (Q3_K): q = SP_LB_BIAS - 4 + crumb + 4 * (bit hbit0 + k of hm[l]). */
+typedef uint8_t v32u8 __attribute__((vector_size(32)));
+SP_INLINE void unpack_crumbs32(const uint8_t *qs, uint8_t *q, const uint8_t *hm, int hbit0) {
+  v32u8 v, m = {0};
+  memcpy(&v, qs, 32);
+  if (hm) memcpy(&m, hm, 32);
+  for (int k = 0; k < 4; k++) {
+    v32u8 o = (v >> (2 * k)) & 3;
+    if (hm) o += (((m >> (hbit0 + k)) & 1) << 2) + (uint8_t)(SP_LB_BIAS - 4);
+    memcpy(q + 32 * k, &o, 32);
+  }
+}
+
+/* Q3_K's 16 six-bit scales minus 32, SWAR on 64-bit words: the low 4 bits of scale j are the low
+ * (j < 8) or high nibble of s[j % 8], its high 2 bits bits 2 (j / 4) of s[8 + j % 4].  Each byte
+ * x (0..63) becomes x - 32 as ((x | 0x80) - 0x20) ^ 0x80: no borrow crosses a byte. */
+SP_INLINE void q3_k_scales(const uint8_t *s, int8_t *sc) {
+  const uint64_t nib = 0x0f0f0f0f0f0f0f0full, h80 = 0x8080808080808080ull, h20 = 0x2020202020202020ull;
+  const uint64_t lo = load_u64(s);
+  const uint32_t hw = load_u32(s + 8), two = 0x03030303u;
+  const uint64_t hi0 = (hw & two) | (uint64_t)((hw >> 2) & two) << 32;
+  const uint64_t hi1 = ((hw >> 4) & two) | (uint64_t)((hw >> 6) & two) << 32;
+  const uint64_t x[2] = {(lo & nib) | hi0 << 4, ((lo >> 4) & nib) | hi1 << 4};
+  for (int i = 0; i < 2; i++) {
+    const uint64_t v = ((x[i] | h80) - h20) ^ h80;
+    memcpy(sc + 8 * i, &v, 8);
+  }
+}
+
 /* 256-value low-bit block b into row r of the tile; returns 1 when q holds magnitudes whose
  * signs (one byte per 8 values) are in signs[32], for apply_signs (the IQ2 / IQ3 types). */
 SP_INLINE int unpack_lowbit(int type, const uint8_t *b, wtile *w, int r, uint8_t *restrict sg) {
@@ -102,28 +133,21 @@ SP_INLINE int unpack_lowbit(int type, const uint8_t *b, wtile *w, int r, uint8_t
     const uint8_t *s = SP_FIELD(b, sp_block_q2_k, scales), *qs = SP_FIELD(b, sp_block_q2_k, qs);
     w->d[0][r] = f16_to_f32(SP_FIELD(b, sp_block_q2_k, d));
     w->d[1][r] = f16_to_f32(SP_FIELD(b, sp_block_q2_k, dmin));
-    for (int j = 0; j < 16; j++) {
-      sc[j] = (int8_t)(s[j] & 15);
-      w->mn16[r][j] = s[j] >> 4;
-    }
-    for (int h = 0; h < 2; h++)
-      for (int k = 0; k < 4; k++)
-        for (int l = 0; l < 32; l++) q[128 * h + 32 * k + l] = (qs[32 * h + l] >> (2 * k)) & 3;
+    v16u8 sv;
+    memcpy(&sv, s, 16);
+    const v16u8 lo = sv & 15, hi = sv >> 4;
+    memcpy(sc, &lo, 16);
+    memcpy(w->mn16[r], &hi, 16);
+    for (int h = 0; h < 2; h++) unpack_crumbs32(qs + 32 * h, q + 128 * h, 0, 0);
     return 0;
   }
   case SP_Q3_K: {
     const uint8_t *s = SP_FIELD(b, sp_block_q3_k, scales), *qs = SP_FIELD(b, sp_block_q3_k, qs);
     const uint8_t *hm = SP_FIELD(b, sp_block_q3_k, hmask);
     w->d[0][r] = f16_to_f32(SP_FIELD(b, sp_block_q3_k, d));
-    for (int j = 0; j < 16; j++) {
-      const int lo = j < 8 ? s[j] & 15 : s[j - 8] >> 4, hi = (s[8 + j % 4] >> (2 * (j / 4))) & 3;
-      sc[j] = (int8_t)((lo | hi << 4) - 32);
-    }
-    for (int h = 0; h < 2; h++)
-      for (int k = 0; k < 4; k++)
-        for (int l = 0; l < 32; l++) /* q3 = low 2 bits - 4 where the hmask bit is clear */
-          q[128 * h + 32 * k + l] = (uint8_t)(SP_LB_BIAS - 4 + ((qs[32 * h + l] >> (2 * k)) & 3) +
-                                              4 * ((hm[l] >> (4 * h + k)) & 1));
+    q3_k_scales(s, sc);
+    /* q3 = low 2 bits - 4 where the hmask bit is clear: q = SP_LB_BIAS - 4 + crumb + 4 hbit */
+    for (int h = 0; h < 2; h++) unpack_crumbs32(qs + 32 * h, q + 128 * h, hm, 4 * h);
     return 0;
   }
   case SP_IQ2_XXS: case SP_IQ3_XXS: {
@@ -230,14 +254,32 @@ SP_INLINE int unpack_lowbit(int type, const uint8_t *b, wtile *w, int r, uint8_t
   }
 }
 
-/* Q2_K's mins: out[r] = sum_j mn16[r][j] * xsum16[j] (exact; the same integers on every path) */
-SP_INLINE void offsets_mn16(const wtile *w, const int32_t *s16, int32_t *out) {
+/* Q2_K's mins: out[r] = sum_j mn16[r][j] * xsum16[j] (exact: the same integers on every path).
+ * AVX2: |xsum16| <= 16 * 128 fits int16, so madd takes 16 products a row at once, and three
+ * rounds of hadd sum each row's 8 lanes with the other rows' beside them. */
+SP_INLINE void offsets_mn16_portable(const wtile *w, const int32_t *s16, int32_t *out) {
   for (int r = 0; r < SP_NR; r++) {
     int32_t s = 0;
     for (int j = 0; j < 16; j++) s += w->mn16[r][j] * s16[j];
     out[r] = s;
   }
 }
+#define offsets_mn16_neon offsets_mn16_portable
+#ifdef SP_X86
+SP_INLINE __attribute__((target("avx2,fma"))) void offsets_mn16_avx2(const wtile *w, const int32_t *s16, int32_t *out) {
+  const __m256i packed = _mm256_packs_epi32(_mm256_loadu_si256((const __m256i *)s16),
+                                            _mm256_loadu_si256((const __m256i *)(s16 + 8)));
+  const __m256i x = _mm256_permute4x64_epi64(packed, 0xd8); /* packs interleaves the halves */
+  __m256i p[SP_NR];
+  for (int r = 0; r < SP_NR; r++)
+    p[r] = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)w->mn16[r])), x);
+  const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+  const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+  const __m256i sum = _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+  _mm256_storeu_si256((__m256i *)out, sum);
+}
+#define offsets_mn16_vnni offsets_mn16_avx2
+#endif
 
 /* E8M0 halved (MXFP4's values are doubled): 2^(e - 128); e < 2 is a subnormal */
 SP_INLINE float e8m0_half(uint8_t e) {

@@ -55,7 +55,7 @@ SP_INLINE SP_ATTR void SP_K(tiles)(const job *jb, int64_t n0, int64_t n1, const 
             fold_off(&wt, &xg, sumi, offs, biased ? SP_LB_BIAS : 32, acc[i]);
           } else if (type == SP_Q2_K) {
             SP_K(dot_sc)(&wt, xg.q, 16, sumi);
-            offsets_mn16(&wt, xg.s16, offs);
+            SP_K(offsets_mn16)(&wt, xg.s16, offs);
             fold_k4(&wt, &xg, sumi, offs, acc[i]);
           } else if (is_k) {
             SP_K(dot_sc)(&wt, xg.q, 32, sumi);
