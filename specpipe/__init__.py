@@ -5,6 +5,12 @@
 
 __version__ = "0.1.0"
 
+from specpipe import cpus as _cpus
+
+# Before anything imports torch (whose OpenMP runtime reads it once, at load): idle OpenMP threads
+# sleep instead of spinning on cores other processes need (specpipe/cpus.py).
+_cpus.set_openmp_wait_policy()
+
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
 
 
