@@ -18,6 +18,7 @@ from specpipe.engine.async_engine import AdmitFailed, AsyncEngine, Delta, Engine
 from specpipe.engine.engine import Engine
 from specpipe.engine.prompts import PromptError
 from specpipe.entrypoints.openai import protocol as p
+from specpipe.entrypoints.openai.reasoning import ReasoningSplitter, prompt_opens_thinking
 from specpipe.entrypoints.openai.structured import BadConstraint, constraint_of, param_of
 from specpipe.entrypoints.openai.tool_formats import OPENERS as FAMILY_OPENERS
 from specpipe.entrypoints.openai.tools import FENCE, TOOL_TAG, check_tools, forced_constraint, parse_tool_calls, tools_prompt
@@ -137,8 +138,11 @@ class OpenAIServing:
         if tools and not self.engine.tokenizer.renders_tools:
             conversation = [{"role": "system", "content": tools_prompt(tools)}, *conversation]  # template cannot
             tools = None
+        kwargs = body.chat_template_kwargs or {}
+        if "messages" in kwargs:
+            raise ApiError(400, "chat_template_kwargs may not set messages", param="chat_template_kwargs")
         try:
-            ids = await self._off_loop(lambda: self.engine.prompts.encode_chat(conversation, tools=tools))
+            ids = await self._off_loop(lambda: self.engine.prompts.encode_chat(conversation, tools, kwargs))
         except (ConfigError, TokenizerError) as e:  # no template, or the template refused these messages
             raise ApiError(400, str(e), param="messages") from None
         # Without a limit a chat answer may use the rest of the context.
@@ -146,7 +150,16 @@ class OpenAIServing:
         stream = await self._add(ids, body, max_tokens, client, structured)
         stream.tool_funcs = funcs if choice != "none" else None  # answers are read for calls (tools.py)
         stream.fenced_calls = self.fenced_tool_calls
+        stream.reasoning = self._reasoning(ids)
         return stream
+
+    def _reasoning(self, prompt_ids: list[int]) -> Optional[ReasoningSplitter]:
+        """A reasoning model's answer is read for <think>…</think> (reasoning.py); its prompt
+        may have opened the <think> already (DeepSeek-R1's template does)."""
+        tok = self.engine.tokenizer
+        if not tok.reasons:
+            return None
+        return ReasoningSplitter(prompt_opens_thinking(tok.decode(prompt_ids[-8:], skip_special_tokens=False)))
 
     async def _constraint(self, body: p.SamplingFields,
                           forced: Optional[StructuredOutput] = None) -> Optional[StructuredOutput]:
@@ -221,8 +234,10 @@ class OpenAIServing:
 
     async def chat(self, stream: RequestStream) -> p.ChatCompletionResponse:
         s = await _drain(stream)
-        content, calls = _answer(s)
-        message = p.AssistantMessage(content=content, tool_calls=[c.as_openai() for c in calls] or None)
+        reasoning, text = _split_reasoning(s)
+        content, calls = _answer(s, text)
+        message = p.AssistantMessage(content=content, reasoning_content=reasoning,
+                                     tool_calls=[c.as_openai() for c in calls] or None)
         lps = Logprobs(self.engine.tokenizer, s)
         return p.ChatCompletionResponse(
             id=p.new_id("chatcmpl"), model=s.model, usage=_usage(s),
@@ -247,8 +262,7 @@ class OpenAIServing:
 
         def chunk(d: Optional[Delta], usage: Optional[p.UsageInfo] = None) -> p.ChatCompletionChunk:
             choices = [] if d is None else [p.ChatChunkChoice(
-                delta=p.DeltaMessage(content=d.text if d.text or d.finish_reason is None else None),
-                finish_reason=d.finish_reason, logprobs=lps.chat(len(stream.token_ids)))]
+                delta=_delta(stream, d), finish_reason=d.finish_reason, logprobs=lps.chat(len(stream.token_ids)))]
             return p.ChatCompletionChunk(id=rid, model=stream.model, choices=choices, usage=usage)
 
         # OpenAI opens a chat stream with the assistant's role and empty content.
@@ -300,17 +314,25 @@ async def _tool_events(stream: RequestStream, include_usage: bool, rid: str, mod
     try:
         yield _sse(first.model_dump_json())
         sent = 0  # characters of the answer already sent as content
+        answer, splitter = "", getattr(stream, "reasoning", None)  # the answer less its reasoning
         async for d in stream:
             if d.finish_reason in ("error", "abort"):
                 yield _sse(_failure(stream).body.model_dump_json())
                 yield _sse("[DONE]")
                 return
-            safe = _free_text_end(stream.text, stream.fenced_calls)
+            if splitter is not None:
+                reasoning, text = splitter.feed(d.text, final=d.finish_reason is not None)
+                answer += text
+                if reasoning:
+                    yield chunk(p.DeltaMessage(reasoning_content=reasoning))
+            else:
+                answer = stream.text
+            safe = _free_text_end(answer, stream.fenced_calls)
             if safe > sent:
-                yield chunk(p.DeltaMessage(content=stream.text[sent:safe]))
+                yield chunk(p.DeltaMessage(content=answer[sent:safe]))
                 sent = safe
-        _, calls = _answer(stream)
-        rest = "" if calls else stream.text[sent:]  # with calls, all before the first was sent above
+        _, calls = _answer(stream, answer)
+        rest = "" if calls else answer[sent:]  # with calls, all before the first was sent above
         if rest:
             yield chunk(p.DeltaMessage(content=rest))
         for i, call in enumerate(calls):
@@ -399,12 +421,30 @@ def _opener_tail(text: str, opener: str) -> int:
     return next((k for k in range(min(len(opener) - 1, len(text)), 0, -1) if opener.startswith(text[-k:])), 0)
 
 
-def _answer(stream: RequestStream) -> tuple[Optional[str], list]:
-    """(content, tool calls) of a finished chat answer."""
+def _split_reasoning(stream: RequestStream) -> tuple[Optional[str], str]:
+    """(reasoning or None, the rest) of a finished chat answer (reasoning.py)."""
+    splitter = getattr(stream, "reasoning", None)
+    if splitter is None:
+        return None, stream.text
+    _, text = splitter.feed(stream.text, final=True)
+    return splitter.reasoning_text, text
+
+
+def _delta(stream: RequestStream, d: Delta) -> p.DeltaMessage:
+    """A streamed piece of a chat answer without tools: content, or reasoning (reasoning.py)."""
+    splitter = getattr(stream, "reasoning", None)
+    if splitter is None:
+        return p.DeltaMessage(content=d.text if d.text or d.finish_reason is None else None)
+    reasoning, text = splitter.feed(d.text, final=d.finish_reason is not None)
+    return p.DeltaMessage(content=text or None, reasoning_content=reasoning or None)
+
+
+def _answer(stream: RequestStream, text: str) -> tuple[Optional[str], list]:
+    """(content, tool calls) of a finished chat answer's `text` (its reasoning left out)."""
     funcs = getattr(stream, "tool_funcs", None)
     if not funcs:
-        return stream.text, []
-    content, calls = parse_tool_calls(stream.text, funcs, getattr(stream, "fenced_calls", True))
+        return text, []
+    content, calls = parse_tool_calls(text, funcs, getattr(stream, "fenced_calls", True))
     return (content or None) if calls else content, calls
 
 
