@@ -87,12 +87,20 @@ class LocalStages:
     environment (both readable by others: ps, /proc/PID/environ)."""
 
     def __init__(self, module: str, argv_for_rank: Callable[[int], list[str]], num_stages: int,
-                 key: bytes) -> None:
+                 key: bytes, cores: Optional[list[list[int]]] = None) -> None:
+        """`cores`: the CPUs of each stage (rank r gets cores[r - 1]), set on the new process at
+        once, while it is still starting Python: its threads, and OpenMP's count of the CPUs
+        it may use, come later and follow it."""
         self.procs: dict[int, subprocess.Popen] = {}
         try:
             for r in range(1, num_stages + 1):
                 p = subprocess.Popen([sys.executable, "-m", module, *argv_for_rank(r)], stdin=subprocess.PIPE)
                 self.procs[r] = p
+                if cores:
+                    try:
+                        os.sched_setaffinity(p.pid, cores[r - 1])
+                    except (AttributeError, OSError):
+                        pass  # it runs unpinned (or died at once: exits() says so)
                 try:
                     p.stdin.write(key.hex().encode())
                     p.stdin.close()

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
+from specpipe import cpus
 from specpipe.config import EngineConfig, LinkOptions, StageSpec
 from specpipe.distributed.ranks import LocalStages, RankEnv, load_cluster_key, stage_failure, wait_ready
 from specpipe.distributed.remote_pipeline import PipelineError, RemotePipeline
@@ -64,6 +65,20 @@ def in_process(ckpt: Checkpoint, specs: list[StageSpec], num_blocks: int, block_
                                       window_blocks=window_blocks) for s in specs])
 
 
+def local_stage_cpus(num_stages: int, threads: int = 0, device: str = "cpu") -> tuple[Optional[list[list[int]]], int]:
+    """(each local stage's CPUs, or None where they share unpinned; threads per stage). The
+    stages share out the CPUs this process may use (cpus.py: its affinity mask and cgroup quota),
+    disjoint where each can have one, a core kept for the driver's draft thread where one is
+    left over; `threads` (--stage-threads, 0: as many as its cores) per stage. A GPU's stages are
+    not pinned: their CPU threads mostly wait for the device."""
+    b = cpus.budget()
+    cores = cpus.stage_cores(num_stages, b.cpus[:b.threads] if b.cpus else None, threads) \
+        if device == "cpu" else None
+    if not threads:
+        threads = len(cores[0]) if cores else max(1, b.threads // num_stages)
+    return cores, threads
+
+
 def local_processes(model_path: Path, specs: list[StageSpec], num_blocks: int, block_size: int, device: str,
                     dtype: torch.dtype, link: LinkOptions, load_timeout_s: float = 600.0,
                     progress: Progress = None, threads: int = 0,
@@ -78,12 +93,12 @@ def local_processes(model_path: Path, specs: list[StageSpec], num_blocks: int, b
     key = key or secrets.token_bytes(32)
     t = Transport(0, S + 1, "127.0.0.1", 0, link, device, key=key, use_nccl=use_nccl)
     port = t.store.port
-    threads = threads or max(1, (os.cpu_count() or 1) // S)  # the stages share this machine's cores
+    cores, threads = local_stage_cpus(S, threads, device)
     stages = LocalStages(
         "specpipe.worker.stage_main",
         lambda r: stage_argv(r, S + 1, "127.0.0.1", port, str(model_path), specs[r - 1], num_blocks, block_size,
                              device, dtype, link, threads, quantization, window_blocks),
-        S, key)
+        S, key, cores)
     try:
         ready = wait_ready(t.store, S, stages.exits, load_timeout_s, progress)
         t.init_groups(abort=lambda: stage_failure(t.store, S, stages.exits))
