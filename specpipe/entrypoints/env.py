@@ -3,7 +3,8 @@
 Printed: SpecPipe's version, Python, torch (its version, CPU or CUDA build, its threads), the
 native library (path, built, loads with the right ABI and block layouts, the ISA path, OpenMP),
 the kernel each weight type of the model runs on (the default model unless --model), where the
-default model is, Ray's version. `--json` prints the same as one object.
+default model is, the default threads and two local stages' cores and why (specpipe/cpus.py),
+the OpenMP wait policy, Ray's version. `--json` prints the same as one object.
 """
 
 from __future__ import annotations
@@ -96,12 +97,26 @@ def collect(model: Optional[str] = None, device: str = "cpu") -> dict:
         "kernels": {"model": str(path) if path is not None else None, "device": device, "weights": weights},
         "default_model": {"path": str(found) if found is not None else None, "cache": cache},
         "ray": _version("ray"),
+        "threads": _threads(),
         "problems": problems,
     }
 
 
+def _threads() -> dict:
+    """The threads a process gets by default, the cores two local stages would get, and why
+    (specpipe/cpus.py)."""
+    from specpipe import cpus
+    from specpipe.engine.start_pipeline import local_stage_cpus
+
+    b = cpus.budget()
+    cores, per_stage = local_stage_cpus(2)
+    return {"default": b.threads, "why": b.why, "affinity": b.cpus, "cgroup_quota": b.quota,
+            "two_local_stages": {"cores": cores, "threads_each": per_stage},
+            "openmp_wait_policy": cpus.wait_policy_note()}
+
+
 def format_text(info: dict) -> str:
-    t, lib, k = info["torch"], info["native_library"], info["kernels"]
+    t, lib, k, th = info["torch"], info["native_library"], info["kernels"], info["threads"]
     if lib["loaded"]:
         native_line = (f"{lib['path']} (loaded, ABI {lib['abi_version']}; ISA {lib['isa']} of "
                        f"{', '.join(lib['isas_supported'])}; OpenMP {'yes' if lib['openmp'] else 'no'})")
@@ -116,6 +131,10 @@ def format_text(info: dict) -> str:
         f"native library  {native_line}",
         f"kernels ({k['device']})   {weights}" + (f"  [{k['model']}]" if k["model"] else ""),
         f"default model   {info['default_model']['path'] or 'not here (fetched to ' + info['default_model']['cache'] + ')'}",
+        f"threads         {th['default']} by default ({th['why']}); two local stages: "
+        + (f"cores {th['two_local_stages']['cores']}, {th['two_local_stages']['threads_each']} threads each"
+           if th["two_local_stages"]["cores"] else f"unpinned, {th['two_local_stages']['threads_each']} threads each"),
+        f"OpenMP waits    {th['openmp_wait_policy']}",
         f"ray             {info['ray'] or 'not installed (only --cluster ray needs it: pip install ray)'}",
     ]
     for p in info["problems"]:
