@@ -37,6 +37,7 @@ import uuid
 from pathlib import Path
 from typing import Iterator, Optional
 
+from specpipe.cache import cache_dir
 from specpipe.loader.checkpoint import StageBytes
 
 __all__ = ["StageBytes", "WeightCacheError", "cache_dir", "stage_digest", "iter_chunks", "chunk_spans",
@@ -50,14 +51,6 @@ JOURNAL, LOCK = ".chunks", ".lock"  # in a part directory: the chunks written, t
 
 class WeightCacheError(RuntimeError):
     """Stage bytes that cannot be hashed, streamed or cached; the message is meant for the user."""
-
-
-def cache_dir() -> Path:
-    """$SPECPIPE_CACHE_DIR, else $XDG_CACHE_HOME/specpipe, else ~/.cache/specpipe."""
-    if os.environ.get("SPECPIPE_CACHE_DIR"):
-        return Path(os.environ["SPECPIPE_CACHE_DIR"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "specpipe"
 
 
 def _check_layout(sb: StageBytes) -> None:

@@ -22,15 +22,34 @@ draft-ahead never puts a token the grammar forbids into the tree.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
+from specpipe.engine.observer import StepObserver
 from specpipe.spec_decode.async_draft import AsyncDraft, Ticket
 
 if TYPE_CHECKING:
-    from specpipe.engine.core import EngineCore
     from specpipe.engine.modes.base import ModeState
 
 ASYNC = "async"  # the observer's phase name for a forward started off the critical path
+
+
+class DraftingCore(Protocol):
+    """What this module needs from the engine core (engine/core.py EngineCore provides it), so
+    the core imports this module and not the other way round."""
+
+    observer: StepObserver
+
+    def alive(self, st: "ModeState") -> bool:
+        """The state still serves its request (not ended or restarted during this step)."""
+
+    def own_fault(self, st: "ModeState", fn: Callable, *args, what: str = "drafting"):
+        """fn(*args); an error there ends that request alone (returns None)."""
+
+    def draft_failed(self, by_pid: dict) -> None:
+        """Requests whose draft lost its KV go on unspeculated for now."""
+
+    def allowed_proposals(self, st: "ModeState", want, k: int, props: dict) -> dict:
+        """The proposals without the tokens the request's grammar forbids."""
 
 
 class AsyncDrafting:
@@ -39,7 +58,7 @@ class AsyncDrafting:
         self.ticket: Optional[Ticket] = None
         self._calls: list = []  # (state, call) of the batch in flight
 
-    def poll(self, core: "EngineCore", states: list["ModeState"]) -> None:
+    def poll(self, core: DraftingCore, states: list["ModeState"]) -> None:
         """Use the finished forward's proposals, then start the next forward (see the module)."""
         if self.ticket is not None:
             if not self.ticket.ready():
@@ -48,16 +67,16 @@ class AsyncDrafting:
             outs = ticket.result()
             core.observer.draft_ready()
             for (st, call), props in zip(calls, outs):
-                if core._alive(st):
+                if core.alive(st):
                     if call.masks is not None and not st.req.grammar.closed:
                         # as in synchronous drafting: no token the grammar forbids after its parent
-                        props = core._own_fault(st, core._allowed_proposals, st, call.want, call.k, props)
+                        props = core.own_fault(st, core.allowed_proposals, st, call.want, call.k, props)
                         if props is None:
                             continue  # the filter failed: the request ended with the cause
-                    core._own_fault(st, st.async_proposals, call, props)
-            core._draft_failed({st.pid: st for st, _ in calls})
+                    core.own_fault(st, st.async_proposals, call, props)
+            core.draft_failed({st.pid: st for st, _ in calls})
         calls = [(st, c) for st in states
-                 if core._alive(st) and (c := core._own_fault(st, self._next_call, st)) is not None]
+                 if core.alive(st) and (c := core.own_fault(st, self._next_call, st)) is not None]
         if not calls:
             return
         self.ticket, self._calls = self.source.submit([c for _, c in calls]), calls
@@ -67,7 +86,7 @@ class AsyncDrafting:
 
     def _next_call(self, st: "ModeState"):
         """The request's next draft call, masked by its grammar; first, the failure of one of its
-        earlier queued calls, if any, which ends this request alone (core._own_fault)."""
+        earlier queued calls, if any, which ends this request alone (core.own_fault)."""
         self.source.raise_failure(st.pid)
         call = st.async_call()
         if call is not None:

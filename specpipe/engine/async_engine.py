@@ -12,7 +12,7 @@ request ("stop" in the inbox), which costs at most the tokens of the steps in be
 
 A slow client only lets its own queue grow: the step loop never waits for a reader. An error
 that belongs to one request (its grammar, its drafting, its text) ends that request alone
-(EngineCore._own_fault, and here `_handle_one` and `_run_outputs`). When the pipeline itself
+(EngineCore.own_fault, and here `_handle_one` and `_run_outputs`). When the pipeline itself
 fails (a stage died), every request in it ends with the error, `dead` says why (in the log and
 in /health), and new requests are refused; the thread stays up to answer them.
 """

@@ -214,12 +214,12 @@ class EngineCore:
         self._ended = []  # requests a fault of their own ended during this step
         running = [self.states[rid] for rid in self.scheduler.running]
         for st in running:
-            self._own_fault(st, st.prepare, plan.grants[st.req.request_id], what="scheduling")
+            self.own_fault(st, st.prepare, plan.grants[st.req.request_id], what="scheduling")
         self._draft(running, BEFORE)
         # Each request's part of the message is made whole before any of it is used, so one
         # that fails half-way (its grammar, say) ends alone and sends nothing.
         outgoing = [(st, out) for st in running
-                    if self._alive(st) and (out := self._own_fault(st, self._outgoing, st, what="sending")) is not None]
+                    if self.alive(st) and (out := self.own_fault(st, self._outgoing, st, what="sending")) is not None]
         running = [st for st, _ in outgoing]
         rows = [r for _, (r, _, _, _) in outgoing if r is not None]
         control = Control(release=self._release, report=self._report, share=self._share,
@@ -272,23 +272,23 @@ class EngineCore:
         by_pid = {st.pid: st for st in running}
         for res in results:
             st = by_pid.get(res.request_id)
-            if st is None or not self._alive(st):
+            if st is None or not self.alive(st):
                 continue  # rows of a request that ended or was restarted while they travelled
             if res.failed:
                 self._stage_kv_failed(st)
             else:
-                self._own_fault(st, st.receive, res, what="reading its results")
+                self.own_fault(st, st.receive, res, what="reading its results")
         for st in running:
-            if self._alive(st):
+            if self.alive(st):
                 if st.started:
                     st.req.stats.pipeline_steps += 1
-                self._own_fault(st, st.verify, what="verifying")
-        live = [st for st in running if self._alive(st)]
+                self.own_fault(st, st.verify, what="verifying")
+        live = [st for st in running if self.alive(st)]
         if error is None and self.drafter is None:
             self._draft([st for st in live if not st.req.finished], AFTER)
         else:
             for st in live:  # drop a new root's draft call: the source may be in any state
-                self._own_fault(st, st.drafting, AFTER)
+                self.own_fault(st, st.drafting, AFTER)
         done = [st.req for st in live if st.req.finished]
         self.observer.verified([st.req for st in live])
         for req in done:
@@ -328,7 +328,7 @@ class EngineCore:
         drafted: dict[int, ModeState] = {}
         while self.source is not None:
             calls = [(st, c) for st in states
-                     if self._alive(st) and (c := self._own_fault(st, st.drafting, phase)) is not None]
+                     if self.alive(st) and (c := self.own_fault(st, st.drafting, phase)) is not None]
             if not calls:
                 break
             for st, c in calls:  # a model draft masks its logits with the request's grammar
@@ -342,14 +342,14 @@ class EngineCore:
             self.observer.drafted(phase, sum(len(c.rows.node_ids) for _, c in calls))
             for (st, call), props in zip(calls, outs):
                 if st.req.grammar is not None and not st.req.grammar.closed:
-                    props = self._own_fault(st, self._allowed_proposals, st, call.want, call.k, props)
+                    props = self.own_fault(st, self.allowed_proposals, st, call.want, call.k, props)
                     if props is None:
                         continue  # the filter failed: the request ended with the cause
-                self._own_fault(st, st.proposals, phase, props)
+                self.own_fault(st, st.proposals, phase, props)
                 st.req.stats.draft_s += dt / len(calls)
                 st.req.stats.draft_calls += 1
                 drafted[st.pid] = st
-            self._draft_failed({st.pid: st for st, _ in calls})
+            self.draft_failed({st.pid: st for st, _ in calls})
         return list(drafted.values())
 
     def _outgoing(self, st: ModeState) -> tuple[Optional[Rows], Optional[Admit], Optional[Prune], list[Share]]:
@@ -381,7 +381,7 @@ class EngineCore:
         return rows
 
     @staticmethod
-    def _allowed_proposals(st: ModeState, want, k: int, props: dict) -> dict:
+    def allowed_proposals(st: ModeState, want, k: int, props: dict) -> dict:
         """A draft's proposals without the tokens the grammar forbids after their parent (such a
         node could never be committed, so it never takes a place in the tree), and with the
         token the grammar forces there first, for every node asked about (grammar/matcher.py)."""
@@ -392,12 +392,15 @@ class EngineCore:
                 out[n] = grammar.proposals(tree.path_tokens(n), props.get(n, []), k)
         return out
 
-    def _draft_failed(self, by_pid: dict[int, ModeState]) -> None:
+    # -- what engine/async_drafting.py uses (its DraftingCore): alive, own_fault, draft_failed,
+    # allowed_proposals and observer; the rest of the core stays private to it ----------------------
+
+    def draft_failed(self, by_pid: dict[int, ModeState]) -> None:
         """The draft's KV pool ran out for these requests: they go on unspeculated for now, and
         `_redraft` starts their drafting again once the draft has room (a few times at most)."""
         for pid in self.source.take_failures():
             st = by_pid.get(pid)
-            if st is None or not self._alive(st):
+            if st is None or not self.alive(st):
                 continue
             st.req.stats.draft_failures += 1
             if st.req.stats.draft_failures <= MAX_DRAFT_RESTARTS:
@@ -416,7 +419,7 @@ class EngineCore:
                 self._restart(req.request_id)
             self._draft_lost.pop(0)
 
-    def _own_fault(self, st: ModeState, fn: Callable, *args, what: str = "drafting"):
+    def own_fault(self, st: ModeState, fn: Callable, *args, what: str = "drafting"):
         """Run one request's part of the step (its state machine, its grammar, its drafting).
         An error there (a NaN score from the draft, which `TokenTree.expand` refuses; a grammar
         that gives up) is that request's alone: it ends with the cause, and the step and every
@@ -431,7 +434,7 @@ class EngineCore:
             self._ended.append(st.req)
             return None
 
-    def _alive(self, st: ModeState) -> bool:
+    def alive(self, st: ModeState) -> bool:
         """The state still serves its request (not ended or restarted during this step)."""
         return self.states.get(st.req.request_id) is st
 

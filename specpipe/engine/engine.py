@@ -68,7 +68,7 @@ class Engine:
         # (up to one speculative reserve per running request): room for that, so it rarely runs out.
         # It keeps whole contexts in one pool: sized as the stages' pool would be without a window
         # pool (with one the stages hold longer contexts than that, and a draft short of room only
-        # stops speculating for a while: core._draft_failed), never more memory than before.
+        # stops speculating for a while: core.draft_failed), never more memory than before.
         running = 1 if need is not None else config.max_num_seqs
         self.draft_blocks = whole_blocks + running * -(-self.plan.reserve // config.block_size)
         self.block_size = config.block_size

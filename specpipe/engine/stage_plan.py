@@ -6,7 +6,7 @@ way they start (in this process, local stage processes, torchrun ranks, Ray stag
     + the mode's speculative reserve per request, --kv-memory or the free memory, and for one
       prompt (specpipe generate) that prompt's need  -> plan_stages: a StagePlan
     -> the driver starts the stages from it (start_pipeline.py); a torchrun stage rank plans the
-       same and serves its own stage (serve_stage_rank); the Ray backend (cluster/ray_backend.py)
+       same and serves its own stage (start_pipeline.serve_stage_rank); the Ray backend (cluster/ray_backend.py)
        places the stages itself and takes its pool size from `cluster_blocks`
 
 Glossary: *reserve* = the speculative rows (plus a new root) one request may hold at a stage at
@@ -151,30 +151,9 @@ def cost_profile_of(config: EngineConfig) -> Optional[CostProfile]:
 
 def torchrun_rank() -> Optional[RankEnv]:
     """This process's rank in a torchrun job (None outside one): rank 0 drives, the others serve
-    a stage each (serve_stage_rank)."""
+    a stage each (start_pipeline.serve_stage_rank)."""
     return RankEnv.from_environ()
 
 
-def serve_stage_rank(config: EngineConfig, env: RankEnv, one_prompt: Optional[OnePrompt] = None) -> int:
-    """A stage rank under torchrun: plan the stages as the driver does, load this rank's layers
-    and serve until the driver stops. Its pool is what this machine's memory allows (shared with
-    the other ranks on it), or what `one_prompt` needs; the driver admits against the smallest
-    pool any stage reports."""
-    from specpipe.engine.prompts import PromptProcessor
-    from specpipe.engine.start_pipeline import torchrun_stage
-    from specpipe.loader import open_checkpoint
-    from specpipe.loader.default_model import default_model_path
-
-    key = load_cluster_key(config.cluster_key_file, required_for="a torchrun job")  # before any loading
-    path = config.model or str(default_model_path())
-    ckpt = open_checkpoint(path)
-    need = None if one_prompt is None else PromptProcessor.of(path, ckpt.config, config.max_context).need(*one_prompt)
-    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", config.stages))
-    plan = plan_stages(config, ckpt, cost_profile_of(config), need, sharing=sharing)
-    return torchrun_stage(env, path, list(plan.specs), plan.pools, config.block_size, config.device,
-                          config.torch_dtype(), config.link(), config.quantization,
-                          key=key)
-
-
 __all__ = ["OnePrompt", "StagePlan", "split_layers", "plan_stages", "blocks_admitting", "cluster_blocks", "reported_pools",
-           "cost_profile_of", "torchrun_rank", "serve_stage_rank", "parse_stage_layers"]
+           "cost_profile_of", "torchrun_rank", "parse_stage_layers"]

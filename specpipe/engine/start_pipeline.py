@@ -21,7 +21,7 @@ from specpipe.distributed.remote_pipeline import PipelineError, RemotePipeline
 from specpipe.distributed.transport import Transport
 from specpipe.engine.kv_pool import KVPools
 from specpipe.engine.restart import RestartingPipeline
-from specpipe.engine.stage_plan import StagePlan
+from specpipe.engine.stage_plan import OnePrompt, StagePlan, cost_profile_of, plan_stages
 from specpipe.loader import Checkpoint
 from specpipe.messages import Pipeline
 from specpipe.model.stage import build_stage
@@ -147,4 +147,24 @@ def torchrun_stage(env: RankEnv, model_path: Path, specs: list[StageSpec], pools
     return 0
 
 
-__all__ = ["start_pipeline", "in_process", "local_processes", "torchrun_driver", "torchrun_stage"]
+def serve_stage_rank(config: EngineConfig, env: RankEnv, one_prompt: Optional[OnePrompt] = None) -> int:
+    """A stage rank under torchrun: plan the stages as the driver does, load this rank's layers
+    and serve until the driver stops. Its pool is what this machine's memory allows (shared with
+    the other ranks on it), or what `one_prompt` needs; the driver admits against the smallest
+    pool any stage reports."""
+    from specpipe.engine.prompts import PromptProcessor
+    from specpipe.loader import open_checkpoint
+    from specpipe.loader.default_model import default_model_path
+
+    key = load_cluster_key(config.cluster_key_file, required_for="a torchrun job")  # before any loading
+    path = config.model or str(default_model_path())
+    ckpt = open_checkpoint(path)
+    need = None if one_prompt is None else PromptProcessor.of(path, ckpt.config, config.max_context).need(*one_prompt)
+    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", config.stages))
+    plan = plan_stages(config, ckpt, cost_profile_of(config), need, sharing=sharing)
+    return torchrun_stage(env, path, list(plan.specs), plan.pools, config.block_size, config.device,
+                          config.torch_dtype(), config.link(), config.quantization,
+                          key=key)
+
+
+__all__ = ["start_pipeline", "in_process", "local_processes", "torchrun_driver", "torchrun_stage", "serve_stage_rank"]

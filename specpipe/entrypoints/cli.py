@@ -225,7 +225,8 @@ def _engine_config(args: argparse.Namespace, **extra):
 
 def _generate(args: argparse.Namespace) -> int:
     from specpipe.engine.engine import Engine
-    from specpipe.engine.stage_plan import OnePrompt, serve_stage_rank, torchrun_rank
+    from specpipe.engine.stage_plan import OnePrompt, torchrun_rank
+    from specpipe.engine.start_pipeline import serve_stage_rank
     from specpipe.sampling import SamplingParams
 
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
@@ -288,7 +289,8 @@ def _serve(args: argparse.Namespace) -> int:
     import os
 
     from specpipe.config import ConfigError
-    from specpipe.engine.stage_plan import serve_stage_rank, torchrun_rank
+    from specpipe.engine.stage_plan import torchrun_rank
+    from specpipe.engine.start_pipeline import serve_stage_rank
 
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")

