@@ -80,7 +80,7 @@ class AsyncDraft(TokenSource):
         self._failed: list[int] = []
         self._lock = threading.Lock()
         # request id -> the failure of a queued start/observe/finish of that request, raised by its
-        # next call (so the engine ends that request, engine/core._own_fault), never another's
+        # next call (so the engine ends that request, engine/core.py own_fault), never another's
         self._errors: dict[int, BaseException] = {}
         self._queue: "queue.Queue[Optional[tuple[Callable, Optional[Ticket], object]]]" = queue.Queue()
         self._thread: Optional[threading.Thread] = None
