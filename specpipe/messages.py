@@ -83,6 +83,11 @@ class Rows:
     # Structured output: one token mask per head row, in head-row order ((H, W) int64 bits,
     # specpipe/grammar/bitmask.py); the last stage masks the target's logits with it. None: free.
     masks: Optional[torch.Tensor] = None
+    # Penalties (specpipe/penalties.py): the committed context's distinct tokens with their counts
+    # ((2, P) int64) and each head row's tokens below it, in head-row order ((H, D) int64, -1
+    # padded); the last stage penalizes each row's logits over its own path. None: no penalties.
+    seen: Optional[torch.Tensor] = None
+    paths: Optional[torch.Tensor] = None
 
     @staticmethod
     def failure(request_id: int) -> "Rows":
@@ -97,11 +102,11 @@ class Rows:
             return self
         idx = torch.tensor(keep, dtype=torch.long, device=self.data.device)
         wanted = None if self.head_rows is None else set(self.head_rows)
-        masks = self.masks
-        if masks is not None:  # keep the masks of the head rows that stay
-            heads = self.head_rows if self.head_rows is not None else range(len(self.node_ids))
-            kept = set(keep)
-            masks = masks[[j for j, h in enumerate(heads) if h in kept]]
+        heads = self.head_rows if self.head_rows is not None else range(len(self.node_ids))
+        kept = set(keep)
+        staying = [j for j, h in enumerate(heads) if h in kept]  # the head rows that stay
+        masks = None if self.masks is None else self.masks[staying]
+        paths = None if self.paths is None else self.paths[staying]
         return Rows(
             request_id=self.request_id,
             node_ids=[self.node_ids[i] for i in keep],
@@ -110,6 +115,8 @@ class Rows:
             data=self.data.index_select(0, idx),
             head_rows=None if wanted is None else [j for j, i in enumerate(keep) if i in wanted],
             masks=masks,
+            seen=self.seen,
+            paths=paths,
         )
 
 

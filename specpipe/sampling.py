@@ -99,6 +99,8 @@ MAX_TEMPERATURE = 1e4  # beyond it the distribution is uniform to float precisio
 # while argmax is the limit of sampling as the temperature goes to 0 (vLLM's _SAMPLING_EPS).
 GREEDY_BELOW = 1e-5
 MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (OpenAI's bound)
+MAX_REPETITION_PENALTY = 100.0  # (vLLM takes any positive value; beyond this every seen token is cut)
+MAX_LOGIT_BIAS = 1024  # token ids one request may bias (OpenAI takes 300)
 
 
 def _check_int(name: str, v: Any, lo: int, hi: int) -> None:
@@ -124,6 +126,15 @@ class SamplingParams:
     # Log-probabilities of each output token and of the `logprobs` most likely ones at its place
     # (0: the token's own only; None: none are computed). See `target_logprobs` for which.
     logprobs: Optional[int] = None
+    # Penalties and biases (vLLM's semantics; applied at the last stage to each row's logits over
+    # that row's own path, specpipe/penalties.py): presence and frequency over the generated
+    # tokens, repetition over prompt + generated, logit_bias ((token id, bias) pairs, added
+    # first), min_p (tokens below min_p times the top probability after temperature are cut).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -140,6 +151,23 @@ class SamplingParams:
             _check_int("seed", self.seed, 0, INT64_MAX)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, lo_open=True)
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        bias = tuple(sorted((t, b) for t, b in bias))
+        if len(bias) > MAX_LOGIT_BIAS or len({t for t, _ in bias}) != len(bias):
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} distinct token ids")
+        for t, b in bias:
+            _check_int("a logit_bias token id", t, 0, INT64_MAX)
+            _check_float("a logit_bias value", b, -100.0, 100.0)
+        object.__setattr__(self, "logit_bias", bias)
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the row's own path changes its logits (the driver then ships it, penalties.py)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
@@ -163,6 +191,9 @@ def target_tokens(logits: torch.Tensor, positions: Sequence[int], params: Sampli
     if params.greedy:
         return logits.argmax(dim=-1).tolist()
     probs = torch.softmax(logits.float() / params.temperature, dim=-1)  # (N, V)
+    if params.min_p > 0:  # vLLM's rule: below min_p times the row's top probability, cut
+        probs = probs * (probs >= params.min_p * probs.max(dim=-1, keepdim=True).values)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     if params.top_k or params.top_p < 1.0:
         probs = _truncate(probs, params.top_k, params.top_p)
     # Inverse-CDF sampling over a fixed (descending-probability) order so that the draw is a

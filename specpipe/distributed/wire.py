@@ -60,6 +60,7 @@ class _Reader:
     def __init__(self, values: list[int]) -> None:
         self.v, self.i = values, 0
         self.masked = False  # the last Rows flags read announced token masks
+        self.penalized = False  # the last Rows flags read announced penalty contexts
         self.logprobs = False  # the last Results flags read announced log-probabilities
 
     def take(self, n: int = 1) -> list[int]:
@@ -90,6 +91,8 @@ def encode_control(c: Control) -> list[int]:
         s = a.sampling
         out += [a.request_id, _f2i(s.temperature), _f2i(s.top_p), s.top_k,
                 -1 if s.seed is None else s.seed, s.max_tokens, -1 if s.logprobs is None else s.logprobs,
+                _f2i(s.presence_penalty), _f2i(s.frequency_penalty), _f2i(s.repetition_penalty), _f2i(s.min_p),
+                len(s.logit_bias), *(x for t, b in s.logit_bias for x in (t, _f2i(b))),
                 len(a.cached), *a.cached]
     out.append(len(c.prune))
     for p in c.prune:
@@ -108,10 +111,13 @@ def decode_control(values: list[int]) -> Control:
         raise WireError(f"unknown control flags {flags:#x}")
     c = Control(shutdown=bool(flags & 1), report=bool(flags & 2))
     for _ in range(r.count()):
-        rid, temp, top_p, top_k, seed, max_tokens, logprobs = r.take(7)
+        rid, temp, top_p, top_k, seed, max_tokens, logprobs, presence, frequency, repetition, min_p = r.take(11)
+        bias = r.take(2 * r.count())
         try:
             sampling = SamplingParams(_i2f(temp), _i2f(top_p), top_k, None if seed == -1 else seed, max_tokens,
-                                      logprobs=None if logprobs == -1 else logprobs)
+                                      logprobs=None if logprobs == -1 else logprobs, presence_penalty=_i2f(presence),
+                                      frequency_penalty=_i2f(frequency), repetition_penalty=_i2f(repetition),
+                                      min_p=_i2f(min_p), logit_bias=tuple(zip(bias[::2], map(_i2f, bias[1::2]))))
         except ValueError as e:  # out-of-range values: not something a driver of ours sends
             raise WireError(f"bad sampling parameters for request {rid}: {e}") from None
         c.admit.append(Admit(rid, sampling, r.take(r.count())))
@@ -131,6 +137,7 @@ def decode_control(values: list[int]) -> Control:
 
 FAILED = 1  # flag of a Rows or Results: the request ran out of KV at some stage (no rows)
 MASKED = 2  # flag of a Rows: a second tensor follows, its head rows' token masks (int64 bits)
+PENALIZED = 4  # flag of a Rows: two int64 tensors follow (after any masks), `seen` and `paths` (penalties.py)
 LOGPROBS = 2  # flag of a Results: each row's log-probabilities follow its tokens
 MAX_MASK_WORDS = 1 << 16  # int64 words per mask row without RowLimits: vocabularies up to 4M tokens
 
@@ -138,9 +145,10 @@ MAX_MASK_WORDS = 1 << 16  # int64 words per mask row without RowLimits: vocabula
 def _flags(values: _Reader, what: str) -> bool:
     """The flags value of a Rows or Results entry: True when it is a failure marker."""
     flags = values.one()
-    if flags & ~(FAILED | (MASKED if what == "rows" else LOGPROBS)):
+    if flags & ~(FAILED | (MASKED | PENALIZED if what == "rows" else LOGPROBS)):
         raise WireError(f"unknown {what} flags {flags:#x}")
     values.masked = bool(flags & MASKED) if what == "rows" else False
+    values.penalized = bool(flags & PENALIZED) if what == "rows" else False
     values.logprobs = bool(flags & LOGPROBS) if what == "results" else False
     return bool(flags & FAILED)
 
@@ -157,13 +165,18 @@ def encode_rows(batch: list[Rows]) -> tuple[list[int], list[torch.Tensor]]:
         heads = rows.head_rows
         data = rows.data.contiguous()
         masks = rows.masks
-        out += [rows.request_id, 0 if masks is None else MASKED, t, -1 if heads is None else len(heads),
+        penalized = rows.seen is not None
+        out += [rows.request_id, (0 if masks is None else MASKED) | (PENALIZED if penalized else 0), t,
+                -1 if heads is None else len(heads),
                 *(heads or []), *rows.node_ids, *rows.parent_ids, *rows.positions,
                 DTYPES.index(data.dtype), data.dim(), *data.shape]
         tensors.append(data)
         if masks is not None:
             out += list(masks.shape)
             tensors.append(masks.to(torch.long).contiguous())
+        if penalized:
+            out += [*rows.seen.shape, *rows.paths.shape]
+            tensors += [rows.seen.to(torch.long).contiguous(), rows.paths.to(torch.long).contiguous()]
     return out, tensors
 
 
@@ -199,7 +212,11 @@ def decode_rows_header(values: list[int], hidden: Optional[int] = None, max_rows
             raise WireError(f"bad activation descriptor ({dtype_code}, {ndim})")
         shape = tuple(r.take(ndim))
         mask_shape = tuple(r.take(2)) if r.masked else None
+        seen_shape, paths_shape = (tuple(r.take(2)), tuple(r.take(2))) if r.penalized else (None, None)
         check_rows_shape(rid, t, heads, shape, DTYPES[dtype_code], mask_shape, limits)
+        if r.penalized:
+            check_penalty_shapes(rid, seen_shape, paths_shape, t if heads is None else len(heads),
+                                 limits.vocab_size if limits is not None else MAX_MASK_WORDS * 64)
         if limits is None:
             if hidden is not None and ndim == 2 and shape[1] != hidden:
                 raise RowsMalformed(f"activation of width {shape[1]}, the model's hidden size is {hidden}")
@@ -208,8 +225,10 @@ def decode_rows_header(values: list[int], hidden: Optional[int] = None, max_rows
             if mask_shape is not None and not 0 < mask_shape[1] <= MAX_MASK_WORDS:
                 raise RowsMalformed(f"bad token masks {mask_shape} for request {rid}")
         masks = None if mask_shape is None else torch.empty(mask_shape, dtype=torch.long)
-        out.append((Rows(rid, node_ids, parent_ids, positions, torch.empty(0), heads, masks=masks),
-                    shape, DTYPES[dtype_code]))
+        rows = Rows(rid, node_ids, parent_ids, positions, torch.empty(0), heads, masks=masks)
+        if r.penalized:  # received after the masks, as `masks` is
+            rows.seen, rows.paths = torch.empty(seen_shape, dtype=torch.long), torch.empty(paths_shape, dtype=torch.long)
+        out.append((rows, shape, DTYPES[dtype_code]))
     r.done()
     return out
 
@@ -237,6 +256,18 @@ def check_rows_shape(rid: int, t: int, heads: Optional[list[int]], shape: tuple[
                             f"{limits.vocab_size} tokens takes {limits.mask_words}")
 
 
+def check_penalty_shapes(rid: int, seen: tuple[int, ...], paths: tuple[int, ...], n_heads: int, vocab: int) -> None:
+    """A Rows' penalty context (penalties.py): `seen` (2, P) with P at most the vocabulary,
+    `paths` (H, D) for its H head rows, D at most the context a step can add (RowsMalformed)."""
+    if len(seen) != 2 or seen[0] != 2 or not 0 <= seen[1] <= vocab:
+        raise RowsMalformed(f"request {rid}: penalty context of shape {seen} (2 rows of at most {vocab} tokens)")
+    if len(paths) != 2 or paths[0] != n_heads or not 0 <= paths[1] <= MAX_PATH:
+        raise RowsMalformed(f"request {rid}: penalty paths of shape {paths} for {n_heads} head rows")
+
+
+MAX_PATH = 1 << 16  # speculative tokens on one row's path (a tree is far shallower)
+
+
 def check_rows(rows: Rows, limits: RowLimits) -> None:
     """A Rows handed over in-process (no header was decoded) against what the stage accepts, and
     stage 1's token ids against the vocabulary (an id past it would index the embedding out of
@@ -253,6 +284,19 @@ def check_rows(rows: Rows, limits: RowLimits) -> None:
                      None if rows.masks is None else tuple(rows.masks.shape), limits)
     if limits.first and t and not 0 <= int(data.min()) <= int(data.max()) < limits.vocab_size:
         raise RowsMalformed(f"request {rows.request_id}: token ids outside the vocabulary of {limits.vocab_size}")
+    if (rows.seen is None) != (rows.paths is None):
+        raise RowsMalformed(f"request {rows.request_id}: a penalty context needs both `seen` and `paths`")
+    if rows.seen is not None:
+        seen, paths = rows.seen, rows.paths
+        if seen.dtype != torch.long or paths.dtype != torch.long:
+            raise RowsMalformed(f"request {rows.request_id}: penalty context of type {seen.dtype}, {paths.dtype}, not int64")
+        check_penalty_shapes(rows.request_id, tuple(seen.shape), tuple(paths.shape),
+                             t if rows.head_rows is None else len(rows.head_rows), limits.vocab_size)
+        v = limits.vocab_size
+        if seen.numel() and not (0 <= int(seen[0].min()) and int(seen[0].max()) < v and int(seen[1].min()) >= 0):
+            raise RowsMalformed(f"request {rows.request_id}: penalty context outside the vocabulary of {v}")
+        if paths.numel() and not -1 <= int(paths.min()) <= int(paths.max()) < v:
+            raise RowsMalformed(f"request {rows.request_id}: penalty paths outside the vocabulary of {v}")
 
 
 def encode_results(results: list[Results]) -> list[int]:

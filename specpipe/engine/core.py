@@ -31,6 +31,7 @@ from specpipe.engine.modes.rounds import RoundsState
 from specpipe.engine.modes.specpipe import AUTO, AutoPlan, SpecPipeState, block_rows
 from specpipe.engine.observer import NO_OBSERVER, StepObserver
 from specpipe.engine.prefix_sharing import PrefixSharing
+from specpipe.penalties import context_tensors
 from specpipe.messages import Admit, Control, Pipeline, Prune, Rows, Share, StagesRestarted
 from specpipe.request import Request
 from specpipe.sched.block_manager import BlockManager, window_need
@@ -356,7 +357,7 @@ class EngineCore:
         """One request's part of this step: its rows (masked), admit, pruning and shared blocks."""
         rows = st.send()
         if rows is not None:
-            rows = self._masked(st, rows)
+            rows = self._penalized(st, self._masked(st, rows))
         admit, prune = st.control()
         st.floors.append(st.committed_sent())
         shares: list[Share] = []
@@ -378,6 +379,20 @@ class EngineCore:
             node = rows.node_ids[h]
             paths.append(st.tree.path_tokens(node) if node in st.tree else None)
         rows.masks = grammar.masks(paths)
+        return rows
+
+    @staticmethod
+    def _penalized(st: ModeState, rows: Rows) -> Rows:
+        """Penalties: each head row's own path below the committed tokens, and those tokens
+        counted once for all (penalties.py), so the last stage penalizes every row, speculative
+        or not, as plain decoding would at its place."""
+        params = st.req.sampling
+        if not params.penalized:
+            return rows
+        heads = rows.head_rows if rows.head_rows is not None else range(len(rows))
+        tree = st.tree
+        paths = [tree.path_tokens(rows.node_ids[h]) if rows.node_ids[h] in tree else None for h in heads]
+        rows.seen, rows.paths = context_tensors(len(st.req.prompt_ids), tree.committed_since(0), paths, params)
         return rows
 
     @staticmethod

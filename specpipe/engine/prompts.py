@@ -75,6 +75,8 @@ class PromptProcessor:
                 f"the context of {self.max_context} tokens; shorten the prompt or lower --max-tokens")
         if any(not 0 <= t < self.vocab_size for t in prompt_ids):
             raise PromptError(f"prompt token ids must be in [0, {self.vocab_size}), this model's vocabulary")
+        if any(t >= self.vocab_size for t, _ in sampling.logit_bias):
+            raise PromptError(f"logit_bias token ids must be in [0, {self.vocab_size}), this model's vocabulary")
         stop_ids = frozenset() if ignore_eos else frozenset(self.tokenizer.eos_token_ids)
         sampling = sampling.resolved()
         # A constraint that does not compile fails here, before the request is queued (cached).

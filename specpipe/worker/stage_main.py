@@ -88,6 +88,9 @@ def run_stage(t: Transport, model_path: str, spec: StageSpec, num_blocks: int, b
                     rows.data = t.recv_tensor(prev, TAG_ROWS, shape, dt)
                     if rows.masks is not None:  # structured output: the head rows' token masks
                         rows.masks = t.recv_tensor(prev, TAG_ROWS, tuple(rows.masks.shape), torch.long)
+                    if rows.seen is not None:  # penalties: the context and each head row's path
+                        rows.seen = t.recv_tensor(prev, TAG_ROWS, tuple(rows.seen.shape), torch.long)
+                        rows.paths = t.recv_tensor(prev, TAG_ROWS, tuple(rows.paths.shape), torch.long)
                 batch.append(rows)
         stats.wait_s += time.perf_counter() - t0
         with refused_by_stage(prev):  # a Control or Rows the stage's state refuses (a cycle, a lost parent)

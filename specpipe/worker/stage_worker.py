@@ -31,11 +31,12 @@ from specpipe.messages import Control, Results, Rows, StageStats
 from specpipe.model.llama import LlamaStage
 from specpipe.model.stage import weight_nbytes
 from specpipe.grammar.bitmask import apply_masks
+from specpipe.penalties import adjust_logits
 from specpipe.sampling import SamplingParams, target_logprobs, target_tokens
 from specpipe.kv.packed_forward import run_packed
 from specpipe.distributed.wire import RowLimits, RowsMalformed, check_rows
 from specpipe.grammar.bitmask import row_words
-from specpipe.kv.slot_table import MAX_HORIZON, SlotTable
+from specpipe.kv.slot_table import MAX_HORIZON, ControlRefused, SlotTable
 from specpipe.kv.step_check import StepView, check_control
 from specpipe.worker.memory import process_memory
 
@@ -74,6 +75,10 @@ class StageWorker:
         """Refuse the step (see the module) or say which rows of each Rows this stage computes
         (those not pruned in flight, of requests still held here). Changes nothing."""
         check_control(self.slots, control)
+        for a in control.admit:  # a bias past the vocabulary would index the logits out of range
+            if any(t >= self.limits.vocab_size for t, _ in a.sampling.logit_bias):
+                raise ControlRefused(f"request {a.request_id}: logit_bias names a token id past the "
+                                     f"vocabulary of {self.limits.vocab_size}")
         if sum(len(rows) for rows in incoming) > self.limits.max_rows:
             raise RowsMalformed(f"{sum(len(rows) for rows in incoming)} rows in one step, "
                                 f"at most {self.limits.max_rows} can come")
@@ -139,7 +144,7 @@ class StageWorker:
             done = [(rows, o) for rows, o in zip(parts, packed.outputs) if o is not None]
             out += self._results(done) if self.last else [
                 Rows(rows.request_id, rows.node_ids, rows.parent_ids, rows.positions, o, rows.head_rows,
-                     masks=rows.masks)
+                     masks=rows.masks, seen=rows.seen, paths=rows.paths)
                 for rows, o in done]
             self.stats.rows_committed += packed.committed
             self.stats.rows_computed += sum(len(rows) for rows, _ in done)
@@ -155,8 +160,11 @@ class StageWorker:
         """The target's token for each head row, sampled per request with its own parameters (RNG
         keyed by (seed, position)). All greedy requests share one argmax: one device sync per
         step instead of one per request."""
-        raw = {id(rows): logits for rows, logits in done}  # logprobs describe the unmasked distribution
-        # Structured output: the grammar's masks first, so greedy and sampling pick allowed tokens only.
+        raw = {id(rows): logits for rows, logits in done}  # logprobs describe the raw distribution
+        # logit_bias and penalties over each row's own path (penalties.py), then the grammar's
+        # masks, so greedy and sampling pick allowed tokens only.
+        done = [(rows, adjust_logits(logits, self.sampling[rows.request_id], rows.seen, rows.paths))
+                for rows, logits in done]
         done = [(rows, logits if rows.masks is None else
                  apply_masks(logits, rows.masks, greedy=self.sampling[rows.request_id].greedy)) for rows, logits in done]
         greedy = [logits for rows, logits in done if self.sampling[rows.request_id].greedy]  # (R_i, V) each

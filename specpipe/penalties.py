@@ -1,0 +1,81 @@
+"""Penalties and logit biases, computed over each row's own path so that speculation keeps them.
+
+vLLM's rules, in vLLM's order, on the target's logits of one row:
+
+  1. logit_bias: bias[t] added to logit t;
+  2. repetition_penalty r over the tokens of prompt + generated: a positive logit divided by r,
+     a negative (or zero) one multiplied by r;
+  3. frequency_penalty f and presence_penalty p over the generated tokens only:
+     logit[t] -= f * count(t) + p * (count(t) > 0).
+
+(min_p is a cut after temperature: sampling.target_tokens.) Greedy and seeded sampling then use
+the adjusted logits; logprobs still describe the raw distribution (sampling.target_logprobs).
+
+Why the driver ships each row's context: under speculation a row is a tree node, and its
+"generated tokens" are the committed output plus the speculative tokens above it, which differ
+from row to row and are known only to the driver. The last stage keeps no token history (its
+rows carry activations, and prompt blocks served from the prefix cache never reach it), so each
+Rows message of a penalized request carries, for its head rows:
+
+  seen   (2, P) int64   the committed context's distinct tokens (row 0) and for each
+                        count_in_generated * 2 + in_prompt (row 1); prompt tokens only when the
+                        repetition penalty needs them
+  paths  (H, D) int64   each head row's tokens below the committed prefix (its tree ancestors,
+                        itself included), padded with -1
+
+so a message grows with the distinct tokens of the context, not with the vocabulary, and a row's
+adjustment is a function of its own path only: every mode gives plain decoding's tokens.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Optional, Sequence
+
+import torch
+
+from specpipe.sampling import SamplingParams
+
+PAD = -1  # fills `paths` past a row's own tokens
+
+
+def context_tensors(prompt_len: int, committed: Sequence[int], paths: Sequence[Optional[Sequence[int]]],
+                    params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """The driver's side: `seen` and `paths` (see the module) for head rows whose speculative
+    tokens are `paths` (None: a row no longer in the tree, whose token is never used), below the
+    `committed` tokens, of which the first `prompt_len` are the prompt."""
+    counts = Counter(committed[prompt_len:])
+    prompt = set(committed[:prompt_len]) if params.repetition_penalty != 1 else set()
+    ids = sorted(counts.keys() | prompt)
+    seen = torch.tensor([ids, [counts.get(t, 0) * 2 + (t in prompt) for t in ids]], dtype=torch.long).reshape(2, -1)
+    depth = max((len(p) for p in paths if p), default=0)
+    rows = [list(p or ()) + [PAD] * (depth - len(p or ())) for p in paths]
+    return seen, torch.tensor(rows, dtype=torch.long).reshape(len(paths), depth)
+
+
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, seen: Optional[torch.Tensor],
+                  paths: Optional[torch.Tensor]) -> torch.Tensor:
+    """The last stage's side: logits (H, V) of head rows, adjusted (float32, a new tensor; the
+    input is returned as it is when the request asks for nothing)."""
+    if not params.logit_bias and seen is None:
+        return logits
+    x = logits.float().clone()  # (H, V)
+    h, v = x.shape
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.long, device=x.device)
+        x[:, ids] += torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=x.device)
+    if seen is None:
+        return x
+    seen, paths = seen.to(x.device), paths.to(x.device)
+    counts = torch.zeros(v, dtype=torch.float32, device=x.device)
+    counts[seen[0]] = (seen[1] >> 1).float()
+    in_prompt = torch.zeros(v, dtype=torch.bool, device=x.device)
+    in_prompt[seen[0]] = (seen[1] & 1).bool()
+    counts = counts.expand(h, v).clone()  # (H, V): generated tokens on each row's path
+    if paths.numel():
+        counts.scatter_add_(1, paths.clamp(min=0), (paths != PAD).float())
+    generated = counts > 0
+    if params.repetition_penalty != 1:
+        r = torch.where(in_prompt | generated, params.repetition_penalty, 1.0)  # (H, V)
+        x = torch.where(x > 0, x / r, x * r)
+    return x - params.frequency_penalty * counts - params.presence_penalty * generated.float()
