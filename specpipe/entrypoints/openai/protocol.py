@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, StrictBool
 
-from specpipe.sampling import MAX_LOGPROBS, MAX_TOKENS, MAX_TOP_K
+from specpipe.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_TOKENS, MAX_TOP_K
 
 # Stop strings are matched after every token of the request (on the output thread), so what a
 # request may give is bounded by their total size, not their number (vLLM takes any number; so
@@ -129,6 +129,7 @@ Text = Annotated[str, Field(min_length=1)]
 # double holds exactly, as JavaScript clients can send them anyway.
 MAX_SEED = 2**53
 MAX_TOOLS = 128  # as OpenAI allows
+MAX_N = 16  # samples one request may ask for (each is a request of its own in the engine)
 
 
 class SamplingFields(OpenAIModel):
@@ -145,14 +146,19 @@ class SamplingFields(OpenAIModel):
     ignore_eos: StrictBool = False  # extension (as vLLM): decode up to max_tokens whatever the model says
     seed: Optional[Num(int, ge=0, le=MAX_SEED)] = None
     stop: Optional[Stops] = None  # a string or a list of them (read as a list)
-    n: Int = Only(1, {"enum": [1]})
+    # n samples, each its own request (seeds: samples.py), sharing the prompt's prefill.
+    n: Num(int, ge=1, le=MAX_N) = 1
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
-    # Refused unless left at their no-op values (see unsupported()).
-    presence_penalty: Float = Only(0.0, {"enum": [0]})
-    frequency_penalty: Float = Only(0.0, {"enum": [0]})
-    logit_bias: Optional[dict[str, Float]] = Only(None, {"maxProperties": 0})
-    best_of: Optional[Int] = Only(None, {"enum": [None, 1]})
+    # Penalties and biases, vLLM's semantics (specpipe/penalties.py), exact under speculation.
+    presence_penalty: Num(float, ge=-2.0, le=2.0) = 0.0
+    frequency_penalty: Num(float, ge=-2.0, le=2.0) = 0.0
+    repetition_penalty: Num(float, gt=0.0, le=MAX_REPETITION_PENALTY) = 1.0  # extension (as vLLM)
+    min_p: Num(float, ge=0.0, le=1.0) = 0.0  # extension (as vLLM)
+    # {token id (as a string): bias in [-100, 100]}, as OpenAI's
+    logit_bias: Optional[Annotated[dict[str, Num(float, ge=-100.0, le=100.0)],
+                                   Field(max_length=MAX_LOGIT_BIAS)]] = None
+    best_of: Optional[Int] = Only(None, {"enum": [None, 1]})  # refused unless left at its no-op value
     # Structured output (specpipe/grammar/): OpenAI's response_format, and vLLM's extras.
     response_format: Optional[ResponseFormat] = None
     guided_json: Optional[Union[dict, Text]] = None
@@ -161,12 +167,16 @@ class SamplingFields(OpenAIModel):
 
     def unsupported(self) -> Optional[tuple[str, str]]:
         """(field, why) for the first field set to something this server cannot do."""
-        checks = [("n", self.n != 1, "only n = 1 is supported"),
-                  ("best_of", self.best_of not in (None, 1), "best_of is not supported"),
-                  ("presence_penalty", self.presence_penalty != 0, "penalties are not supported"),
-                  ("frequency_penalty", self.frequency_penalty != 0, "penalties are not supported"),
-                  ("logit_bias", bool(self.logit_bias), "logit_bias is not supported")]
-        return next(((f, why) for f, bad, why in checks if bad), None)
+        if self.best_of not in (None, 1):
+            return "best_of", "best_of is not supported"
+        if self.n != 1:
+            return "n", "only n = 1 is supported"
+        if any(not k.isdigit() or len(k) > 18 for k in self.logit_bias or {}):
+            return "logit_bias", "logit_bias keys must be token ids (decimal integers)"
+        return None
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
 
     @property
     def include_usage(self) -> bool:

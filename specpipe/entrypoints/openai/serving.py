@@ -203,7 +203,10 @@ class OpenAIServing:
         try:
             sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                                       seed=body.seed, max_tokens=max_tokens, stop=tuple(body.stop or ()),
-                                      structured=structured, logprobs=body.logprobs_asked())
+                                      structured=structured, logprobs=body.logprobs_asked(),
+                                      presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                                      repetition_penalty=body.repetition_penalty, min_p=body.min_p,
+                                      logit_bias=body.logit_bias_pairs())
             req = self.engine.prompts.make_request(prompt_ids, sampling, ignore_eos=body.ignore_eos)
         except PromptError as e:  # empty, or token ids outside the vocabulary
             raise ApiError(400, str(e), param="prompt") from None
