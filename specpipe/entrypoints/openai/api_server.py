@@ -3,9 +3,10 @@
     uvicorn (event loop) --BodyLimit, API key--> routes --> OpenAIServing --add/abort--> AsyncEngine
                                                              (engine thread) --step()--> stages
 
-Routes: /v1/completions, /v1/chat/completions (streaming as server-sent events), /v1/models,
+Routes: /v1/completions, /v1/chat/completions (streaming as server-sent events), /v1/messages
+(Anthropic's Messages API, anthropic_api.py), /v1/models,
 /tokenize and /detokenize (vLLM's), /health, /metrics (Prometheus). With --api-key every /v1
-route and /tokenize, /detokenize want `Authorization: Bearer KEY`
+route and /tokenize, /detokenize want `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`)
 (and /health and /metrics too with --metrics-need-key). Every error has OpenAI's body, and the
 OpenAPI schema declares, per route, the statuses it can answer with.
 """
@@ -33,6 +34,7 @@ from specpipe.engine.async_engine import AsyncEngine
 from specpipe.engine.engine import Engine
 from specpipe.engine.metrics import EngineMetrics
 from specpipe.entrypoints.openai import protocol as p
+from specpipe.entrypoints.openai.anthropic_api import AnthropicServing, error_body as anthropic_error
 from specpipe.entrypoints.openai.connections import HEADER_TIMEOUT_S, MAX_CONNECTIONS_PER_CLIENT, http_protocol
 from specpipe.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, BodyLimit, key_index
 from specpipe.entrypoints.openai.serving import ApiError, OpenAIServing
@@ -92,17 +94,27 @@ def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, mode
 
     app.add_middleware(BodyLimit, limit=options.max_body_bytes)
 
+    def key_of(request: Request) -> Optional[int]:
+        """Which key the request carries: `Authorization: Bearer KEY`, or Anthropic's `x-api-key`."""
+        i = key_index(request.headers.get("authorization", ""), keys)
+        if i is None and "x-api-key" in request.headers:
+            i = key_index(f"Bearer {request.headers['x-api-key']}", keys)
+        return i
+
     @app.middleware("http")  # added last, so it runs first: no body is read for a request without a key
     async def check_api_key(request: Request, call_next):
         if keys and request.url.path.startswith(guarded):
-            if key_index(request.headers.get("authorization", ""), keys) is None:
-                return _error(ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY)",
-                                       code="invalid_api_key"))
+            if key_of(request) is None:
+                e = ApiError(401, "missing or wrong API key (send Authorization: Bearer KEY, or x-api-key: KEY)",
+                             code="invalid_api_key")
+                if request.url.path.startswith("/v1/messages"):
+                    return JSONResponse(anthropic_error(e), status_code=401)
+                return _error(e)
         return await call_next(request)
 
     def client_of(request: Request) -> str:
         """Who a request counts against for fair admission: its API key, else its address."""
-        i = key_index(request.headers.get("authorization", ""), keys) if keys else None
+        i = key_of(request) if keys else None
         if i is not None:
             return f"key:{i}"
         return f"addr:{request.client.host}" if request.client else "addr:?"
@@ -173,6 +185,23 @@ def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, mode
     async def chat_completions(body: p.ChatCompletionRequest, request: Request):
         stream = await serving.chat_stream(body, client_of(request))
         return await _respond(request, body, stream, serving.chat_events, serving.chat)
+
+    anthropic = AnthropicServing(serving)
+
+    @app.post("/v1/messages", responses={**STREAM_200, **_errors(400, *key_errors, 404, 413, 429, 500, 503)})
+    async def messages(request: Request):
+        """Anthropic's Messages API (anthropic_api.py); its errors in Anthropic's shape."""
+        try:
+            try:
+                raw = await request.json()
+            except ValueError as e:
+                raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+            body, stream = await anthropic.start(raw, client_of(request))
+            if body.stream:
+                return _EventStream(stream, anthropic.events(body, stream))
+            return await _unless_disconnected(request, anthropic.whole(body, stream), stream)
+        except ApiError as e:
+            return JSONResponse(anthropic_error(e), status_code=e.status)
 
     def openapi() -> dict:
         """FastAPI's schema, less the 422 it adds to every route with a body: this server answers
