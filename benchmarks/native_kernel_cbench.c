@@ -9,7 +9,8 @@
  *   callgrind_annotate --inclusive=yes /tmp/cg.out | grep sp_matmul
  *
  * TYPE is the ggml type id (2 Q4_0, 3 Q4_1, 6 Q5_0, 7 Q5_1, 8 Q8_0, 10 Q2_K, 11 Q3_K, 12 Q4_K, 13 Q5_K,
- * 14 Q6_K);
+ * 14 Q6_K, 16 IQ2_XXS, 17 IQ2_XS, 18 IQ3_XXS, 19 IQ1_S, 20 IQ4_NL, 21 IQ3_S, 22 IQ2_S, 23 IQ4_XS,
+ * 29 IQ1_M, 34 TQ1_0, 35 TQ2_0, 39 MXFP4);
  * ISA 0 portable, 1 avx2, 2 avx512vnni, 3 neon (default: the best).  Weights are random bytes
  * with small finite f16 scales. */
 #include <stdint.h>
@@ -51,6 +52,18 @@ int main(int argc, char **argv) {
   case 12: bs = 256, bb = 144; break;
   case 13: bs = 256, bb = 176; break;
   case 14: bs = 256, bb = 210; break;
+  case 16: bs = 256, bb = 66; break;  /* IQ2_XXS */
+  case 17: bs = 256, bb = 74; break;  /* IQ2_XS */
+  case 18: bs = 256, bb = 98; break;  /* IQ3_XXS */
+  case 19: bs = 256, bb = 50; break;  /* IQ1_S */
+  case 20: bs = 32, bb = 18; break;   /* IQ4_NL */
+  case 21: bs = 256, bb = 110; break; /* IQ3_S */
+  case 22: bs = 256, bb = 82; break;  /* IQ2_S */
+  case 23: bs = 256, bb = 136; break; /* IQ4_XS */
+  case 29: bs = 256, bb = 56; break;  /* IQ1_M: its scale is spread over the scales' high bits */
+  case 34: bs = 256, bb = 54; break;  /* TQ1_0 */
+  case 35: bs = 256, bb = 66; break;  /* TQ2_0 */
+  case 39: bs = 32, bb = 17; break;   /* MXFP4: an E8M0 byte first */
   default: fprintf(stderr, "unsupported type %d\n", type); return 2;
   }
   const long rb = k / bs * bb;
@@ -60,7 +73,12 @@ int main(int argc, char **argv) {
   for (long r = 0; r < n; r++) /* f16 scales (and mins) with a small exponent */
     for (long b = 0; b < k / bs; b++) {
       /* the block's f16 d (and dmin) come last in Q2_K, Q3_K and Q6_K */
-      uint8_t *p = w + r * rb + b * bb + (type == 14 ? 208 : type == 10 ? 80 : type == 11 ? 108 : 0);
+      uint8_t *p = w + r * rb + b * bb + (type == 14 ? 208 : type == 10 ? 80 : type == 11 ? 108 :
+                                          type == 34 ? 52 : type == 35 ? 64 : 0);
+      if (type == 39) {
+        p[0] = 120; /* 2^-8 */
+        continue;
+      }
       p[1] = 0x1c;
       if (type == 3 || type == 7 || type == 10 || type == 12 || type == 13) p[3] = 0x1c;
     }

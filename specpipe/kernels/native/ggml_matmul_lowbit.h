@@ -96,6 +96,7 @@ SP_INLINE void put8_iq1(uint8_t *q, uint64_t grid, int delta) {
  * 32-byte vectors (the compiler leaves the byte loop nearly scalar).  Without hm: q = the crumb
  * (Q2_K).  With hm (Q3_K): q = SP_LB_BIAS - 4 + crumb + 4 * (bit hbit0 + k of hm[l]). */
 typedef uint8_t v32u8 __attribute__((vector_size(32)));
+typedef uint8_t v4u8 __attribute__((vector_size(4)));
 SP_INLINE void unpack_crumbs32(const uint8_t *qs, uint8_t *q, const uint8_t *hm, int hbit0) {
   v32u8 v, m = {0};
   memcpy(&v, qs, 32);
@@ -185,8 +186,12 @@ SP_INLINE int unpack_lowbit(int type, const uint8_t *b, wtile *w, int r, uint8_t
     } else {
       const uint8_t *qs = SP_FIELD(b, sp_block_iq2_s, qs), *qh = SP_FIELD(b, sp_block_iq2_s, qh);
       memcpy(sg, SP_FIELD(b, sp_block_iq2_s, signs), 32);
-      for (int g = 0; g < 32; g++)
-        memcpy(q + 8 * g, &sp_iq2s_grid[qs[g] | ((qh[g / 4] >> (2 * (g % 4))) & 3) << 8], 8);
+      for (int g4 = 0; g4 < 8; g4++) { /* qh[g4]: two high index bits for each of 4 groups */
+        const uint32_t h = qh[g4];
+        uint64_t v[4];
+        for (int i = 0; i < 4; i++) v[i] = sp_iq2s_grid[qs[4 * g4 + i] | ((h << (8 - 2 * i)) & 768)];
+        memcpy(q + 32 * g4, v, 32);
+      }
     }
     return 1;
   }
@@ -196,7 +201,12 @@ SP_INLINE int unpack_lowbit(int type, const uint8_t *b, wtile *w, int r, uint8_t
     w->d[0][r] = f16_to_f32(b);
     for (int j = 0; j < 16; j++) sc[j] = (int8_t)(2 * ((s[j / 4] >> (4 * ((j / 2) & 1))) & 15) + 1);
     memcpy(sg, SP_FIELD(b, sp_block_iq3_s, signs), 32);
-    for (int j = 0; j < 64; j++) memcpy(q + 4 * j, &sp_iq3s_grid[qs[j] | ((qh[j / 8] >> (j % 8)) & 1) << 8], 4);
+    for (int g = 0; g < 8; g++) { /* qh[g]: the ninth index bit of the group's 8 grid entries */
+      const uint32_t h = qh[g];
+      uint32_t v[8];
+      for (int i = 0; i < 8; i++) v[i] = sp_iq3s_grid[qs[8 * g + i] | ((h << (8 - i)) & 256)];
+      memcpy(q + 32 * g, v, 32);
+    }
     return 1;
   }
   case SP_IQ1_S: {
@@ -235,19 +245,27 @@ SP_INLINE int unpack_lowbit(int type, const uint8_t *b, wtile *w, int r, uint8_t
     return 0;
   }
   case SP_TQ1_0: {
-    static const uint8_t pow3[5] = {1, 3, 9, 27, 81};
     const uint8_t *qs = SP_FIELD(b, sp_block_tq1_0, qs), *qh = SP_FIELD(b, sp_block_tq1_0, qh);
     w->d[0][r] = f16_to_f32(SP_FIELD(b, sp_block_tq1_0, d));
     memset(sc, 1, 16);
-    /* digit p of byte c: ((uint8_t)(c * 3^p) * 3) >> 8 */
-#define SP_TRIT(c, p) (uint8_t)(SP_LB_BIAS - 1 + ((((uint8_t)((c) * pow3[p])) * 3) >> 8))
-    for (int p = 0; p < 5; p++)
-      for (int l = 0; l < 32; l++) q[32 * p + l] = SP_TRIT(qs[l], p);
-    for (int p = 0; p < 5; p++)
-      for (int l = 0; l < 16; l++) q[160 + 16 * p + l] = SP_TRIT(qs[32 + l], p);
-    for (int p = 0; p < 4; p++)
-      for (int l = 0; l < 4; l++) q[240 + 4 * p + l] = SP_TRIT(qh[l], p);
-#undef SP_TRIT
+    /* Digit p of byte c is ((uint8_t)(c * 3^p) * 3) >> 8, that is (t > 85) + (t > 170) for
+     * t = c * 3^p mod 256: t goes from digit to digit as t + t + t, in byte lanes. */
+    v32u8 t32;
+    v16u8 t16;
+    v4u8 t4;
+    memcpy(&t32, qs, 32);
+    memcpy(&t16, qs + 32, 16);
+    memcpy(&t4, qh, 4);
+#define SP_TRITS(vt, t, dst)                                                                   \
+    do {                                                                                       \
+      const vt o = (uint8_t)(SP_LB_BIAS - 1) - (vt)(t > 85) - (vt)(t > 170); /* true: -1 */ \
+      memcpy(dst, &o, sizeof o);                                                               \
+      t = t + t + t;                                                                           \
+    } while (0)
+    for (int p = 0; p < 5; p++) SP_TRITS(v32u8, t32, q + 32 * p);
+    for (int p = 0; p < 5; p++) SP_TRITS(v16u8, t16, q + 160 + 16 * p);
+    for (int p = 0; p < 4; p++) SP_TRITS(v4u8, t4, q + 240 + 4 * p);
+#undef SP_TRITS
     return 0;
   }
   default: return 0;
