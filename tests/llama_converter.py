@@ -13,6 +13,9 @@ tensor and metadata code under test:
   * its BPE pre-tokenizer check hashes the tokens of a fixed text against the tokenizers of
     released models, and the tiny byte-level BPE is none of them: when the hash is unknown the
     pre-tokenizer is named `pre` ("gpt-2", which the tiny tokenizer is) instead of an error;
+  * a family whose tokenizer the converter looks up special tokens of by name (GLM's
+    _set_vocab_glm: [gMASK], <|user|>, <|observation|>) is converted from a copy of its directory
+    whose tiny tokenizer has them added (NEEDED_SPECIAL_TOKENS);
   * where `sentencepiece` is not installed, a checkpoint without tokenizer.model gets the
     FileNotFoundError that sends the converter on to its BPE path, as it would with it installed
     (the converter imports sentencepiece before it looks for the file).
@@ -21,6 +24,7 @@ tensor and metadata code under test:
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import shutil
 import subprocess
@@ -30,6 +34,8 @@ from pathlib import Path
 
 VERSION = "0.3.36"
 CACHE_ENV = "SPECPIPE_LLAMA_CONVERTER_CACHE"
+# model_type -> the special tokens the converter requires its tokenizer to hold.
+NEEDED_SPECIAL_TOKENS = {"glm4_moe": ("[gMASK]", "<|user|>", "<|observation|>", "<|endoftext|>")}
 _MEMBERS = ("vendor/llama.cpp/convert_hf_to_gguf.py", "vendor/llama.cpp/conversion/", "vendor/llama.cpp/gguf-py/")
 
 # Run as `python -c DRIVER root pre args...`: the converter's __main__ with the two adjustments.
@@ -114,6 +120,7 @@ def convert(hf_dir, out_path, outtype: str = "f32", pre: str = "gpt-2") -> Path:
     tokenizer (see the module docstring)."""
     root = converter_dir()
     out_path = Path(out_path)
+    hf_dir = with_special_tokens(Path(hf_dir), out_path.with_name(out_path.stem + "_hf"))
     cmd = [sys.executable, "-c", _DRIVER, str(root), pre, str(hf_dir), "--outfile", str(out_path),
            "--outtype", outtype]
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
@@ -122,3 +129,20 @@ def convert(hf_dir, out_path, outtype: str = "f32", pre: str = "gpt-2") -> Path:
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {hf_dir} (exit {run.returncode}):\n"
                            f"{run.stderr[-4000:]}")
     return out_path
+
+
+def with_special_tokens(hf_dir: Path, copy_dir: Path) -> Path:
+    """`hf_dir`, or where its family needs special tokens its tokenizer lacks, a copy at
+    `copy_dir` whose tokenizer.json has them added (as special tokens, at the next free ids)."""
+    from tokenizers import AddedToken, Tokenizer
+
+    model_type = json.loads((hf_dir / "config.json").read_text()).get("model_type")
+    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    missing = [t for t in NEEDED_SPECIAL_TOKENS.get(model_type, ()) if tok.token_to_id(t) is None]
+    if not missing:
+        return hf_dir
+    shutil.rmtree(copy_dir, ignore_errors=True)
+    shutil.copytree(hf_dir, copy_dir)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+    tok.save(str(copy_dir / "tokenizer.json"))
+    return copy_dir

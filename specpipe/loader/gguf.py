@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -35,6 +36,7 @@ import torch
 from specpipe.config import ConfigError, LinearRope, ModelConfig, RopeScaling, StageSpec
 from specpipe.kernels.ggml_types import BLOCKS
 from specpipe.loader import gguf_families as families
+from specpipe.loader import gguf_sparse as sparse
 from specpipe.loader.checkpoint import (Checkpoint, CheckpointError, StageBytes, check_config_against_tensors,
                                        fused_parts, merge_ranges, stage_needs)
 from specpipe.loader.checked_file import closed_on_error
@@ -199,8 +201,11 @@ def _read_config(meta: dict[str, Any], tensors: dict[str, Any], extras: dict[str
     eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))  # ordered, no duplicates
     try:
         scaling = families.longrope(md, key, extras, rope_dim, context)
-        options = families.family_options(md, key, arch, hidden, heads, head_dim, num_layers, routed_layers)
-        return ModelConfig(
+        options = families.family_options(md, key, arch, hidden, heads, head_dim, num_layers, routed_layers,
+                                          set(tensors))
+        if "rope_scaling" not in options:  # the sparse families' own (gguf_sparse.py) say theirs
+            options["rope_scaling"] = scaling or _rope_scaling(md, key, theta, rope_dim, table, file_name)
+        fields = dict(
             arch=arch,
             vocab_size=vocab,
             hidden_size=hidden,
@@ -211,15 +216,14 @@ def _read_config(meta: dict[str, Any], tensors: dict[str, Any], extras: dict[str
             head_dim=head_dim,
             rms_norm_eps=md.get_float(f"{key}.attention.layer_norm_rms_epsilon", 1e-5),
             rope_theta=theta,
-            rope_scaling=scaling or _rope_scaling(md, key, theta, rope_dim, table, file_name),
             rope_dim=rope_dim if rope_dim != head_dim else None,
             max_position=context,
             tie_word_embeddings="lm_head.weight" not in tensors,
             attention_bias=arch == "qwen2" or any(n.endswith("_proj.bias") for n in tensors),
             bos_token_id=md.get_int("tokenizer.ggml.bos_token_id", None),
             eos_token_ids=eos_ids,
-            **options,
         )
+        return ModelConfig(**{**fields, **options})  # a family's options override the generic reading
     except (ConfigError, ValueError) as e:
         raise CheckpointError(f"{file_name}: {e}") from None
 
@@ -264,7 +268,19 @@ class GGUFCheckpoint(Checkpoint):
         self._rows: dict[str, tuple[int, int]] = {}
         extras: dict[str, Any] = {}
         routed: set[int] = set()
+        # DeepSeek's kv_b_proj, stored as two tensors: canonical name -> (attn_k_b, attn_v_b) records.
+        self._joined: dict[str, tuple[Any, Any]] = {}
+        halves: dict[tuple[int, str], Any] = {}
+        self._skipped: set[int] = set()  # ids of the records of multi-token-prediction layers
+        main = sparse.main_layers(meta, str(gguf_arch))
         for t in self._file.tensors:
+            block = re.match(r"blk\.(\d+)\.(.+)\.weight$", t.name)
+            if main is not None and re.match(r"blk\.(\d+)\.", t.name) and int(t.name.split(".")[1]) >= main:
+                self._skipped.add(id(t))
+                continue
+            if block and block.group(2) in sparse.KV_B_HALVES:
+                halves[int(block.group(1)), block.group(2)] = t
+                continue
             shape = tuple(reversed(t.shape))
             parts = families.canonical_parts(t.name, shape, str(gguf_arch))
             if not parts:
@@ -275,6 +291,15 @@ class GGUFCheckpoint(Checkpoint):
                     self._rows[name] = rows
                 if name.endswith(".mlp.gate.weight"):
                     routed.add(int(name.split(".")[1]))
+        for layer in sorted({layer for layer, _ in halves}):
+            pair = tuple(halves.get((layer, part)) for part in sparse.KV_B_HALVES)
+            if None in pair:
+                raise CheckpointError(f"{self.path.name}: layer {layer} holds one of attn_k_b / attn_v_b, not both")
+            self._joined[f"layers.{layer}.{sparse.KV_B}"] = pair
+        if self._skipped:
+            print(f"specpipe: {self.path.name}: skipping its multi-token-prediction layers ({main} and on, "
+                  f"{len(self._skipped)} tensors): SpecPipe decodes with the {main} decoder layers only",
+                  file=sys.stderr, flush=True)
         self.config = _read_config(meta, self._tensors, extras, self.path.name,
                                    families.has_experts(t.name for t in self._file.tensors), routed)
         for name in [n for n in self._tensors if fused_parts(n, self.config)]:  # Phi-3's fused tensors
@@ -285,7 +310,7 @@ class GGUFCheckpoint(Checkpoint):
         check_config_against_tensors(self)
 
     def names(self) -> set[str]:
-        return set(self._tensors)
+        return set(self._tensors) | set(self._joined)
 
     def _record(self, name: str) -> Any:
         if self._file is None:
@@ -309,6 +334,12 @@ class GGUFCheckpoint(Checkpoint):
         return a, b, total
 
     def shape(self, name: str) -> tuple[int, ...]:
+        if name in self._joined:
+            k_b, v_b = self._joined[name]
+            try:
+                return sparse.kv_b_shape(tuple(reversed(k_b.shape)), tuple(reversed(v_b.shape)))
+            except ValueError as e:
+                raise CheckpointError(f"{self.path.name}: {e}") from None
         shape = self._stored_shape(name)
         if name not in self._rows:
             return shape
@@ -352,6 +383,11 @@ class GGUFCheckpoint(Checkpoint):
 
     def load(self, name: str, dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
         """Dequantized to float32 (then to `dtype` when given)."""
+        if name in self._joined:  # kv_b_proj from its two halves, each read whole
+            shape = self.shape(name)
+            k_b, v_b = (self._dequantized(t) for t in self._joined[name])
+            w = torch.from_numpy(np.ascontiguousarray(sparse.join_kv_b(k_b, v_b), dtype=np.float32)).reshape(shape)
+            return w if dtype is None else w.to(dtype)
         t = self._record(name)
         shape = self.shape(name)
         a, b, total = self._row_range(name)
@@ -373,6 +409,18 @@ class GGUFCheckpoint(Checkpoint):
             w = np.array(w, dtype=np.float32, order="C")
         return torch.from_numpy(w) if dtype is None else torch.from_numpy(w).to(dtype)
 
+    def _dequantized(self, t: Any) -> np.ndarray:
+        """A whole record as float32 in its (torch-order) stored shape."""
+        if self._file is None:
+            raise CheckpointError(f"{self.path.name}: checkpoint is closed")
+        shape = tuple(reversed(t.shape))
+        rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+        try:
+            return gguf.quants.dequantize(self._file.read_rows(t, 0, rows, rows), t.tensor_type).reshape(shape)
+        except NotImplementedError:
+            raise CheckpointError(f"{self.path.name}: tensor {t.name} has type {t.tensor_type.name}, "
+                                  "which SpecPipe cannot dequantize") from None
+
     def stage_ranges(self, spec: StageSpec) -> StageBytes:
         """The file's preamble (header, metadata, tensor directory: everything before the first
         tensor's data) and the data of every record the stage needs. A record can back several
@@ -382,7 +430,10 @@ class GGUFCheckpoint(Checkpoint):
             raise CheckpointError(f"{self.path.name}: checkpoint is closed")
         names, rel = self.names(), self.path.name
         needed: dict[int, bool] = {}  # id(record) -> some canonical name it backs is needed
-        for name, t in self._tensors.items():
+        needed.update((i, False) for i in self._skipped)  # multi-token-prediction layers: no stage's
+        backing = [(name, t) for name, t in self._tensors.items()]
+        backing += [(name, t) for name, pair in self._joined.items() for t in pair]
+        for name, t in backing:
             needed[id(t)] = needed.get(id(t), False) or stage_needs(name, spec, names)
         size = self._file.size
         records = self._file.tensors
@@ -395,3 +446,4 @@ class GGUFCheckpoint(Checkpoint):
             self._file.close()
         self._file = None
         self._tensors = {}
+        self._joined = {}

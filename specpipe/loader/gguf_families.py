@@ -27,12 +27,12 @@ from typing import Any, Callable, Optional
 import gguf
 
 from specpipe.config import SUPPORTED_ARCHITECTURES, LongRope, MoEConfig
+from specpipe.loader import gguf_sparse as sparse
 
 # GGUF general.architecture -> ModelConfig.arch (llama becomes mixtral when it has experts).
 GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-              "gemma3": "gemma3", "phi3": "phi3"}
+              "gemma3": "gemma3", "phi3": "phi3", **sparse.GGUF_ARCHS}
 MISSING_PIECE = {
-    "deepseek2": "multi-head latent attention (MLA) and shared experts",
     "qwen2moe": "shared experts (with their gate)",
     "gemma2": "Gemma 2's soft-capping and norms (only Gemma 3 is supported)",
     "gemma3n": "Gemma 3n's per-layer embeddings and AltUp",
@@ -85,6 +85,10 @@ def canonical_parts(gguf_name: str, shape: tuple[int, ...], arch: str) -> list[t
         return [(f"{prefix}mlp.experts.{e}.{_EXPERTS[part]}.{kind}", (e * rows, (e + 1) * rows)) for e in range(n)]
     if expert is not None and part in ("ffn_gate", "ffn_up", "ffn_down"):  # older Mixtral files
         return [(f"{prefix}mlp.experts.{expert}.{part[4:]}_proj.{kind}", None)]
+    if arch in sparse.GGUF_ARCHS and expert is None:  # DeepSeek's latent attention, shared experts, ...
+        own = sparse.canonical_name(layer, part, kind)
+        if own is not None:
+            return [(own, None)]
     name = _FAMILY_PARTS.get(arch, {}).get(part) or _LAYER_PARTS.get(part)
     return [] if name is None or expert is not None else [(f"{prefix}{name}.{kind}", None)]
 
@@ -100,8 +104,11 @@ def model_arch(gguf_arch: str, has_experts: bool, file_name: str, error: Callabl
 
 
 def family_options(md: Any, gguf_arch: str, arch: str, hidden: int, heads: int, head_dim: int, num_layers: int,
-                   layers_with_router: set[int]) -> dict[str, Any]:
-    """ModelConfig options beyond the Llama defaults. `md`: loader/gguf.py's typed metadata."""
+                   layers_with_router: set[int], names: set[str]) -> dict[str, Any]:
+    """ModelConfig options beyond the Llama defaults. `md`: loader/gguf.py's typed metadata;
+    `names`: the canonical tensor names."""
+    if gguf_arch in sparse.GGUF_ARCHS:
+        return sparse.options(md, gguf_arch, names, num_layers, layers_with_router)
     key = f"{gguf_arch}."
     out: dict[str, Any] = {}
     if arch in ("qwen3", "qwen3_moe", "gemma3"):

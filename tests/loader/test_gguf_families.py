@@ -78,13 +78,13 @@ def test_quantized_experts_use_the_quantized_seam(tiny_model_dir, tmp_path):
 def test_unsupported_architecture_names_the_missing_piece(tiny_model_dir, tmp_path):
     import gguf
 
-    path = tmp_path / "ds.gguf"
-    wr = gguf.GGUFWriter(str(path), "deepseek2")
+    path = tmp_path / "q2moe.gguf"
+    wr = gguf.GGUFWriter(str(path), "qwen2moe")
     wr.add_block_count(1)
     wr.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
     wr.write_tensors_to_file()
     wr.close()
-    with pytest.raises(CheckpointError, match=r"'deepseek2' \(it needs multi-head latent attention \(MLA\)"):
+    with pytest.raises(CheckpointError, match=r"'qwen2moe' \(it needs shared experts \(with their gate\)"):
         open_checkpoint(path)
