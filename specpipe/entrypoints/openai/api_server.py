@@ -4,7 +4,8 @@
                                                              (engine thread) --step()--> stages
 
 Routes: /v1/completions, /v1/chat/completions (streaming as server-sent events), /v1/messages
-(Anthropic's Messages API, anthropic_api.py), /v1/models,
+(Anthropic's Messages API, anthropic_api.py), /v1/responses (OpenAI's Responses API,
+responses_api.py), /v1/models,
 /tokenize and /detokenize (vLLM's), /health, /metrics (Prometheus). With --api-key every /v1
 route and /tokenize, /detokenize want `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`)
 (and /health and /metrics too with --metrics-need-key). Every error has OpenAI's body, and the
@@ -35,6 +36,7 @@ from specpipe.engine.engine import Engine
 from specpipe.engine.metrics import EngineMetrics
 from specpipe.entrypoints.openai import protocol as p
 from specpipe.entrypoints.openai.anthropic_api import AnthropicServing, error_body as anthropic_error
+from specpipe.entrypoints.openai.responses_api import ResponsesRequest, ResponsesServing
 from specpipe.entrypoints.openai.connections import HEADER_TIMEOUT_S, MAX_CONNECTIONS_PER_CLIENT, http_protocol
 from specpipe.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, BodyLimit, key_index
 from specpipe.entrypoints.openai.serving import ApiError, OpenAIServing
@@ -202,6 +204,16 @@ def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, mode
             return await _unless_disconnected(request, anthropic.whole(body, stream), stream)
         except ApiError as e:
             return JSONResponse(anthropic_error(e), status_code=e.status)
+
+    responses_api = ResponsesServing(serving)
+
+    @app.post("/v1/responses", responses=generation_errors)
+    async def responses(body: ResponsesRequest, request: Request):
+        """OpenAI's Responses API (responses_api.py)."""
+        stream = await responses_api.start(body, client_of(request))
+        if body.stream:
+            return _EventStream(stream, responses_api.events(body, stream))
+        return await _unless_disconnected(request, responses_api.whole(body, stream), stream)
 
     def openapi() -> dict:
         """FastAPI's schema, less the 422 it adds to every route with a body: this server answers
