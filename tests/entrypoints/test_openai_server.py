@@ -201,7 +201,7 @@ def test_32_concurrent_requests_each_equal_alone(server, alone):
     ({"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
     ({"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens"),
     ({"prompt": 12}, 400, "prompt"),
-    ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": "hi", "n": 17}, 400, "n"),  # at most 16
     ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),  # at most 20
     ({"prompt": ["a", "b"]}, 400, "prompt"),
     ({"prompt": [5, 99999]}, 400, "prompt"),  # a token id outside the vocabulary

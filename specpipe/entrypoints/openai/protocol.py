@@ -169,8 +169,6 @@ class SamplingFields(OpenAIModel):
         """(field, why) for the first field set to something this server cannot do."""
         if self.best_of not in (None, 1):
             return "best_of", "best_of is not supported"
-        if self.n != 1:
-            return "n", "only n = 1 is supported"
         if any(not k.isdigit() or len(k) > 18 for k in self.logit_bias or {}):
             return "logit_bias", "logit_bias keys must be token ids (decimal integers)"
         return None

