@@ -22,7 +22,8 @@ from specpipe.loader.checked_file import CheckedFile, closed_on_error
 from specpipe.loader.hf_config import model_config_from_hf, prediction_layers
 from specpipe.loader.checkpoint import (Checkpoint, CheckpointError, StageBytes, check_config_against_tensors,
                                        fused_parts, merge_ranges, stage_needs)
-from specpipe.loader import PICKLE_SUFFIXES
+from specpipe.loader import PICKLE_SUFFIXES, hf_gpt_oss
+from specpipe.kernels.ggml_types import dequantize
 
 
 # Prefixes of the text model's tensors: plain causal LMs, and the language model inside Gemma 3's
@@ -44,7 +45,7 @@ def canonical(hf_name: str) -> str:
         if hf_name.startswith(prefix):
             hf_name = repl + hf_name[len(prefix):]
             break
-    for pattern, repl in _MIXTRAL:
+    for pattern, repl in _MIXTRAL + hf_gpt_oss.RENAMES:
         hf_name = pattern.sub(repl, hf_name)
     return hf_name
 
@@ -127,6 +128,9 @@ class HFCheckpoint(Checkpoint):
         skipped: set[int] = set()  # multi-token-prediction layers found (hf_config.prediction_layers)
         self._tensor: dict[str, _Tensor] = {}  # canonical name -> where it is stored
         self._rows: dict[str, tuple[int, int]] = {}  # canonical name -> its rows of a fused tensor
+        # gpt-oss: canonical name -> its part of a stacked expert tensor, and those tensors by name
+        self._slices: dict[str, hf_gpt_oss.ExpertSlice] = {}
+        self._stacked: dict[str, _Tensor] = {}
         # shard name -> (its open file, where its data starts, its tensors by their names in it)
         self._shard_data: dict[str, tuple[CheckedFile, int, dict[str, _Tensor]]] = {}
         with closed_on_error(self):
@@ -144,6 +148,12 @@ class HFCheckpoint(Checkpoint):
                     layer = _layer_of(canonical(name))
                     if layer is not None and n <= layer < n + extra:
                         skipped.add(layer)
+                        continue
+                    slices = hf_gpt_oss.expert_slices(canonical(name), tensors[name].shape)
+                    if slices is not None:
+                        self._stacked[canonical(name)] = tensors[name]
+                        for part, piece in slices:
+                            self._tensor[part], self._slices[part] = tensors[name], piece
                         continue
                     parts = fused_parts(canonical(name), self.config)
                     for part, a, b in parts or [(canonical(name), None, None)]:
@@ -191,6 +201,8 @@ class HFCheckpoint(Checkpoint):
 
     def shape(self, name: str) -> tuple[int, ...]:
         t = self._stored(name)
+        if name in self._slices:
+            return hf_gpt_oss.slice_shape(self._slices[name], t.shape)
         if name in self._rows:
             a, b = self._rows[name]
             if not t.shape or b > t.shape[0]:
@@ -203,6 +215,13 @@ class HFCheckpoint(Checkpoint):
         """One tensor, converted to `dtype` (None: as stored, e.g. bfloat16). Only its rows of a
         fused tensor are read."""
         t, shape = self._stored(name), self.shape(name)
+        piece = self._slices.get(name)
+        if piece is not None:
+            if piece.kind == "mxfp4":  # for a caller that wants floats (a GPU's float32 kernel)
+                w = dequantize(self.load_packed(name)[1], hf_gpt_oss.Q.MXFP4).reshape(shape)
+            else:
+                w = hf_gpt_oss.load_slice(piece, self._expert)
+            return w if dtype is None else w.to(dtype)
         stored = _DTYPES.get(t.dtype)
         if stored is None:
             raise CheckpointError(f"{self.path.name}: tensor {t.name!r} has dtype {t.dtype}, which SpecPipe cannot "
@@ -217,6 +236,32 @@ class HFCheckpoint(Checkpoint):
             return w if dtype is None else w.to(dtype)
         except (RuntimeError, ValueError) as e:
             raise CheckpointError(f"{self.path.name}: cannot read tensor {name!r} ({e})") from None
+
+    def load_packed(self, name: str):
+        """gpt-oss's MXFP4 experts as GGML MXFP4 rows (loader/hf_gpt_oss.py); None for the rest."""
+        piece = self._slices.get(name)
+        if piece is None or piece.kind != "mxfp4":
+            return None
+        return hf_gpt_oss.Q.MXFP4, hf_gpt_oss.packed_slice(piece, self._expert), self.shape(name)
+
+    def stored_type(self, name: str):
+        piece = self._slices.get(name)
+        return hf_gpt_oss.Q.MXFP4 if piece is not None and piece.kind == "mxfp4" else None
+
+    def _expert(self, stacked: str, e: int) -> torch.Tensor:
+        """Expert e of a stacked gpt-oss tensor (E, ...), reading only its bytes."""
+        t = self._stacked.get(stacked)
+        if t is None:
+            raise CheckpointError(f"{self.path.name}: tensor {stacked!r} is missing from the checkpoint")
+        stored = _DTYPES.get(t.dtype)
+        if stored is None or not t.shape or not 0 <= e < t.shape[0]:
+            raise CheckpointError(f"{self.path.name}: cannot read expert {e} of {t.name!r} ({t.dtype}, {t.shape})")
+        n = t.length // t.shape[0]
+        try:
+            return torch.frombuffer(bytearray(t.file.read(t.offset + e * n, n, f"tensor {t.name}")),
+                                    dtype=stored).reshape(t.shape[1:])
+        except (RuntimeError, ValueError) as err:
+            raise CheckpointError(f"{self.path.name}: cannot read tensor {t.name!r} ({err})") from None
 
     def stage_ranges(self, spec: StageSpec) -> StageBytes:
         """Every *.json file whole (config, index, tokenizer, generation config: small, and the

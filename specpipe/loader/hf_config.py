@@ -20,7 +20,7 @@ from specpipe.loader import hf_deepseek
 MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "qwen3": "qwen3",
                "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "gemma3_text": "gemma3", "gemma3": "gemma3",
                "phi3": "phi3", "glm4_moe": "glm4_moe", "minimax_m2": "minimax_m2", "deepseek_v2": "deepseek_v2",
-               "deepseek_v3": "deepseek_v3"}
+               "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss"}
 
 # Families people ask for that need a piece SpecPipe does not have: the error names it.
 MISSING_PIECE = {
@@ -63,6 +63,8 @@ def model_config_from_hf(cfg: dict) -> ModelConfig:
     elif model_type == "gemma3_text":
         cfg = {**GEMMA3_TEXT_DEFAULTS, **cfg}
     quant = cfg.get("quantization_config")
+    if quant and arch == "gpt_oss" and isinstance(quant, dict) and quant.get("quant_method") == "mxfp4":
+        quant = None  # OpenAI's MXFP4 experts: kept packed at load (loader/hf_gpt_oss.py)
     if quant:  # e.g. DeepSeek V3's block-scaled FP8: the stored numbers are not the weights
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
         raise ConfigError(f"config.json names a quantization_config ({method}); SpecPipe reads float safetensors "
@@ -178,6 +180,11 @@ def _moe(arch: str, cfg: dict, num_layers: int) -> Optional[MoEConfig]:
                          top_groups=int(cfg.get("topk_group", 1)),
                          scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
                          shared_intermediate_size=width * int(cfg.get("n_shared_experts", 1)))
+    if arch == "gpt_oss":  # every layer sparse: top-k logits (with the router's bias) softmaxed, biased experts
+        return MoEConfig(int(cfg["num_local_experts"]), int(cfg.get("num_experts_per_tok", 4)),
+                         int(cfg["intermediate_size"]), True, tuple(range(num_layers)), scoring="topk_softmax",
+                         router_bias=True, expert_bias=True, swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+                         swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)))
     if arch == "minimax_m2":  # every layer sparse, experts of intermediate_size, always renormalised
         return MoEConfig(int(cfg["num_local_experts"]), int(cfg["num_experts_per_tok"]), int(cfg["intermediate_size"]),
                          True, tuple(range(num_layers)), scoring="sigmoid", correction_bias=True)
@@ -208,6 +215,9 @@ def _build(arch: str, cfg: dict) -> ModelConfig:
         options.update(qk_norm=bool(cfg.get("use_qk_norm", False)))
     if arch == "minimax_m2":  # always on in transformers (the file's use_qk_norm / qk_norm_type are not read)
         options.update(qk_norm=True, qk_norm_whole=True)
+    if arch == "gpt_oss":  # biases on q/k/v and o (attention_bias), a sink per head
+        bias = bool(cfg.get("attention_bias", True))
+        options.update(attention_sinks=True, o_proj_bias=bias, attention_bias=bias)
     if gemma:
         local = _rope_params(cfg, "sliding_attention")
         options.update(
@@ -235,7 +245,7 @@ def _build(arch: str, cfg: dict) -> ModelConfig:
         rope_scaling=_rope_scaling(global_rope, cfg, rope_dim),
         max_position=int(cfg.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
+        attention_bias=options.pop("attention_bias", arch == "qwen2" or bool(cfg.get("attention_bias", False))),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
         hidden_act=acts[act],

@@ -107,11 +107,14 @@ ROW_CHUNK = 256  # rows per score matrix, bounding its memory at ROW_CHUNK x C p
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-           scale: Optional[float] = None) -> torch.Tensor:
+           scale: Optional[float] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q: (T, Hq, D); k, v: (C, Hkv, D); mask: (T, C) bool or None. Returns (T, Hq, D).
 
     scale: the factor of the scores (default 1/sqrt(D)). Grouped-query attention: query head h
-    reads KV head h // (Hq / Hkv).
+    reads KV head h // (Hq / Hkv). sinks: (Hq,) float32 or None (gpt-oss): a logit per query head
+    that joins each row's softmax as one more score with no value, so the weights of the real
+    slots sum to less than one (exp(sink - m) added to the denominator, m the row's maximum over
+    its scores and the sink).
 
     A row's result must depend only on the slots it sees, in their order -- not on the other
     rows, on C, or on where masked slots sit -- so that a tree node's row equals the row plain
@@ -123,12 +126,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[tor
     """
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if q.dtype == torch.float32 and q.is_cpu and native.available():
-        return native.attention(q, k, v, mask, scale)
-    return attend_torch(q, k, v, mask, scale)
+        return native.attention(q, k, v, mask, scale, sinks=sinks)
+    return attend_torch(q, k, v, mask, scale, sinks)
 
 
 def attend_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                 scale: float) -> torch.Tensor:
+                 scale: float, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The portable path: scores, exp and a weighted sum as batched matmuls, rows padded to a
     multiple of ROW_TILE. On CPU the sums run in float64 (exact products, rounding errors near
     2^-53), so rows computed in differently shaped calls can differ only where a float64 sum
@@ -138,7 +141,7 @@ def attend_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Option
     t, hq, d = q.shape
     if t > ROW_CHUNK:
         return torch.cat([attend_torch(q[i:i + ROW_CHUNK], k, v, None if mask is None else mask[i:i + ROW_CHUNK],
-                                       scale) for i in range(0, t, ROW_CHUNK)])
+                                       scale, sinks) for i in range(0, t, ROW_CHUNK)])
     c, hkv, _ = k.shape
     g = hq // hkv
     pad = -t % ROW_TILE
@@ -152,8 +155,15 @@ def attend_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Option
     scores = torch.matmul(qh, k.permute(1, 2, 0).to(acc)).view(hkv, g, tp, c) * scale  # (Hkv, g, T', C)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    e = torch.exp(scores - scores.amax(dim=-1, keepdim=True)).view(hkv, g * tp, c)
+    top = scores.amax(dim=-1, keepdim=True)  # (Hkv, g, T', 1)
+    if sinks is not None:
+        sink = sinks.to(acc).view(hkv, g, 1, 1)
+        top = torch.maximum(top, sink)
+    e = torch.exp(scores - top).view(hkv, g * tp, c)
     v1 = torch.cat((v.permute(1, 0, 2).to(acc), v.new_ones(hkv, c, 1, dtype=acc)), dim=-1)  # (Hkv, C, D + 1)
     out = torch.matmul(e, v1)  # (Hkv, g T', D + 1)
-    out = (out[..., :d] / out[..., d:]).view(hq, tp, d).to(q.dtype)  # (Hq, T', D)
+    den = out[..., d:]
+    if sinks is not None:  # the sink's share of the denominator (it has no value)
+        den = den + torch.exp(sink - top).view(hkv, g * tp, 1)
+    out = (out[..., :d] / den).view(hq, tp, d).to(q.dtype)  # (Hq, T', D)
     return out.permute(1, 0, 2)[:t]  # (T, Hq, D)

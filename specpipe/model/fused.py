@@ -59,7 +59,10 @@ def layer_weights(layer: nn.Module):
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
     if isinstance(attn, LatentAttention):  # layer.c computes per-head K/V attention only
         return None
-    if layer.sandwich or attn.qk_norm or not isinstance(mlp, MLP) or mlp.act is not ACTIVATIONS["silu"]:
+    if attn.sinks is not None or attn.o_proj.bias is not None:  # gpt-oss: layer.c has neither
+        return None
+    if (layer.sandwich or attn.qk_norm or not isinstance(mlp, MLP) or mlp.act is not ACTIVATIONS["silu"]
+            or mlp.swiglu is not None):
         return None
     if any(n.plus_one or n.eps != norms[0].eps or n.weight.device.type != "cpu" for n in norms):
         return None

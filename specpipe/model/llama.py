@@ -22,6 +22,8 @@ switch on a few named options of ModelConfig, each used in exactly one place her
                                           make_kv_cache: one latent row a token, not K and V
     embed_scale       Gemma               LlamaStage.forward: embeddings times sqrt(hidden)
     final_softcap     Gemma (if set)      LlamaStage.forward: cap * tanh(logits / cap)
+    attention_sinks   gpt-oss             Attention: a logit per head in each softmax (attention.attend)
+    o_proj_bias       gpt-oss             Attention: a bias on the output projection
 
 A `LlamaStage` holds layers [start, end) of the model, plus the token embedding when it is the
 first stage and the final norm + LM head when it is the last; the whole model is the stage
@@ -59,7 +61,9 @@ class Attention(nn.Module):
         self.q_proj = FloatLinear(cfg.hidden_size, self.hq * self.d, bias=bias)
         self.k_proj = FloatLinear(cfg.hidden_size, self.hkv * self.d, bias=bias)
         self.v_proj = FloatLinear(cfg.hidden_size, self.hkv * self.d, bias=bias)
-        self.o_proj = FloatLinear(self.hq * self.d, cfg.hidden_size, bias=False)
+        self.o_proj = FloatLinear(self.hq * self.d, cfg.hidden_size, bias=cfg.o_proj_bias)
+        # gpt-oss: a learned logit per query head in every softmax's denominator (attention.attend)
+        self.sinks = nn.Parameter(torch.empty(self.hq)) if cfg.attention_sinks else None
         if cfg.qk_norm:
             # per head (Qwen3, Gemma 3, GLM-4.5), or across all heads of the projection (MiniMax-M2)
             q_dim, k_dim = (self.hq * self.d, self.hkv * self.d) if cfg.qk_norm_whole else (self.d, self.d)
@@ -84,7 +88,7 @@ class Attention(nn.Module):
         outs = []
         for seg in meta.segments:
             k_seg, v_seg = kv.read(layer, seg)  # (C, Hkv, D)
-            outs.append(attend(q[seg.start:seg.end], k_seg, v_seg, seg.mask, self.scale))
+            outs.append(attend(q[seg.start:seg.end], k_seg, v_seg, seg.mask, self.scale, self.sinks))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (T, Hq, D)
         return self.o_proj(out.reshape(t, self.hq * self.d))
 

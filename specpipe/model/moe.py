@@ -38,19 +38,33 @@ def gated(act, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (act(pad_columns(gate)) * pad_columns(up))[:, :gate.shape[-1]]
 
 
-class MLP(nn.Module):
-    """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu_tanh."""
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert activation, as transformers' GptOssExperts._apply_gate: the gate clamped
+    from above and up on both sides at `limit`, then (up + 1) * gate * sigmoid(alpha * gate).
+    (T, I) each; element-wise over rows padded to whole vectors (model/lanes.py)."""
+    g = pad_columns(gate).clamp(max=limit)
+    u = pad_columns(up).clamp(min=-limit, max=limit)
+    return ((u + 1) * (g * torch.sigmoid(g * alpha)))[:, :gate.shape[-1]]
 
-    def __init__(self, hidden: int, intermediate: int, act: str) -> None:
+
+class MLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU with silu, GeGLU with gelu_tanh; with `swiglu` (alpha,
+    limit) gpt-oss's clamped SwiGLU instead, and `bias` on all three projections (its experts)."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False,
+                 swiglu: Optional[tuple[float, float]] = None) -> None:
         super().__init__()
-        self.gate_proj = FloatLinear(hidden, intermediate, bias=False)
-        self.up_proj = FloatLinear(hidden, intermediate, bias=False)
-        self.down_proj = FloatLinear(intermediate, hidden, bias=False)
+        self.gate_proj = FloatLinear(hidden, intermediate, bias=bias)
+        self.up_proj = FloatLinear(hidden, intermediate, bias=bias)
+        self.down_proj = FloatLinear(intermediate, hidden, bias=bias)
         self.act = ACTIVATIONS[act]
+        self.swiglu = swiglu
         self.gate_up: Optional[StackedLinear] = None  # gate/up stacked after loading (stack_projections)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x) if self.gate_up is not None else (self.gate_proj(x), self.up_proj(x))
+        if self.swiglu is not None:
+            return self.down_proj(clamped_swiglu(gate, up, *self.swiglu))
         return self.down_proj(gated(self.act, gate, up))
 
 
@@ -60,7 +74,8 @@ class SparseMoE(nn.Module):
         moe = cfg.moe
         assert moe is not None
         self.gate = Router(cfg.hidden_size, moe)
-        self.experts = nn.ModuleList(MLP(cfg.hidden_size, moe.intermediate_size, cfg.hidden_act)
+        swiglu = None if moe.swiglu_limit is None else (moe.swiglu_alpha, moe.swiglu_limit)
+        self.experts = nn.ModuleList(MLP(cfg.hidden_size, moe.intermediate_size, cfg.hidden_act, moe.expert_bias, swiglu)
                                      for _ in range(moe.num_experts))
         self.shared_experts = (MLP(cfg.hidden_size, moe.shared_intermediate_size, cfg.hidden_act)
                                if moe.shared_intermediate_size else None)

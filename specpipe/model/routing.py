@@ -7,6 +7,8 @@ One rule for every family, switched by MoEConfig's fields (config.py):
     DeepSeek V2         softmax   -                greedy: none; group_limited_greedy: max   no*   routed_scaling_factor
     DeepSeek V3, GLM-4.5 sigmoid  e_score_correction_bias  top2_sum                          yes*  routed_scaling_factor
     MiniMax-M2          sigmoid   e_score_correction_bias  -                                 yes   1
+    gpt-oss             topk_softmax (the top_k logits, with the router's bias added, chosen first;
+                        their weights the softmax over those k alone)                     -     1
     (* as the checkpoint's norm_topk_prob says)
 
 For each row, from its router logits (T, E) in float32:
@@ -49,6 +51,9 @@ from specpipe.model.lanes import pad_columns
 
 def route(logits: torch.Tensor, moe: MoEConfig, bias: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (T, E) float32 -> (chosen experts (T, k) int64, their weights (T, k) float32)."""
+    if moe.scoring == "topk_softmax":  # gpt-oss: choose by logit, weigh by a softmax over the chosen
+        top, chosen = torch.topk(logits, moe.top_k, dim=-1)  # (T, k) each
+        return chosen, torch.softmax(top, dim=-1)
     if moe.scoring == "softmax":
         scores = torch.softmax(logits, dim=-1)  # (T, E)
     else:  # elementwise: padded so a row's bits do not depend on the row count (model/lanes.py)
@@ -87,14 +92,16 @@ class Router(nn.Module):
         self.moe = moe
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden))  # (E, H)
         self.e_score_correction_bias = nn.Parameter(torch.empty(moe.num_experts)) if moe.correction_bias else None
+        self.bias = nn.Parameter(torch.empty(moe.num_experts)) if moe.router_bias else None  # gpt-oss: on the logits
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = invariant_linear(x.float(), self.weight.float())  # (T, E)
+        bias = None if self.bias is None else self.bias.float()
+        logits = invariant_linear(x.float(), self.weight.float(), bias)  # (T, E)
         bias = None if self.e_score_correction_bias is None else self.e_score_correction_bias.float()
         return route(logits, self.moe, bias)
 
 
 # Parameters the loader keeps in float32 whatever the activations' type (model/stage.py).
-FLOAT32_PARAMS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+FLOAT32_PARAMS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias", "mlp.gate.bias")
 
 __all__ = ["route", "Router", "FLOAT32_PARAMS"]

@@ -59,6 +59,8 @@ _SIGNATURES = {
     "sp_matmul": ([_i32, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i32, _i32], _i32),
     "sp_attention": ([_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i64, _ptr, ctypes.c_float, _ptr, _i32, _i32],
                      _i32),
+    "sp_attention_sinks": ([_ptr, _i64, _i32, _i32, _i32, _ptr, _ptr, _i64, _ptr, ctypes.c_float, _ptr, _ptr, _i32,
+                            _i32], _i32),
     "sp_rmsnorm": ([_ptr, _i64, _i64, _ptr, ctypes.c_float, _ptr], _i32),
     "sp_rope": ([_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr], _i32),
     "sp_isa_supported": ([_i32], _i32),
@@ -334,10 +336,12 @@ MAX_GROUP = 64
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              scale: float, threads: int | None = None, *, isa: str | None = None) -> torch.Tensor:
+              scale: float, threads: int | None = None, *, isa: str | None = None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of q (T, Hq, D) over k, v (C, Hkv, D), mask (T, C) bool or None -> (T, Hq, D),
     all float32 CPU tensors. Each row's result depends only on the slots its mask lets it see,
-    in their order: not on C, on the masked slots, on the other rows or on ``threads``."""
+    in their order: not on C, on the masked slots, on the other rows or on ``threads``.
+    sinks: (Hq,) a logit per query head in each softmax's denominator (gpt-oss), or None."""
     lib = _lib if _lib is not None else _require()
     if not all(isinstance(x, torch.Tensor) and x.dtype == torch.float32 and x.is_cpu and x.dim() == 3
                for x in (q, k, v)):
@@ -353,9 +357,17 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     out = torch.empty_like(q)
     if threads is None:
         threads = torch.get_num_threads() if t * hq * c * d >= _ATTENTION_THREADED_WORK else 1
-    rc = lib.sp_attention(q.data_ptr(), t, hq, hkv, d, k.data_ptr(), v.data_ptr(), c,
-                          None if m is None else m.data_ptr(), float(scale), out.data_ptr(),
-                          max(1, int(threads)), _isa_code(isa))
+    if sinks is not None:
+        sinks = sinks.detach().to(torch.float32).contiguous()
+        if not sinks.is_cpu or tuple(sinks.shape) != (hq,):
+            raise ValueError(f"sinks must be ({hq},) on the CPU, got {tuple(sinks.shape)} on {sinks.device}")
+        rc = lib.sp_attention_sinks(q.data_ptr(), t, hq, hkv, d, k.data_ptr(), v.data_ptr(), c,
+                                    None if m is None else m.data_ptr(), float(scale), sinks.data_ptr(),
+                                    out.data_ptr(), max(1, int(threads)), _isa_code(isa))
+    else:
+        rc = lib.sp_attention(q.data_ptr(), t, hq, hkv, d, k.data_ptr(), v.data_ptr(), c,
+                              None if m is None else m.data_ptr(), float(scale), out.data_ptr(),
+                              max(1, int(threads)), _isa_code(isa))
     if rc != 0:
         raise RuntimeError(f"sp_attention failed: {_ERRORS.get(rc, rc)}")
     return out

@@ -2,6 +2,9 @@
  *
  * out[i, h] = sum_j softmax_j(scale * q[i, h] . k[j, g]) v[j, g] over the read slots j that
  * mask[i, j] allows (all when mask is NULL), g = h / (hq / hkv) the KV head of query head h.
+ * With sinks (gpt-oss, sp_attention_sinks): sinks[h] joins head h's softmax as one more score
+ * that has no value -- the maximum is taken over it too, and exp(sinks[h] - max) starts the
+ * denominator's sum, before the slots' weights in read order.
  *
  * Why not torch: a matmul (and torch.softmax) groups its additions by the shapes of the call,
  * so a row's result changes with the number of read slots C and with where the masked ones sit
@@ -166,8 +169,8 @@ SP_INLINE void values_row(const float *const *vp, const float *e, int64_t stride
  * top, so a row's result is the same in any set of rows. */
 SP_INLINE void attend_rows(const float *q, int64_t qstride, const float *k, const float *v,
                            const int64_t *slots, const uint8_t *mask, int64_t c, int nrows,
-                           int hkv, int g, int group, int d, float scale, int heads,
-                           const att_scratch *W, float *out) {
+                           int hkv, int g, int group, int d, float scale, const float *sinks,
+                           int heads, const att_scratch *W, float *out) {
   const int64_t stride = (int64_t)hkv * d, c8 = (c + 7) / 8 * 8;
   const int rh = nrows * group;
   const v8f none = (v8f){0} - INFINITY;
@@ -208,6 +211,12 @@ SP_INLINE void attend_rows(const float *q, int64_t qstride, const float *k, cons
     float m = -INFINITY;
     for (int r = 0; r < 8; r++)
       if (W->mv[x][r] > m) m = W->mv[x][r];
+    if (sinks) { /* the head's sink: in the maximum, and the first term of the denominator */
+      const float sink = sinks[x % group];
+      if (sink > m) m = sink;
+      const v8f es = exp8((v8f){0} + (sink - m));
+      W->sum[x] = es[0];
+    }
     float *sx = W->s + x * c8;
     for (int64_t j = c; j < c8; j++) sx[j] = m;
     for (int64_t j = 0; j < c8; j += 8) {
@@ -249,20 +258,21 @@ SP_INLINE void attend_rows(const float *q, int64_t qstride, const float *k, cons
 /* attend_rows compiled per ISA (the parallel region below is outlined by the compiler into a
  * function of its own, which would not inherit a target attribute: it calls these instead). */
 typedef void (*rows_fn)(const float *, int64_t, const float *, const float *, const int64_t *,
-                        const uint8_t *, int64_t, int, int, int, int, int, float,
+                        const uint8_t *, int64_t, int, int, int, int, int, float, const float *,
                         const att_scratch *, float *);
 /* heads: the value sums' head block, as many as the ISA's registers hold (a v16f is one
  * AVX-512 register, two AVX2 ones, four SSE ones) */
 #define SP_ROWS_FN(name, attr, heads)                                                            \
   attr static void name(const float *q, int64_t qs, const float *k, const float *v,             \
                         const int64_t *slots, const uint8_t *mask, int64_t c, int nrows, int hkv, \
-                        int g, int group, int d, float scale, const att_scratch *W, float *out) { \
+                        int g, int group, int d, float scale, const float *sk,                \
+                        const att_scratch *W, float *out) {                                     \
     if (d == 64) /* the common head sizes as constants: loops unrolled */                       \
-      attend_rows(q, qs, k, v, slots, mask, c, nrows, hkv, g, group, 64, scale, heads, W, out);  \
+      attend_rows(q, qs, k, v, slots, mask, c, nrows, hkv, g, group, 64, scale, sk, heads, W, out); \
     else if (d == 128)                                                                           \
-      attend_rows(q, qs, k, v, slots, mask, c, nrows, hkv, g, group, 128, scale, heads, W, out); \
+      attend_rows(q, qs, k, v, slots, mask, c, nrows, hkv, g, group, 128, scale, sk, heads, W, out); \
     else                                                                                         \
-      attend_rows(q, qs, k, v, slots, mask, c, nrows, hkv, g, group, d, scale, heads, W, out);   \
+      attend_rows(q, qs, k, v, slots, mask, c, nrows, hkv, g, group, d, scale, sk, heads, W, out); \
   }
 SP_ROWS_FN(attend_rows_portable, , 2)
 #if defined(__x86_64__) || defined(__i386__)
@@ -273,7 +283,8 @@ SP_ROWS_FN(attend_rows_avx512, __attribute__((target("avx512f"))), SP_ATT_HEADS)
 
 static int attention_body(rows_fn fn, const float *q, int64_t t, int hq, int hkv, int d,
                           const float *k, const float *v, const int64_t *slots, int64_t c,
-                          const uint8_t *mask, float scale, float *out, int threads) {
+                          const uint8_t *mask, float scale, const float *sinks, float *out,
+                          int threads) {
   const int64_t c8 = (c + 7) / 8 * 8, qs = (int64_t)hq * d;
   const int group = hq / hkv;
   /* rows per block: up to SP_ATT_ROWS, fewer where the blocks would not feed every thread
@@ -304,7 +315,7 @@ static int attention_body(rows_fn fn, const float *q, int64_t t, int hq, int hkv
       const int g = (int)(p % hkv);
       const int64_t off = row * qs + (int64_t)g * group * d;
       fn(q + off, qs, k, v, slots, mask ? mask + row * c : NULL, c, (int)n, hkv, g, group, d,
-         scale, &W, out + off);
+         scale, sinks ? sinks + (int64_t)g * group : NULL, &W, out + off);
     }
     free(W.s);
     free(W.mv);
@@ -317,9 +328,9 @@ static int attention_body(rows_fn fn, const float *q, int64_t t, int hq, int hkv
   return failed ? SP_ERR_MEMORY : SP_OK;
 }
 
-int sp_attention_slots(const float *q, int64_t t, int hq, int hkv, int d, const float *k,
-                       const float *v, const int64_t *slots, int64_t c, const uint8_t *mask,
-                       float scale, float *out, int threads, int isa) {
+static int attention_checked(const float *q, int64_t t, int hq, int hkv, int d, const float *k,
+                             const float *v, const int64_t *slots, int64_t c, const uint8_t *mask,
+                             float scale, const float *sinks, float *out, int threads, int isa) {
   int64_t size;
   if (t < 0 || c < 1 || hq < 1 || hkv < 1 || d < 1 || hq % hkv || hq / hkv > SP_MAX_GROUP)
     return SP_ERR_SHAPE;
@@ -335,7 +346,20 @@ int sp_attention_slots(const float *q, int64_t t, int hq, int hkv, int d, const 
   else if (isa == SP_ISA_AVX2) fn = attend_rows_avx2;
 #endif
   (void)isa;
-  return attention_body(fn, q, t, hq, hkv, d, k, v, slots, c, mask, scale, out, threads);
+  return attention_body(fn, q, t, hq, hkv, d, k, v, slots, c, mask, scale, sinks, out, threads);
+}
+
+int sp_attention_slots(const float *q, int64_t t, int hq, int hkv, int d, const float *k,
+                       const float *v, const int64_t *slots, int64_t c, const uint8_t *mask,
+                       float scale, float *out, int threads, int isa) {
+  return attention_checked(q, t, hq, hkv, d, k, v, slots, c, mask, scale, NULL, out, threads, isa);
+}
+
+/* sp_attention with a sink logit per query head: sinks (hq) floats. */
+int sp_attention_sinks(const float *q, int64_t t, int hq, int hkv, int d, const float *k,
+                       const float *v, int64_t c, const uint8_t *mask, float scale,
+                       const float *sinks, float *out, int threads, int isa) {
+  return attention_checked(q, t, hq, hkv, d, k, v, NULL, c, mask, scale, sinks, out, threads, isa);
 }
 
 int sp_attention(const float *q, int64_t t, int hq, int hkv, int d, const float *k, const float *v,

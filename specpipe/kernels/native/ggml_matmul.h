@@ -52,6 +52,10 @@ int sp_attention(const float *q, int64_t t, int hq, int hkv, int d, const float 
 int sp_attention_slots(const float *q, int64_t t, int hq, int hkv, int d, const float *k,
                        const float *v, const int64_t *slots, int64_t c, const uint8_t *mask,
                        float scale, float *out, int threads, int isa);
+/* sp_attention with a sink logit per query head (gpt-oss): sinks (hq) floats. */
+int sp_attention_sinks(const float *q, int64_t t, int hq, int hkv, int d, const float *k,
+                       const float *v, int64_t c, const uint8_t *mask, float scale,
+                       const float *sinks, float *out, int threads, int isa);
 /* RMSNorm and rotary embeddings per row (see norm_rope.c). */
 int sp_rmsnorm(const float *x, int64_t t, int64_t n, const float *w, float eps, float *y);
 int sp_rope(const float *x, int64_t t, int64_t heads, int64_t d, int64_t rot, const float *cos_,
