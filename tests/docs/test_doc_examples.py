@@ -132,6 +132,7 @@ def check_structured_curl(out, cwd):
     person, obj, regex, grammar, tool = _json_objects(out)
     p = json.loads(person["choices"][0]["message"]["content"])
     assert set(p) == {"name", "age"} and isinstance(p["age"], int) and len(p["name"]) <= 20
+    assert obj["choices"][0]["finish_reason"] == "stop"
     assert isinstance(json.loads(obj["choices"][0]["message"]["content"]), dict)
     assert re.fullmatch(r"(Monday|Friday), [0-9]{1,2} (May|June) 20[0-9]{2}", regex["choices"][0]["text"])
     assert re.fullmatch(r"\([1-9][0-9]?( \+ [1-9][0-9]?)*\) = [1-9][0-9]?", grammar["choices"][0]["text"])
@@ -155,12 +156,12 @@ def check_structured_python(out, cwd):
 def check_bench(out, cwd):
     runs = json.loads((cwd / "r.json").read_text())
     assert "specpipe" in json.dumps(runs) and (cwd / "r.md").is_file()
-    assert len(list((cwd / "traces").glob("*.json"))) == 3 and list((cwd / "oracle-traces").glob("*.json"))
+    assert len(list((cwd / "traces").glob("*.json"))) == 2 and list((cwd / "oracle-traces").glob("*.json"))
 
 
 def check_profile_sim(out, cwd):
     assert (cwd / "small-profile.json").is_file()
-    assert len(re.findall(r"trace_\S+\s+(pp|specpipe)\s+2\s", out)) == 6, out
+    assert len(re.findall(r"trace_\S+\s+(pp|specpipe)\s+2\s", out)) == 4, out
 
 
 CHECKS = {
@@ -189,7 +190,8 @@ def test_not_run_blocks_say_why():
 def test_every_runnable_block_is_checked():
     for b in RUNNABLE:
         assert is_server(b) or check_for(b), f"{b['page']}:{b['line']} has no check: add one for {key(b)!r}"
-    assert len({check_for(b) for b in RUNNABLE if not is_server(b)}) == len(set(CHECKS.values()))
+    stale = [k for k in CHECKS if not any(key(b).startswith(k) for b in RUNNABLE)]
+    assert not stale, f"checks for blocks that are gone: {stale}"
 
 
 def test_setup_commands_are_what_ci_runs():
