@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -264,6 +265,8 @@ def test_block_runs_as_printed(block, request, default_model, port, workdirs):
     if needs_server(block):
         request.getfixturevalue("server")
         text = text.replace(f"127.0.0.1:{PORT}", f"127.0.0.1:{port}")
+    if re.search(r"^curl ", text, re.M) and shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
     argv = ["bash", "-eo", "pipefail", "-c", text] if block["lang"] == "bash" else [sys.executable, "-c", text]
     cwd = workdirs[block["page"]]
     p = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=300)
