@@ -27,11 +27,12 @@ from typing import Any, Callable, Optional
 import gguf
 
 from specpipe.config import SUPPORTED_ARCHITECTURES, LongRope, MoEConfig
+from specpipe.loader import gguf_gpt_oss
 from specpipe.loader import gguf_sparse as sparse
 
 # GGUF general.architecture -> ModelConfig.arch (llama becomes mixtral when it has experts).
 GGUF_ARCHS = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe",
-              "gemma3": "gemma3", "phi3": "phi3", **sparse.GGUF_ARCHS}
+              "gemma3": "gemma3", "phi3": "phi3", "gpt-oss": "gpt_oss", **sparse.GGUF_ARCHS}
 MISSING_PIECE = {
     "qwen2moe": "shared experts (with their gate)",
     "gemma2": "Gemma 2's soft-capping and norms (only Gemma 3 is supported)",
@@ -58,6 +59,7 @@ _LAYER_PARTS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",
+    "attn_sinks": "self_attn.sinks",  # gpt-oss: (heads,), canonical name without .weight
 }
 # Where a family names a part differently from the table above.
 _FAMILY_PARTS = {
@@ -81,7 +83,7 @@ def canonical_parts(gguf_name: str, shape: tuple[int, ...], arch: str) -> list[t
     layer, part, expert, kind = int(m.group(1)), m.group(2), m.group(3), m.group(4)
     prefix = f"layers.{layer}."
     if part in _EXPERTS:  # (E, rows, cols): expert e is rows [e * rows, (e + 1) * rows)
-        n, rows = shape[0], shape[1]
+        n, rows = shape[0], (1 if kind == "bias" else shape[1])  # gpt-oss's biases (E, out): a row each
         return [(f"{prefix}mlp.experts.{e}.{_EXPERTS[part]}.{kind}", (e * rows, (e + 1) * rows)) for e in range(n)]
     if expert is not None and part in ("ffn_gate", "ffn_up", "ffn_down"):  # older Mixtral files
         return [(f"{prefix}mlp.experts.{expert}.{part[4:]}_proj.{kind}", None)]
@@ -90,7 +92,9 @@ def canonical_parts(gguf_name: str, shape: tuple[int, ...], arch: str) -> list[t
         if own is not None:
             return [(own, None)]
     name = _FAMILY_PARTS.get(arch, {}).get(part) or _LAYER_PARTS.get(part)
-    return [] if name is None or expert is not None else [(f"{prefix}{name}.{kind}", None)]
+    if name is None or expert is not None:
+        return []
+    return [(f"{prefix}{name}" if part == "attn_sinks" else f"{prefix}{name}.{kind}", None)]
 
 
 def model_arch(gguf_arch: str, has_experts: bool, file_name: str, error: Callable[[str], Exception]) -> str:
@@ -109,6 +113,8 @@ def family_options(md: Any, gguf_arch: str, arch: str, hidden: int, heads: int, 
     `names`: the canonical tensor names."""
     if gguf_arch in sparse.GGUF_ARCHS:
         return sparse.options(md, gguf_arch, names, num_layers, layers_with_router)
+    if gguf_arch == "gpt-oss":
+        return gguf_gpt_oss.options(md, gguf_arch, num_layers, names)
     key = f"{gguf_arch}."
     out: dict[str, Any] = {}
     if arch in ("qwen3", "qwen3_moe", "gemma3"):

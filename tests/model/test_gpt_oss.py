@@ -35,24 +35,24 @@ RTOL = 2e-5  # of the logits' largest magnitude, as the other families
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
-def gpt_oss_config():
+def gpt_oss_config(swiglu_limit: float = 3.0):
     from transformers import GptOssConfig
 
     eos = tiny_tokenizer_ids()["<|endoftext|>"]
     shape = dict(TINY_SHAPE, intermediate_size=32)
     return GptOssConfig(**shape, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
-                        swiglu_limit=3.0, bos_token_id=None, eos_token_id=eos, pad_token_id=eos,
+                        swiglu_limit=swiglu_limit, bos_token_id=None, eos_token_id=eos, pad_token_id=eos,
                         tie_word_embeddings=False,
                         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                          "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                                          "original_max_position_embeddings": 64})
 
 
-def make_model(seed: int):
+def make_model(seed: int, swiglu_limit: float = 3.0):
     from transformers import GptOssForCausalLM
 
     torch.manual_seed(seed)
-    model = GptOssForCausalLM._from_config(gpt_oss_config(), attn_implementation="eager", dtype=torch.float32)
+    model = GptOssForCausalLM._from_config(gpt_oss_config(swiglu_limit), attn_implementation="eager", dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -79,11 +79,11 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, (e + 127).to(torch.uint8)
 
 
-def write_dir(directory: Path, seed: int, mxfp4: bool):
+def write_dir(directory: Path, seed: int, mxfp4: bool, swiglu_limit: float = 3.0):
     """The checkpoint directory; returns (directory, transformers' model of the same values)."""
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-    model = make_model(seed)
+    model = make_model(seed, swiglu_limit)
     directory.mkdir(parents=True, exist_ok=True)
     if not mxfp4:
         model.save_pretrained(directory)
@@ -101,6 +101,7 @@ def write_dir(directory: Path, seed: int, mxfp4: bool):
         save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
         model.config.save_pretrained(directory)
         cfg = json.loads((directory / "config.json").read_text())
+        cfg["architectures"] = ["GptOssForCausalLM"]  # (model.save_pretrained's, which this replaces)
         cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
             "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
         (directory / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -239,3 +240,35 @@ def test_every_mode_equals_pp(tmp_path_factory, sampling):
         first, second = serve(ckpt, mode, num_stages, sampling, cached=True)
         assert [first.output_ids, second.output_ids] == reference, f"{mode} at S={num_stages}"
         assert second.stats.cached_tokens >= len(PROMPT) // BLOCK_SIZE * BLOCK_SIZE, (mode, num_stages)
+
+
+@pytest.mark.parametrize("kind", ["float", "mxfp4"])
+def test_gguf_from_llama_cpp_converter_gives_the_same_tokens(tmp_path_factory, kind):
+    """The checkpoint converted by llama.cpp's own converter (tests/llama_converter.py): MXFP4 experts
+    repacked by it stay MXFP4 in the file, float ones are written as float32. llama.cpp fixes the
+    SwiGLU limit at 7 (the file has no key for it), so this checkpoint keeps transformers' default.
+    Greedy tokens equal the Hugging Face directory's, whole and in two stages reading only their bytes."""
+    from llama_converter import convert
+
+    d = tmp_path_factory.mktemp(f"gpt_oss_gguf_{kind}")
+    path, ref = write_dir(d / "hf", seed=62, mxfp4=kind == "mxfp4", swiglu_limit=7.0)
+    gguf_path = convert(path, d / "model.gguf", outtype="f32")
+    ckpt, hf = open_checkpoint(gguf_path), open_checkpoint(path)
+    cfg = ckpt.config
+    assert cfg.arch == "gpt_oss" and cfg.attention_sinks and cfg.o_proj_bias and cfg.sliding_layers == (0, 2)
+    assert (cfg.moe, cfg.rope_scaling, cfg.sliding_window) == (hf.config.moe, hf.config.rope_scaling,
+                                                                 hf.config.sliding_window)
+    if kind == "mxfp4":
+        assert ckpt.stored_type("layers.1.mlp.experts.2.up_proj.weight").name == "MXFP4"
+        assert torch.equal(ckpt.load_packed("layers.1.mlp.experts.2.up_proj.weight")[1],
+                           hf.load_packed("layers.1.mlp.experts.2.up_proj.weight")[1])
+    for name in ("layers.1.self_attn.sinks", "layers.1.mlp.experts.3.gate_proj.bias", "layers.0.mlp.gate.bias",
+                 "layers.2.mlp.experts.1.down_proj.weight"):
+        assert torch.equal(ckpt.load(name), hf.load(name)), name
+    prompt = random_tokens(10, 300, seed=8)
+    want = greedy_ours(whole_model(path), prompt, 16, set())
+    assert greedy_ours(whole_model(gguf_path), prompt, 16, set()) == want
+    stages = [build_stage(ckpt, s) for s in (StageSpec(0, 2, True, False), StageSpec(2, 4, False, True))]
+    tokens = prompt + want
+    assert torch.equal(prefill_then_decode(stages, tokens, 12).argmax(-1)[10:-1],
+                       torch.tensor(want[1:]))
