@@ -20,13 +20,11 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "specpipe"
 
-# Lazy circles that remain (each a dispatcher importing its cases lazily, a case importing the
+# Lazy circles that remain (a dispatcher importing its cases lazily, a case importing the
 # dispatcher's module at top level); to be broken by moving the shared piece out.
 KNOWN_LAZY_CIRCLES = {
     # ggml_types.dequantize hands the low-bit types to ggml_lowbit, which reads LAYOUTS from ggml_types
     frozenset({"specpipe.kernels.ggml_types", "specpipe.kernels.ggml_lowbit"}),
-    # loader.open_checkpoint imports hf lazily; hf reads PICKLE_SUFFIXES from the loader package
-    frozenset({"specpipe.loader", "specpipe.loader.hf"}),
 }
 
 

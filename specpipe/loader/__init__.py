@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specpipe.loader.checkpoint import Checkpoint, CheckpointError
-
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+from specpipe.loader.checkpoint import PICKLE_SUFFIXES, Checkpoint, CheckpointError
 
 
 def open_checkpoint(path: str | Path) -> Checkpoint:

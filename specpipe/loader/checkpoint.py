@@ -54,6 +54,10 @@ def fused_parts(name: str, cfg: ModelConfig) -> Optional[list[tuple[str, int, in
     return None
 
 
+# Pickled checkpoints, which SpecPipe refuses to open (unpickling runs code).
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message is meant for the user."""
 

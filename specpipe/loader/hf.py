@@ -20,9 +20,9 @@ from safetensors import safe_open
 from specpipe.config import ConfigError, ModelConfig, StageSpec
 from specpipe.loader.checked_file import CheckedFile, closed_on_error
 from specpipe.loader.hf_config import model_config_from_hf, prediction_layers
-from specpipe.loader.checkpoint import (Checkpoint, CheckpointError, StageBytes, check_config_against_tensors,
-                                       fused_parts, merge_ranges, stage_needs)
-from specpipe.loader import PICKLE_SUFFIXES, hf_gpt_oss
+from specpipe.loader.checkpoint import (PICKLE_SUFFIXES, Checkpoint, CheckpointError, StageBytes,
+                                       check_config_against_tensors, fused_parts, merge_ranges, stage_needs)
+from specpipe.loader import hf_gpt_oss
 from specpipe.kernels.ggml_types import dequantize
 
 
