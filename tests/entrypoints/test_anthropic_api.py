@@ -72,7 +72,8 @@ def test_stop_sequences(client):
     text = client.messages.create(model=NAME, messages=ASK, max_tokens=16, extra_body=GREEDY).content[0].text
     stop = text[len(text) // 2:len(text) // 2 + 2]
     assert stop.strip(), text  # the tiny model writes something to cut
-    msg = client.messages.create(model=NAME, messages=ASK, max_tokens=16, extra_body=GREEDY, stop_sequences=[stop, "zzzz"])
+    msg = client.messages.create(model=NAME, messages=ASK, max_tokens=16, extra_body=GREEDY,
+                                 stop_sequences=[stop, "zzzz"])
     assert msg.stop_reason == "stop_sequence" and msg.stop_sequence == stop
     assert msg.content[0].text == text[:text.index(stop)]
 
@@ -108,7 +109,8 @@ def test_tool_use_round_trip(server, client):
 
 
 def test_output_config_json_schema(client):
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
     msg = client.messages.create(model=NAME, messages=ASK, max_tokens=20, extra_body=GREEDY,
                                  output_config={"format": {"type": "json_schema", "schema": schema}})
     assert isinstance(json.loads(msg.content[0].text)["n"], int), msg

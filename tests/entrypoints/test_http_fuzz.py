@@ -52,13 +52,14 @@ def steer(case, context: int, vocab: int) -> None:
     prompt = body.get("prompt")
     ids = prompt[0] if isinstance(prompt, list) and prompt and isinstance(prompt[0], list) else prompt
     room = context - len(ids) if isinstance(ids, list) and all(isinstance(i, int) for i in ids) else MAX_TOKENS
-    key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    key = next((k for k in ("max_completion_tokens", "max_output_tokens") if k in body), "max_tokens")
     asked = body.get(key)
     body[key] = max(1, min(asked if isinstance(asked, int) and not isinstance(asked, bool) else MAX_TOKENS,
                            MAX_TOKENS, room))
     if isinstance(body.get("model"), str):
         body["model"] = NAME
-    for field in ("guided_json", "guided_regex", "guided_grammar", "response_format", "tools", "tool_choice"):
+    for field in ("guided_json", "guided_regex", "guided_grammar", "response_format", "tools", "tool_choice",
+                  "output_config", "text"):  # /v1/messages' and /v1/responses' output constraints
         body.pop(field, None)
     if isinstance(body.get("tokens"), list):
         body["tokens"] = [int(t) % vocab if isinstance(t, (int, float)) and not isinstance(t, bool) else t

@@ -83,19 +83,28 @@ class ToolChoice(_Body):
     name: Optional[str] = None
 
 
+class JsonOutputFormat(_Body):
+    type: Literal["json_schema"]
+    schema_: dict = Field(alias="schema")
+
+
+class OutputConfig(_Body):
+    format: Optional[JsonOutputFormat] = None  # effort: ignored
+
+
 class MessagesRequest(_Body):
     model: str = Field(max_length=256)
     max_tokens: int = Field(ge=1, le=MAX_TOKENS)
     messages: list[Message] = Field(min_length=1)
     system: Union[str, list[TextBlock], None] = None
-    stop_sequences: Optional[list[str]] = None
+    stop_sequences: Optional[Annotated[list[p.StopString], Field(max_length=p.MAX_STOP_STRINGS)]] = None
     temperature: float = Field(default=1.0, ge=0.0, le=1.0)
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     top_k: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_K)
     stream: StrictBool = False
     tools: Optional[list[Tool]] = None
     tool_choice: Optional[ToolChoice] = None
-    output_config: Optional[dict] = None  # its format: {"type": "json_schema", "schema": {...}}
+    output_config: Optional[OutputConfig] = None
     thinking: Optional[dict] = None  # {"type": "disabled"}: the template's enable_thinking false
 
 
@@ -125,12 +134,9 @@ def to_chat(body: MessagesRequest) -> p.ChatCompletionRequest:
             raise ApiError(400, "tool_choice of type tool needs a name", param="tool_choice")
         chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(
             c.type, {"type": "function", "function": {"name": c.name}})
-    fmt = (body.output_config or {}).get("format")
+    fmt = body.output_config.format if body.output_config else None
     if fmt is not None:
-        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-            raise ApiError(400, "output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
-                           param="output_config.format")
-        chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+        chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.schema_}}
     thinking = (body.thinking or {}).get("type")
     if thinking in ("enabled", "adaptive", "disabled"):
         chat["chat_template_kwargs"] = {"enable_thinking": thinking != "disabled"}
@@ -174,13 +180,9 @@ class AnthropicServing:
     def __init__(self, serving: OpenAIServing) -> None:
         self.serving = serving
 
-    async def start(self, raw: Any, client: Optional[str]) -> tuple[MessagesRequest, RequestStream]:
-        """Validate and queue a request (ApiError for anything refused)."""
-        try:
-            body = MessagesRequest.model_validate(raw)
-        except ValidationError as e:
-            raise ApiError(400, _first_error(e)) from None
-        return body, await self.serving.chat_stream(to_chat(body), client)
+    async def start(self, body: MessagesRequest, client: Optional[str]) -> RequestStream:
+        """Queue a request (ApiError for anything refused)."""
+        return await self.serving.chat_stream(to_chat(body), client)
 
     async def whole(self, body: MessagesRequest, stream: RequestStream) -> dict:
         a = await finished(stream)
@@ -226,8 +228,9 @@ class AnthropicServing:
                     open_kind = None
                 for call in piece.calls:
                     index += 1
-                    yield _event("content_block_start", {"type": "content_block_start", "index": index, "content_block": {
-                        "type": "tool_use", "id": _tool_id(), "name": call.name, "input": {}}})
+                    block = {"type": "tool_use", "id": _tool_id(), "name": call.name, "input": {}}
+                    yield _event("content_block_start", {"type": "content_block_start", "index": index,
+                                                         "content_block": block})
                     yield _event("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
                         "type": "input_json_delta", "partial_json": call.arguments}})
                     yield close()

@@ -35,7 +35,7 @@ from specpipe.engine.async_engine import AsyncEngine
 from specpipe.engine.engine import Engine
 from specpipe.engine.metrics import EngineMetrics
 from specpipe.entrypoints.openai import protocol as p
-from specpipe.entrypoints.openai.anthropic_api import AnthropicServing, error_body as anthropic_error
+from specpipe.entrypoints.openai.anthropic_api import AnthropicServing, MessagesRequest, error_body as anthropic_error
 from specpipe.entrypoints.openai.responses_api import ResponsesRequest, ResponsesServing
 from specpipe.entrypoints.openai.connections import HEADER_TIMEOUT_S, MAX_CONNECTIONS_PER_CLIENT, http_protocol
 from specpipe.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, BodyLimit, key_index
@@ -126,7 +126,9 @@ def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, mode
         return _error(e)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_request: Request, e: RequestValidationError):
+    async def invalid_body(request: Request, e: RequestValidationError):
+        if request.url.path.startswith("/v1/messages"):  # Anthropic's route answers in Anthropic's shape
+            return JSONResponse(anthropic_error(_validation_error(e)), status_code=400)
         return _error(_validation_error(e))  # FastAPI's 422 becomes OpenAI's 400
 
     @app.exception_handler(StarletteHTTPException)
@@ -191,14 +193,10 @@ def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, mode
     anthropic = AnthropicServing(serving)
 
     @app.post("/v1/messages", responses={**STREAM_200, **_errors(400, *key_errors, 404, 413, 429, 500, 503)})
-    async def messages(request: Request):
+    async def messages(body: MessagesRequest, request: Request):
         """Anthropic's Messages API (anthropic_api.py); its errors in Anthropic's shape."""
         try:
-            try:
-                raw = await request.json()
-            except ValueError as e:
-                raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-            body, stream = await anthropic.start(raw, client_of(request))
+            stream = await anthropic.start(body, client_of(request))
             if body.stream:
                 return _EventStream(stream, anthropic.events(body, stream))
             return await _unless_disconnected(request, anthropic.whole(body, stream), stream)
@@ -231,8 +229,9 @@ def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, mode
             _bound(models["CompletionRequest"]["properties"]["prompt"], engine.prompts.vocab_size - 1,
                    engine.max_context - 1)
             for name, key in (("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_tokens"),
-                              ("ChatCompletionRequest", "max_completion_tokens")):
-                for branch in models[name]["properties"][key]["anyOf"]:
+                              ("ChatCompletionRequest", "max_completion_tokens"), ("MessagesRequest", "max_tokens"),
+                              ("ResponsesRequest", "max_output_tokens")):
+                for branch in models[name]["properties"][key].get("anyOf", [models[name]["properties"][key]]):
                     if branch.get("type") == "integer":
                         branch["maximum"] = engine.max_context - 1
             app.openapi_schema = schema

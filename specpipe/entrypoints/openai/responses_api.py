@@ -87,7 +87,8 @@ class TextConfig(p.OpenAIModel):
 
 class ResponsesRequest(p.OpenAIModel):
     model: str = Field(max_length=256)
-    input: Union[Annotated[str, Field(min_length=1)], Annotated[list[Item], Field(min_length=1)]]
+    input: Union[Annotated[str, Field(min_length=1)], Annotated[list[Item], Field(min_length=1, json_schema_extra={
+        "contains": {"not": {"required": ["type"], "properties": {"type": {"const": "reasoning"}}}}})]]
     instructions: Optional[str] = None
     tools: Optional[Annotated[list[FunctionTool], Field(max_length=p.MAX_TOOLS)]] = None
     tool_choice: Optional[Union[Literal["none", "auto", "required"], FunctionChoice]] = None
@@ -98,7 +99,7 @@ class ResponsesRequest(p.OpenAIModel):
     top_p: p.Num(float, gt=0.0, le=1.0) = 1.0
     stream: StrictBool = False
     store: Optional[StrictBool] = None  # ignored: nothing is kept
-    previous_response_id: Optional[str] = None  # refused: nothing is kept
+    previous_response_id: Optional[str] = p.Only(None, {"enum": [None]})  # refused: nothing is kept
     metadata: Optional[dict[str, str]] = None  # returned as given
 
 
@@ -111,7 +112,8 @@ def to_chat(body: ResponsesRequest) -> p.ChatCompletionRequest:
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": _text(item.content)})
         elif isinstance(item, FunctionCallItem):  # calls in a row belong to one assistant turn
-            call = {"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}}
+            call = {"id": item.call_id, "type": "function",
+                    "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)
@@ -119,6 +121,8 @@ def to_chat(body: ResponsesRequest) -> p.ChatCompletionRequest:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": _text(item.output)})
+    if not messages:
+        raise ApiError(400, "input holds nothing but reasoning items", param="input")
     chat: dict[str, Any] = dict(model=body.model, messages=messages, temperature=body.temperature, top_p=body.top_p,
                                 max_tokens=body.max_output_tokens, parallel_tool_calls=body.parallel_tool_calls)
     if body.tools:
