@@ -88,6 +88,10 @@ class Rows:
     # padded); the last stage penalizes each row's logits over its own path. None: no penalties.
     seen: Optional[torch.Tensor] = None
     paths: Optional[torch.Tensor] = None
+    # Prompt logprobs (SamplingParams.prompt_logprobs): for each head row, the token whose
+    # log-probability the last stage returns there (the next prompt token), or -1: the target's
+    # own token, as for any row. None: the target's token at every head row.
+    scored: Optional[list[int]] = None
 
     @staticmethod
     def failure(request_id: int) -> "Rows":
@@ -107,6 +111,7 @@ class Rows:
         staying = [j for j, h in enumerate(heads) if h in kept]  # the head rows that stay
         masks = None if self.masks is None else self.masks[staying]
         paths = None if self.paths is None else self.paths[staying]
+        scored = None if self.scored is None else [self.scored[j] for j in staying]
         return Rows(
             request_id=self.request_id,
             node_ids=[self.node_ids[i] for i in keep],
@@ -117,6 +122,7 @@ class Rows:
             masks=masks,
             seen=self.seen,
             paths=paths,
+            scored=scored,
         )
 
 

@@ -52,12 +52,15 @@ class RequestOutput:
     # One per token when SamplingParams.logprobs is set: the target's raw log-probabilities at its
     # position (sampling.target_logprobs), the same in every mode; None when not asked for.
     logprobs: Optional[list[TokenLogprobs]] = None
+    # One per prompt token when SamplingParams.prompt_logprobs is set (the first None), else None.
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
 
     @staticmethod
     def of(req: Request, stats: dict, prompt: Optional[str] = None) -> "RequestOutput":
         return RequestOutput(req.request_id, prompt, req.prompt_ids, req.text, list(req.output_ids),
                              req.finish_reason or "length", stats, req.error,
-                             None if req.sampling.logprobs is None else list(req.output_logprobs))
+                             None if req.sampling.logprobs is None else list(req.output_logprobs),
+                             None if req.sampling.prompt_logprobs is None else list(req.prompt_logprobs))
 
     @property
     def outputs(self) -> list[CompletionOutput]:

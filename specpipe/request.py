@@ -126,6 +126,10 @@ class Request:
     # One per output id when sampling.logprobs is set (else empty): output_logprobs[i] is set
     # together with output_ids[i], so a reader on another thread may read any delivered index.
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # When sampling.prompt_logprobs is set: one per prompt token, the first None (nothing precedes
+    # it), the others those of the token given the prompt before it; filled as the prefill's
+    # rows leave the last stage (complete before the first output token).
+    prompt_logprobs: list[Optional[TokenLogprobs]] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:

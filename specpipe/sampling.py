@@ -126,6 +126,9 @@ class SamplingParams:
     # Log-probabilities of each output token and of the `logprobs` most likely ones at its place
     # (0: the token's own only; None: none are computed). See `target_logprobs` for which.
     logprobs: Optional[int] = None
+    # The same for each prompt token after the first (vLLM's prompt_logprobs): None, or how many
+    # top ones with each. Its prompt then skips the prefix cache (every row's logits are needed).
+    prompt_logprobs: Optional[int] = None
     # Penalties and biases (vLLM's semantics; applied at the last stage to each row's logits over
     # that row's own path, specpipe/penalties.py): presence and frequency over the generated
     # tokens, repetition over prompt + generated, logit_bias ((token id, bias) pairs, added
@@ -151,6 +154,8 @@ class SamplingParams:
             _check_int("seed", self.seed, 0, INT64_MAX)
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            _check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_float("repetition_penalty", self.repetition_penalty, 0.0, MAX_REPETITION_PENALTY, lo_open=True)

@@ -61,6 +61,7 @@ class _Reader:
         self.v, self.i = values, 0
         self.masked = False  # the last Rows flags read announced token masks
         self.penalized = False  # the last Rows flags read announced penalty contexts
+        self.scored = False  # the last Rows flags read announced scored tokens
         self.logprobs = False  # the last Results flags read announced log-probabilities
 
     def take(self, n: int = 1) -> list[int]:
@@ -91,6 +92,7 @@ def encode_control(c: Control) -> list[int]:
         s = a.sampling
         out += [a.request_id, _f2i(s.temperature), _f2i(s.top_p), s.top_k,
                 -1 if s.seed is None else s.seed, s.max_tokens, -1 if s.logprobs is None else s.logprobs,
+                -1 if s.prompt_logprobs is None else s.prompt_logprobs,
                 _f2i(s.presence_penalty), _f2i(s.frequency_penalty), _f2i(s.repetition_penalty), _f2i(s.min_p),
                 len(s.logit_bias), *(x for t, b in s.logit_bias for x in (t, _f2i(b))),
                 len(a.cached), *a.cached]
@@ -111,11 +113,12 @@ def decode_control(values: list[int]) -> Control:
         raise WireError(f"unknown control flags {flags:#x}")
     c = Control(shutdown=bool(flags & 1), report=bool(flags & 2))
     for _ in range(r.count()):
-        rid, temp, top_p, top_k, seed, max_tokens, logprobs, presence, frequency, repetition, min_p = r.take(11)
+        rid, temp, top_p, top_k, seed, max_tokens, logprobs, prompt_lps, presence, frequency, repetition, min_p = r.take(12)
         bias = r.take(2 * r.count())
         try:
             sampling = SamplingParams(_i2f(temp), _i2f(top_p), top_k, None if seed == -1 else seed, max_tokens,
-                                      logprobs=None if logprobs == -1 else logprobs, presence_penalty=_i2f(presence),
+                                      logprobs=None if logprobs == -1 else logprobs,
+                                      prompt_logprobs=None if prompt_lps == -1 else prompt_lps, presence_penalty=_i2f(presence),
                                       frequency_penalty=_i2f(frequency), repetition_penalty=_i2f(repetition),
                                       min_p=_i2f(min_p), logit_bias=tuple(zip(bias[::2], map(_i2f, bias[1::2]))))
         except ValueError as e:  # out-of-range values: not something a driver of ours sends
@@ -138,6 +141,7 @@ def decode_control(values: list[int]) -> Control:
 FAILED = 1  # flag of a Rows or Results: the request ran out of KV at some stage (no rows)
 MASKED = 2  # flag of a Rows: a second tensor follows, its head rows' token masks (int64 bits)
 PENALIZED = 4  # flag of a Rows: two int64 tensors follow (after any masks), `seen` and `paths` (penalties.py)
+SCORED = 8  # flag of a Rows: its header ends with one scored token per head row (Rows.scored)
 LOGPROBS = 2  # flag of a Results: each row's log-probabilities follow its tokens
 MAX_MASK_WORDS = 1 << 16  # int64 words per mask row without RowLimits: vocabularies up to 4M tokens
 
@@ -145,10 +149,11 @@ MAX_MASK_WORDS = 1 << 16  # int64 words per mask row without RowLimits: vocabula
 def _flags(values: _Reader, what: str) -> bool:
     """The flags value of a Rows or Results entry: True when it is a failure marker."""
     flags = values.one()
-    if flags & ~(FAILED | (MASKED | PENALIZED if what == "rows" else LOGPROBS)):
+    if flags & ~(FAILED | (MASKED | PENALIZED | SCORED if what == "rows" else LOGPROBS)):
         raise WireError(f"unknown {what} flags {flags:#x}")
     values.masked = bool(flags & MASKED) if what == "rows" else False
     values.penalized = bool(flags & PENALIZED) if what == "rows" else False
+    values.scored = bool(flags & SCORED) if what == "rows" else False
     values.logprobs = bool(flags & LOGPROBS) if what == "results" else False
     return bool(flags & FAILED)
 
@@ -166,7 +171,8 @@ def encode_rows(batch: list[Rows]) -> tuple[list[int], list[torch.Tensor]]:
         data = rows.data.contiguous()
         masks = rows.masks
         penalized = rows.seen is not None
-        out += [rows.request_id, (0 if masks is None else MASKED) | (PENALIZED if penalized else 0), t,
+        flags = (0 if masks is None else MASKED) | (PENALIZED if penalized else 0) | (0 if rows.scored is None else SCORED)
+        out += [rows.request_id, flags, t,
                 -1 if heads is None else len(heads),
                 *(heads or []), *rows.node_ids, *rows.parent_ids, *rows.positions,
                 DTYPES.index(data.dtype), data.dim(), *data.shape]
@@ -177,6 +183,8 @@ def encode_rows(batch: list[Rows]) -> tuple[list[int], list[torch.Tensor]]:
         if penalized:
             out += [*rows.seen.shape, *rows.paths.shape]
             tensors += [rows.seen.to(torch.long).contiguous(), rows.paths.to(torch.long).contiguous()]
+        if rows.scored is not None:
+            out += list(rows.scored)
     return out, tensors
 
 
@@ -225,7 +233,13 @@ def decode_rows_header(values: list[int], hidden: Optional[int] = None, max_rows
             if mask_shape is not None and not 0 < mask_shape[1] <= MAX_MASK_WORDS:
                 raise RowsMalformed(f"bad token masks {mask_shape} for request {rid}")
         masks = None if mask_shape is None else torch.empty(mask_shape, dtype=torch.long)
-        rows = Rows(rid, node_ids, parent_ids, positions, torch.empty(0), heads, masks=masks)
+        n_scored = t if heads is None else len(heads)
+        scored = r.take(n_scored) if r.scored else None
+        if scored is not None and any(s < -1 for s in scored):
+            raise RowsMalformed(f"request {rid}: a scored token id below -1")
+        if scored is not None and limits is not None and any(s >= limits.vocab_size for s in scored):
+            raise RowsMalformed(f"request {rid}: a scored token id outside the vocabulary of {limits.vocab_size}")
+        rows = Rows(rid, node_ids, parent_ids, positions, torch.empty(0), heads, masks=masks, scored=scored)
         if r.penalized:  # received after the masks, as `masks` is
             rows.seen, rows.paths = torch.empty(seen_shape, dtype=torch.long), torch.empty(paths_shape, dtype=torch.long)
         out.append((rows, shape, DTYPES[dtype_code]))
@@ -284,6 +298,9 @@ def check_rows(rows: Rows, limits: RowLimits) -> None:
                      None if rows.masks is None else tuple(rows.masks.shape), limits)
     if limits.first and t and not 0 <= int(data.min()) <= int(data.max()) < limits.vocab_size:
         raise RowsMalformed(f"request {rows.request_id}: token ids outside the vocabulary of {limits.vocab_size}")
+    n_heads = t if rows.head_rows is None else len(rows.head_rows)
+    if rows.scored is not None and (len(rows.scored) != n_heads or any(not -1 <= s < limits.vocab_size for s in rows.scored)):
+        raise RowsMalformed(f"request {rows.request_id}: scored tokens {rows.scored[:8]} for {n_heads} head rows")
     if (rows.seen is None) != (rows.paths is None):
         raise RowsMalformed(f"request {rows.request_id}: a penalty context needs both `seen` and `paths`")
     if rows.seen is not None:

@@ -23,7 +23,8 @@ class PrefixSharing:
         """Before the request's first rows: its longest cached prefix (looked up again each time
         it waits, since the cache changes meanwhile); its prefill starts after it."""
         req = st.req
-        ids = [] if req.no_prefix_cache else self.blocks.lookup(req.request_id, st.prefill.tokens)
+        # (a request scoring its prompt computes all of it: prompt logprobs need every row's logits)
+        ids = [] if req.no_prefix_cache or st.prefill.scored else self.blocks.lookup(req.request_id, st.prefill.tokens)
         st.use_cached(ids, self.blocks.block_size)
         req.stats.cached_tokens = len(ids) * self.blocks.block_size
 

@@ -31,6 +31,7 @@ class Prefill:
         self.node_ids = prompt_node_ids(len(self.tokens), root_id)
         self.sent = 0
         self.cached = 0  # leading tokens the stages hold in cached blocks: never sent
+        self.scored = False  # prompt logprobs: every row is a head row, scored on its next token
 
     def skip(self, cached: int) -> None:
         """Before the first chunk: the stages hold the first `cached` tokens already."""
@@ -48,9 +49,13 @@ class Prefill:
 
     def rows(self, a: int, b: int) -> Rows:
         ids = self.node_ids
-        return Rows(self.request_id, ids[a:b], [ids[a - 1] if a else NO_PARENT] + ids[a:b - 1], list(range(a, b)),
+        rows = Rows(self.request_id, ids[a:b], [ids[a - 1] if a else NO_PARENT] + ids[a:b - 1], list(range(a, b)),
                     torch.tensor(self.tokens[a:b], dtype=torch.long),
                     head_rows=[b - 1 - a] if b == len(self.tokens) else [])
+        if self.scored:
+            rows.head_rows = list(range(b - a))
+            rows.scored = self.tokens[a + 1:b + 1] + [-1] * (b == len(self.tokens))
+        return rows
 
 
 def node_rows(request_id: int, nodes: Sequence[Node], root_parent: int | None = None) -> Rows:
@@ -73,6 +78,8 @@ def concat_rows(a: Optional[Rows], b: Optional[Rows]) -> Optional[Rows]:
         return a if b is None else b
     heads_a = a.head_rows if a.head_rows is not None else list(range(len(a)))
     heads_b = b.head_rows if b.head_rows is not None else list(range(len(b)))
+    scored = None if a.scored is None and b.scored is None else \
+        (a.scored or [-1] * len(heads_a)) + (b.scored or [-1] * len(heads_b))
     return Rows(a.request_id, a.node_ids + b.node_ids, a.parent_ids + b.parent_ids,
                 a.positions + b.positions, torch.cat([a.data, b.data]),
-                heads_a + [len(a) + i for i in heads_b])
+                heads_a + [len(a) + i for i in heads_b], scored=scored)

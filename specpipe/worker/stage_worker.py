@@ -144,7 +144,7 @@ class StageWorker:
             done = [(rows, o) for rows, o in zip(parts, packed.outputs) if o is not None]
             out += self._results(done) if self.last else [
                 Rows(rows.request_id, rows.node_ids, rows.parent_ids, rows.positions, o, rows.head_rows,
-                     masks=rows.masks, seen=rows.seen, paths=rows.paths)
+                     masks=rows.masks, seen=rows.seen, paths=rows.paths, scored=rows.scored)
                 for rows, o in done]
             self.stats.rows_committed += packed.committed
             self.stats.rows_computed += sum(len(rows) for rows, _ in done)
@@ -177,6 +177,10 @@ class StageWorker:
                 target_tokens(logits, [rows.positions[i] for i in picked], params)
             logprobs = None if params.logprobs is None else \
                 target_logprobs(raw[id(rows)], tokens, params.logprobs)  # asked for: one per head row
+            if rows.scored is not None:  # prompt logprobs: a scored row's is its next prompt token's
+                # (one top count for all rows, as Results carry them: the driver trims each to its own)
+                k = max(params.prompt_logprobs, params.logprobs or 0)
+                logprobs = target_logprobs(raw[id(rows)], [t if s < 0 else s for s, t in zip(rows.scored, tokens)], k)
             out.append(Results(rows.request_id, [rows.node_ids[i] for i in picked], tokens, logprobs=logprobs))
         return out
 

@@ -291,7 +291,7 @@ def test_rows_malformed():
     with pytest.raises(WireError):
         decode_rows_header([1, 1, 0, 0, -5])  # head-row count below -1
     with pytest.raises(WireError, match="flags"):
-        decode_rows_header([1, 1, 8])  # unknown flag (2 is MASKED: token masks follow, 4 PENALIZED)
+        decode_rows_header([1, 1, 16])  # unknown flag (2 MASKED: token masks follow, 4 PENALIZED, 8 SCORED)
     masked = list(h)
     masked[2] = 2  # MASKED, but no mask shape after the activation's
     with pytest.raises(WireError, match="early"):

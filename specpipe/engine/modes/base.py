@@ -38,6 +38,10 @@ from specpipe.spec_decode.tree import TokenTree
 BEFORE, DURING, AFTER = "before_send", "while_computing", "after_verify"
 
 
+def _top(lp: TokenLogprobs, k: int) -> TokenLogprobs:
+    return TokenLogprobs(lp.logprob, lp.top_ids[:k], lp.top_logprobs[:k])
+
+
 class ModeState(ABC):
     def __init__(self, pid: int, req: Request, source: Optional[TokenSource], width: int) -> None:
         self.pid, self.req, self.source, self.width = pid, req, source, width
@@ -58,6 +62,13 @@ class ModeState(ABC):
         # committed token at position p + 1 takes those of the node at p, the row that chose it,
         # so a request keeps plain decoding's values whatever tree its tokens came through.
         self._logprobs: dict[int, TokenLogprobs] = {}
+        # Prompt logprobs, asked for and not yet had (not after a preemption that came later):
+        # every prefill row is scored on the next prompt token (engine/rows.py, Prefill).
+        self._prompt_pos: dict[int, int] = {}
+        if req.sampling.prompt_logprobs is not None and not req.output_ids:
+            self.prefill.scored = True
+            self._prompt_pos = {n: i for i, n in enumerate(self.prefill.node_ids[:-1])}
+            req.prompt_logprobs = [None] * len(req.prompt_ids)
         if source is not None:
             source.start(pid)
             source.observe(pid, list(self.prefill.node_ids), [])  # and so it is for the source
@@ -108,8 +119,15 @@ class ModeState(ABC):
         for node, tok in zip(results.node_ids, results.tokens):
             if node in self.tree:
                 self.tree.record_target(node, tok)
-        if results.logprobs is not None:
+        if results.logprobs is not None and not self._prompt_pos:
             self._logprobs.update((n, lp) for n, lp in zip(results.node_ids, results.logprobs) if n in self.tree)
+        elif results.logprobs is not None:  # prompt rows scored: each trimmed to the top count asked for
+            asked = self.req.sampling
+            for n, lp in zip(results.node_ids, results.logprobs):  # prompt row i: token i + 1's
+                if n in self._prompt_pos:
+                    self.req.prompt_logprobs[self._prompt_pos[n] + 1] = _top(lp, asked.prompt_logprobs)
+                elif n in self.tree and asked.logprobs is not None:
+                    self._logprobs[n] = _top(lp, asked.logprobs)
 
     def _logprobs_of(self, node: int) -> Optional[TokenLogprobs]:
         """The log-probabilities computed at `node` (its target token was just committed), or
