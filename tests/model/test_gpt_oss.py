@@ -171,6 +171,39 @@ def test_mxfp4_experts_stay_packed(checkpoint):
         assert not quantized
 
 
+def test_a_stage_reads_only_its_layers(checkpoint, tmp_path):
+    """A copy holding only the byte ranges stage_ranges names for the last two layers (the rest
+    of each file a hole) builds that stage with the same weights; those ranges leave out the
+    first two layers' experts. On the MXFP4 layout the experts stay packed, and the float32
+    kernel (what a GPU stage uses) dequantizes them at load to what `dequant` computes with."""
+    path, _ = checkpoint
+    ckpt = open_checkpoint(path)
+    spec = StageSpec(2, 4, False, True)
+    need = ckpt.stage_ranges(spec)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for rel, size in need.files:
+        with open(copy / rel, "wb") as f:
+            f.truncate(size)
+    for rel, offset, length in need.ranges:
+        with open(path / rel, "rb") as src, open(copy / rel, "r+b") as dst:
+            src.seek(offset)
+            dst.seek(offset)
+            dst.write(src.read(length))
+    shards = [t for rel, t in need.files if rel.endswith(".safetensors")]
+    assert need.total < 0.8 * sum(shards)  # the embedding and layers 0-1 are left out
+    ours, theirs = build_stage(ckpt, spec), build_stage(open_checkpoint(copy), spec)
+    weights = lambda m: [t for _, t in m.named_parameters()] + [  # noqa: E731
+        t for q in m.modules() if isinstance(q, QuantLinear) for t in q.weight_tensors()]
+    assert len(weights(ours)) == len(weights(theirs)) > 0
+    assert all(torch.equal(a, b) for a, b in zip(weights(ours), weights(theirs)))
+    if "mxfp4" in path.name:
+        x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+        unpacked = build_stage(ckpt, spec, kernel="float32").layers["3"].mlp.experts[1]
+        packed = build_stage(ckpt, spec, kernel="dequant").layers["3"].mlp.experts[1]
+        assert max_diff(unpacked(x), packed(x)) < 1e-5
+
+
 def test_the_features_matter(checkpoint):
     """Guards for the comparison above: zeroing the sinks, or widening the window, moves the logits."""
     path, _ = checkpoint
