@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from test_gguf_families import assert_close_configs, prefill_logits, whole
 
 from specpipe.loader import open_checkpoint
+from specpipe.loader.gguf_metadata import read_gguf_metadata
 from specpipe.loader.partition import partition_layers
 from specpipe.model.runner import run_rows
 from specpipe.model.stage import build_stage
@@ -136,3 +137,31 @@ def test_glm_prediction_layer_is_converted_and_skipped_with_a_line(converted, ca
     ckpt = open_checkpoint(path)
     assert "skipping its multi-token-prediction layers (4 and on" in capfd.readouterr().err
     assert ckpt.config.num_layers == 4 and not any(n.startswith("layers.4.") for n in ckpt.names())
+
+
+def test_older_deepseek2_file_with_kv_b_whole_loads_the_same(converted, tmp_path):
+    """Files written before llama.cpp split kv_b (attn_kv_b whole, no *_mla sizes: key_length and
+    value_length are a head's, head_count_kv the query heads') give the same model."""
+    hf_dir, path, tokens = converted("deepseek_v2")
+    meta, arch = read_gguf_metadata(path), "deepseek2"
+    older = {f"{arch}.attention.key_length": 24, f"{arch}.attention.value_length": 16,
+             f"{arch}.attention.head_count_kv": 4}
+    wr = gguf.GGUFWriter(str(tmp_path / "older.gguf"), arch)
+    for key, value in meta.items():
+        value = older.get(key, value)
+        if (key.startswith(("general.", "tokenizer.")) and key != "tokenizer.ggml.eos_token_id") or key.endswith("_mla"):
+            continue
+        {bool: wr.add_bool, int: wr.add_uint32, float: wr.add_float32, str: wr.add_string}[type(value)](key, value)
+    for t in gguf.GGUFReader(path).tensors:
+        if not t.name.endswith(("attn_k_b.weight", "attn_v_b.weight")):
+            wr.add_tensor(t.name, np.array(t.data))
+    hf = open_checkpoint(hf_dir)
+    for layer in range(4):
+        wr.add_tensor(f"blk.{layer}.attn_kv_b.weight", hf.load(f"layers.{layer}.self_attn.kv_b_proj.weight").numpy())
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    ckpt = open_checkpoint(tmp_path / "older.gguf")
+    assert ckpt.config == open_checkpoint(path).config
+    assert greedy([whole(ckpt)], PROMPT, N) == tokens
