@@ -287,7 +287,8 @@ def _response(body: ResponsesRequest, stream: RequestStream, output: list[dict],
         "text": {"format": fmt},
         "usage": None if finish is None else {
             "input_tokens": prompt, "output_tokens": made, "total_tokens": prompt + made,
-            "input_tokens_details": {"cached_tokens": min(prompt, stream.req.stats.cached_tokens)},
+            "input_tokens_details": {"cached_tokens": min(prompt, stream.req.stats.cached_tokens),
+                                     "cache_write_tokens": 0},
             "output_tokens_details": {"reasoning_tokens": 0}},
     }
 
