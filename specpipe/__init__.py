@@ -10,6 +10,7 @@ from specpipe import cpus as _cpus
 # Before anything imports torch (whose OpenMP runtime reads it once, at load): idle OpenMP threads
 # sleep instead of spinning on cores other processes need (specpipe/cpus.py).
 _cpus.set_openmp_wait_policy()
+_cpus.cap_openmp_threads()  # a cgroup CPU quota below the affinity mask: OpenMP's default would exceed it
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
 

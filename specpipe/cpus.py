@@ -3,7 +3,9 @@
 Threads come from what the process may use, not from the machine's count (os.cpu_count()): its
 affinity mask (taskset, a container's cpuset) and its cgroup CPU quota (docker --cpus,
 Kubernetes limits: cgroup v2 cpu.max, v1 cpu.cfs_quota_us / cpu.cfs_period_us), the smaller
-of the two; a quota of 1.5 CPUs gives 1 thread, as a second thread would be throttled.
+of the two; a quota of 1.5 CPUs gives 1 thread, as a second thread would be throttled. Where
+such a quota binds, the package sets OMP_NUM_THREADS to it on import (`cap_openmp_threads`;
+OpenMP and torch would otherwise count the mask), unless the user set it.
 
 Local stages on one machine get disjoint cores (`stage_cores`): two stages that share a core each
 wait, at every parallel region's end, for a thread the other has descheduled. When a core is left
@@ -175,6 +177,18 @@ def set_openmp_wait_policy(env: Optional[dict] = None) -> str:
     if env is os.environ:
         _policy_note = note
     return note
+
+
+def cap_openmp_threads(env: Optional[dict] = None, b: Optional[CpuBudget] = None) -> Optional[str]:
+    """Where a cgroup quota allows fewer threads than the affinity mask has CPUs (which is all
+    OpenMP and torch count by default), set OMP_NUM_THREADS to the budget, unless the user set
+    it; return it (None when nothing was set). Like the wait policy, read when libgomp loads."""
+    env = os.environ if env is None else env
+    b = b or budget()
+    if "OMP_NUM_THREADS" in env or b.quota is None or b.threads >= (len(b.cpus) if b.cpus else os.cpu_count() or 1):
+        return None
+    env["OMP_NUM_THREADS"] = str(b.threads)
+    return env["OMP_NUM_THREADS"]
 
 
 def wait_policy_note() -> str:

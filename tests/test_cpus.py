@@ -102,3 +102,14 @@ def test_the_package_sets_the_policy_before_torch_loads():
     code = "import os, specpipe; print(os.environ.get('OMP_WAIT_POLICY'))"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "passive", out.stderr
+
+
+def test_openmp_threads_capped_only_by_a_binding_quota_the_user_did_not_override():
+    quota = cpus.budget([0, 1, 2, 3], 2.0, 4, probe=False)
+    env: dict = {}
+    assert cpus.cap_openmp_threads(env, quota) == "2" and env == {"OMP_NUM_THREADS": "2"}
+    env = {"OMP_NUM_THREADS": "4"}
+    assert cpus.cap_openmp_threads(env, quota) is None and env["OMP_NUM_THREADS"] == "4"
+    env = {}
+    assert cpus.cap_openmp_threads(env, cpus.budget([0, 1, 2, 3], None, 4, probe=False)) is None and env == {}
+    assert cpus.cap_openmp_threads(env, cpus.budget([0, 1], 4.0, 4, probe=False)) is None and env == {}

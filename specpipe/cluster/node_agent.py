@@ -23,11 +23,11 @@ CALIBRATION_REPEATS = 5
 
 
 def node_cores() -> int:
-    """The cores this node's processes may run on (a `taskset` on `ray start` is inherited)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    """The cores this node's processes may use (a `taskset` on `ray start` is inherited; a cgroup
+    CPU quota counts too: specpipe/cpus.py)."""
+    from specpipe import cpus
+
+    return cpus.default_threads()
 
 
 class NodeAgent:
