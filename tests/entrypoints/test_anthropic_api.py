@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from live_app import KEY, NAME, LiveServer, engine_of, thinking_model
+from live_app import KEY, NAME
 
 SYSTEM = "You are terse."
 GREEDY = {"temperature": 0}  # the current client no longer takes it as an argument
@@ -30,12 +30,8 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city",
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    engine = engine_of(thinking_model(tiny_model_dir, tmp_path_factory.mktemp("anthropic")))
-    s = LiveServer(engine)
-    yield s
-    s.stop()
-    engine.close()
+def server(thinking_server):
+    return thinking_server
 
 
 @pytest.fixture(scope="module")

@@ -10,19 +10,15 @@ import re
 import openai
 import pytest
 
-from live_app import KEY, NAME, LiveServer, engine_of, thinking_model
+from live_app import KEY, NAME
 
 THOUGHT = "<think>[a-z ]{4,12}</think>\n\n[a-z]{2,6}"  # what the model is made to write
 MESSAGES = [{"role": "user", "content": "hello"}]
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model_dir, tmp_path_factory):
-    engine = engine_of(thinking_model(tiny_model_dir, tmp_path_factory.mktemp("reasoning")))
-    server = LiveServer(engine)
-    yield openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
-    server.stop()
-    engine.close()
+def client(thinking_server):
+    return openai.OpenAI(base_url=f"{thinking_server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
 def _ask(client, **kw):

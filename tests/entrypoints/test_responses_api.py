@@ -15,7 +15,7 @@ import json
 import openai
 import pytest
 
-from live_app import KEY, NAME, LiveServer, engine_of, thinking_model
+from live_app import KEY, NAME
 
 ASK = "the cat sat on the"
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
@@ -28,12 +28,8 @@ NUMBER = {"format": {"type": "json_schema", "name": "num", "strict": True, "sche
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model_dir, tmp_path_factory):
-    engine = engine_of(thinking_model(tiny_model_dir, tmp_path_factory.mktemp("responses")))
-    s = LiveServer(engine)
-    yield openai.OpenAI(base_url=f"{s.url}/v1", api_key=KEY, max_retries=0, timeout=120)
-    s.stop()
-    engine.close()
+def client(thinking_server):
+    return openai.OpenAI(base_url=f"{thinking_server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
 def _chat(client, messages, **kw):
