@@ -135,6 +135,7 @@ def check_structured_curl(out, cwd):
     assert set(p) == {"name", "age"} and isinstance(p["age"], int) and len(p["name"]) <= 20
     assert obj["choices"][0]["finish_reason"] == "stop"
     assert isinstance(json.loads(obj["choices"][0]["message"]["content"]), dict)
+    assert regex["choices"][0]["finish_reason"] == grammar["choices"][0]["finish_reason"] == "stop"
     assert re.fullmatch(r"(Monday|Friday), [0-9]{1,2} (May|June) 20[0-9]{2}", regex["choices"][0]["text"])
     assert re.fullmatch(r"\([1-9][0-9]?( \+ [1-9][0-9]?)*\) = [1-9][0-9]?", grammar["choices"][0]["text"])
     call = tool["choices"][0]["message"]["tool_calls"][0]["function"]
