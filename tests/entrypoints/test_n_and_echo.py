@@ -141,3 +141,63 @@ def test_bad_values_are_400s_naming_the_field(server, body, param):
     r = server.post("/v1/completions", json={"model": NAME, "prompt": "hi", **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].split(".")[0] == param, r.json()
+
+
+@pytest.fixture(scope="module")
+def forward(model):
+    """log_softmax of one transformers forward over the ids (T, V), the same weights in float32."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model), torch_dtype=torch.float32).eval()
+
+    def run(ids):
+        with torch.no_grad():
+            return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    return run
+
+
+def test_echo_with_logprobs_gives_the_prompts_as_a_single_forward(server, forward):
+    ids = [5, 17, 42, 99, 7, 7, 130, 64, 12, 250, 33]  # token ids, as lm-evaluation-harness sends them
+    out = server.client().completions.create(model=NAME, prompt=ids, echo=True, logprobs=2, max_tokens=3,
+                                             temperature=0)
+    lps, n = out.choices[0].logprobs, len(ids)
+    assert len(lps.tokens) == n + 3 and lps.token_logprobs[0] is None and lps.top_logprobs[0] is None
+    lp = forward(ids)
+    for i in range(1, n):
+        assert lps.token_logprobs[i] == pytest.approx(float(lp[i - 1, ids[i]]), abs=1e-4)
+        assert len(lps.top_logprobs[i]) >= 2
+    plain = server.client().completions.create(model=NAME, prompt=ids, logprobs=2, max_tokens=3, temperature=0)
+    echo = server.client().completions.create(model=NAME, prompt=ids, echo=True, max_tokens=0).choices[0].text
+    assert echo and out.choices[0].text == echo + plain.choices[0].text
+    assert lps.token_logprobs[n:] == plain.choices[0].logprobs.token_logprobs  # the output's are unchanged
+
+
+def test_echo_max_tokens_0_is_the_prompt_alone(server, forward):
+    ids = [9, 8, 7, 6, 5, 4, 3]
+    r = server.post("/v1/completions", json={"model": NAME, "prompt": ids, "echo": True, "logprobs": 0,
+                                             "max_tokens": 0}).json()
+    choice = r["choices"][0]
+    assert r["usage"]["completion_tokens"] == 0 and len(choice["logprobs"]["token_logprobs"]) == len(ids)
+    lp = forward(ids)
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx([float(lp[i - 1, ids[i]]) for i in range(1, 7)],
+                                                                     abs=1e-4)
+    streamed = list(server.client().completions.create(model=NAME, prompt=ids, echo=True, max_tokens=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == choice["text"]
+    assert server.post("/v1/completions", json={"model": NAME, "prompt": ids, "max_tokens": 0}).status_code == 400
+
+
+def test_vllms_prompt_logprobs(server, forward):
+    ids = [11, 22, 33, 44, 55]
+    r = server.post("/v1/completions", json={"model": NAME, "prompt": ids, "prompt_logprobs": 1, "max_tokens": 2}).json()
+    got = r["choices"][0]["prompt_logprobs"]
+    lp = forward(ids)
+    assert got[0] is None and len(got) == len(ids)
+    for i in range(1, len(ids)):
+        assert got[i][str(ids[i])]["logprob"] == pytest.approx(float(lp[i - 1, ids[i]]), abs=1e-4)
+        top = int(lp[i - 1].argmax())
+        assert got[i][str(top)]["rank"] == 1
+    chat = server.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                                                     "prompt_logprobs": 0, "max_tokens": 2}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]

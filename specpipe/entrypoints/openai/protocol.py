@@ -159,6 +159,9 @@ class SamplingFields(OpenAIModel):
     logit_bias: Optional[Annotated[dict[str, Num(float, ge=-100.0, le=100.0)],
                                    Field(max_length=MAX_LOGIT_BIAS)]] = None
     best_of: Optional[Int] = Only(None, {"enum": [None, 1]})  # refused unless left at its no-op value
+    # vLLM's: each prompt token's log-probability (the first null) and the top k at its place,
+    # as choices[].prompt_logprobs (completions) or prompt_logprobs (chat): {token id: Logprob}
+    prompt_logprobs: Optional[Num(int, ge=0, le=MAX_LOGPROBS)] = None
     # Structured output (specpipe/grammar/): OpenAI's response_format, and vLLM's extras.
     response_format: Optional[ResponseFormat] = None
     guided_json: Optional[Union[dict, Text]] = None
@@ -184,6 +187,9 @@ class SamplingFields(OpenAIModel):
         """How many top log-probabilities each token gets (0: its own only); None: none."""
         return None
 
+    def prompt_logprobs_asked(self) -> Optional[int]:
+        return self.prompt_logprobs
+
 
 Logprobs = Num(int, ge=0, le=MAX_LOGPROBS)
 
@@ -193,16 +199,22 @@ class CompletionRequest(SamplingFields):
     prompt: Union[Annotated[str, Field(min_length=1)], Annotated[list[TokenId], Field(min_length=1)],
                   Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)],
                   Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)]]
-    echo: StrictBool = Only(False, {"enum": [False]})
+    echo: StrictBool = False  # the prompt before the completion (with logprobs: the prompt's too, the first null)
+    max_tokens: Optional[Num(int, ge=0, le=MAX_TOKENS)] = None  # 0: the prompt only (with echo)
     suffix: Optional[str] = Only(None, {"maxLength": 0})
     logprobs: Optional[Logprobs] = None  # the top k of each token's position (OpenAI's legacy shape)
 
     def logprobs_asked(self) -> Optional[int]:
         return self.logprobs
 
+    def prompt_logprobs_asked(self) -> Optional[int]:
+        """The prompt's top count the engine computes: echo's (with logprobs) or prompt_logprobs'."""
+        asked = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(asked) if asked else None
+
     def unsupported(self) -> Optional[tuple[str, str]]:
-        if self.echo:
-            return "echo", "echo is not supported"
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens 0 is allowed with echo only"
         if self.suffix:
             return "suffix", "suffix is not supported"
         return super().unsupported()
@@ -359,8 +371,20 @@ class Response(BaseModel):
     model: str
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob of one prompt token's entry: rank among the top k (null outside them)."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: str
+
+
+PromptLogprobs = Optional[list[Optional[dict[str, PromptLogprob]]]]
+
+
 class CompletionChoice(Choice):
     text: str
+    prompt_logprobs: PromptLogprobs = None  # when asked (vLLM's prompt_logprobs)
 
 
 class CompletionResponse(Response):
@@ -386,6 +410,7 @@ class ChatCompletionResponse(Response):
     object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs = None  # when asked (vLLM's prompt_logprobs)
 
 
 class DeltaMessage(BaseModel):

@@ -24,7 +24,7 @@ from specpipe.entrypoints.openai.structured import BadConstraint, constraint_of,
 from specpipe.entrypoints.openai.tool_formats import OPENERS as FAMILY_OPENERS
 from specpipe.entrypoints.openai.tools import FENCE, TOOL_TAG, check_tools, forced_constraint, parse_tool_calls, tools_prompt
 from specpipe.grammar import GrammarSpecError, StructuredOutput
-from specpipe.sampling import SamplingParams
+from specpipe.sampling import SamplingParams, TokenLogprobs
 from specpipe.tokenizer.tokenizer import TokenizerError
 from specpipe.sched.scheduler import QueueFull
 
@@ -124,8 +124,16 @@ class OpenAIServing:
         else:
             ids = list(prompt)
         structured = await self._constraint(body)
-        max_tokens = body.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
-        return await self._samples(body, lambda i: self._add(ids, body, max_tokens, client, structured, i))
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+        echo = (prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)) if body.echo else None
+
+        async def add(i: int) -> RequestStream:
+            # max_tokens 0 (with echo): the prompt alone; the engine still decodes one token, unshown
+            stream = await self._add(ids, body, max(1, max_tokens), client, structured, i)
+            stream.echo, stream.hide_output, stream.show_prompt_logprobs = echo, max_tokens == 0, body.prompt_logprobs
+            return stream
+
+        return await self._samples(body, add)
 
     async def chat_stream(self, body: p.ChatCompletionRequest, client: Optional[str] = None) -> RequestStream:
         self._check(body)
@@ -221,7 +229,7 @@ class OpenAIServing:
                                       structured=structured, logprobs=body.logprobs_asked(),
                                       presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                       repetition_penalty=body.repetition_penalty, min_p=body.min_p,
-                                      logit_bias=body.logit_bias_pairs())
+                                      logit_bias=body.logit_bias_pairs(), prompt_logprobs=body.prompt_logprobs_asked())
             req = self.engine.prompts.make_request(prompt_ids, sampling, ignore_eos=body.ignore_eos)
         except PromptError as e:  # empty, or token ids outside the vocabulary (the prompt's or logit_bias's)
             raise ApiError(400, str(e), param="logit_bias" if "logit_bias" in str(e) else "prompt") from None
@@ -248,9 +256,10 @@ class OpenAIServing:
         done = await _drain_all(stream)
         choices = []
         for i, s in enumerate(done):
-            lps = Logprobs(self.engine.tokenizer, s)
-            choices.append(p.CompletionChoice(index=i, text=s.text, finish_reason=s.finish_reason,
-                                              logprobs=lps.completion(len(s.token_ids))))
+            lps = Logprobs(self.engine.tokenizer, s, echo=s.echo is not None)
+            choices.append(p.CompletionChoice(index=i, text=(s.echo or "") + ("" if s.hide_output else s.text),
+                                              finish_reason=s.finish_reason, logprobs=lps.completion(_shown(s)),
+                                              prompt_logprobs=lps.prompt(s.show_prompt_logprobs)))
         return p.CompletionResponse(id=p.new_id("cmpl"), model=stream.model, usage=_usage(*done), choices=choices)
 
     async def chat(self, stream: Union[RequestStream, Samples]) -> p.ChatCompletionResponse:
@@ -265,7 +274,8 @@ class OpenAIServing:
             choices.append(p.ChatChoice(index=i, message=message, finish_reason="tool_calls" if calls else s.finish_reason,
                                         logprobs=lps.chat(len(s.token_ids))))
         return p.ChatCompletionResponse(id=p.new_id("chatcmpl"), model=stream.model, usage=_usage(*done),
-                                        choices=choices)
+                                        choices=choices, prompt_logprobs=Logprobs(self.engine.tokenizer, done[0]).prompt(
+                                            done[0].req.sampling.prompt_logprobs))
 
     # -- streams ----------------------------------------------------------------------------------------
     def completion_events(self, stream: Union[RequestStream, Samples], include_usage: bool,
@@ -275,11 +285,19 @@ class OpenAIServing:
             return merged_events(stream, [self.completion_events(s, False, rid) for s in stream.streams],
                                  include_usage and (lambda: _sse(p.CompletionResponse(
                                      id=rid, model=stream.model, choices=[], usage=_usage(*stream.streams)).model_dump_json())))
-        lps = Logprobs(self.engine.tokenizer, stream)
+        lps = Logprobs(self.engine.tokenizer, stream, echo=stream.echo is not None)
+        first = [True]  # the first chunk carries the echo and the prompt logprobs (once the prompt is computed)
 
         def chunk(d: Optional[Delta], usage: Optional[p.UsageInfo] = None) -> p.CompletionResponse:
-            choices = [] if d is None else [p.CompletionChoice(text=d.text, finish_reason=d.finish_reason,
-                                                               logprobs=lps.completion(len(stream.token_ids)))]
+            choices = []
+            if d is not None:
+                text = ("" if stream.hide_output else d.text)
+                prompt_lps = lps.prompt(stream.show_prompt_logprobs) if first[0] else None
+                if first[0] and stream.echo:
+                    text = stream.echo + text
+                first[0] = False
+                choices = [p.CompletionChoice(text=text, finish_reason=d.finish_reason,
+                                              logprobs=lps.completion(_shown(stream)), prompt_logprobs=prompt_lps)]
             return p.CompletionResponse(id=rid, model=stream.model, choices=choices, usage=usage)
 
         return _events(stream, include_usage, chunk, first=None)
@@ -385,17 +403,39 @@ class Logprobs:
     delivered tokens may be read while the engine thread goes on. A token's text is its id
     decoded alone (special tokens kept), as vLLM shows it."""
 
-    def __init__(self, tokenizer, stream: RequestStream) -> None:
+    def __init__(self, tokenizer, stream: RequestStream, echo: bool = False) -> None:
         self.tokenizer, self.req = tokenizer, stream.req
         self.done = 0  # tokens handed out so far
         self.offset = 0  # characters of their texts (completions' text_offset)
+        # completions' echo with logprobs: the prompt's tokens come first (the first one's null)
+        self.echo = echo and self.req.sampling.logprobs is not None
 
     def _next(self, upto: int) -> Optional[list]:
         if self.req.sampling.logprobs is None:
             return None
         ids, lps = self.req.output_ids[self.done:upto], self.req.output_logprobs[self.done:upto]
         self.done = max(self.done, upto)
-        return list(zip(ids, lps))
+        got = list(zip(ids, lps))
+        if self.echo:  # prompt logprobs are complete before the first output token is delivered
+            self.echo, k = False, self.req.sampling.logprobs
+            got = [(t, None if lp is None else _top(lp, k)) for t, lp in zip(self.req.prompt_ids, self.req.prompt_logprobs)] + got
+        return got
+
+    def prompt(self, k: Optional[int]) -> p.PromptLogprobs:
+        """vLLM's prompt_logprobs with the top k: [None, {token id: Logprob}, ...]; None unless asked."""
+        if k is None:
+            return None
+        out: list = []
+        for token, lp in zip(self.req.prompt_ids, self.req.prompt_logprobs):
+            if lp is None:
+                out.append(None)
+                continue
+            d = {str(t): p.PromptLogprob(logprob=v, rank=r, decoded_token=self._text(t))
+                 for r, (t, v) in enumerate(zip(lp.top_ids[:k], lp.top_logprobs[:k]), 1)}
+            rank = lp.top_ids.index(token) + 1 if token in lp.top_ids else None  # of the engine's top count
+            d.setdefault(str(token), p.PromptLogprob(logprob=lp.logprob, rank=rank, decoded_token=self._text(token)))
+            out.append(d)
+        return out
 
     def _text(self, token: int) -> str:
         return self.tokenizer.decode([token], skip_special_tokens=False)
@@ -407,14 +447,18 @@ class Logprobs:
         out = p.CompletionLogprobs()
         for token, lp in got:
             text = self._text(token)
+            out.tokens.append(text)
+            out.text_offset.append(self.offset)
+            self.offset += len(text)
+            if lp is None:  # the prompt's first token (echo): nothing precedes it
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+                continue
             top: dict[str, float] = {}
             for t, v in [*zip(lp.top_ids, lp.top_logprobs), (token, lp.logprob)]:  # and the chosen one, as vLLM
                 top.setdefault(self._text(t), v)  # tokens of one text (bytes alone: U+FFFD) keep the likeliest
-            out.tokens.append(text)
             out.token_logprobs.append(lp.logprob)
             out.top_logprobs.append(top)
-            out.text_offset.append(self.offset)
-            self.offset += len(text)
         return out
 
     def chat(self, upto: int) -> Optional[p.ChatLogprobs]:
@@ -496,11 +540,20 @@ def _failure(stream: RequestStream) -> ApiError:
     return ApiError(500, stream.error or "the request was aborted", "server_error", code="engine_error")
 
 
+def _top(lp: TokenLogprobs, k: int) -> TokenLogprobs:
+    return TokenLogprobs(lp.logprob, lp.top_ids[:k], lp.top_logprobs[:k])
+
+
+def _shown(stream: RequestStream) -> int:
+    """Output tokens a completion shows: none for max_tokens 0 (echo alone)."""
+    return 0 if getattr(stream, "hide_output", False) else len(stream.token_ids)
+
+
 def _usage(*streams: RequestStream) -> p.UsageInfo:
     """One request's usage; for n samples the prompt once, the samples' outputs summed, and the
     most prompt tokens one sample read from the prefix cache (samples.py)."""
     prompt = len(streams[0].req.prompt_ids)
-    return p.usage(prompt, sum(len(s.token_ids) for s in streams),
+    return p.usage(prompt, sum(_shown(s) for s in streams),
                    max(min(prompt, s.req.stats.cached_tokens) for s in streams))
 
 
