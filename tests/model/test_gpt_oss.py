@@ -26,6 +26,7 @@ from specpipe.kernels.qlinear import QuantLinear
 from specpipe.loader import open_checkpoint
 from specpipe.loader.hf_gpt_oss import ggml_mxfp4_rows
 from specpipe.model.stage import build_stage
+from specpipe.request import Request
 from test_model_vs_hf import greedy_ours, hf_logits, max_diff, prefill_then_decode, random_tokens, whole_model
 from test_moe_families_lossless import serve, GREEDY, SAMPLED, PROMPT, BLOCK_SIZE
 
@@ -305,3 +306,45 @@ def test_gguf_from_llama_cpp_converter_gives_the_same_tokens(tmp_path_factory, k
     tokens = prompt + want
     assert torch.equal(prefill_then_decode(stages, tokens, 12).argmax(-1)[10:-1],
                        torch.tensor(want[1:]))
+
+
+def test_window_pool_and_auto_equal_pp(tmp_path_factory):
+    """The sliding layers in the serving modes' window KV pool (kv/slot_table.py: a pool far smaller
+    than the request's context, each stage holding one sliding and one full layer at S = 2) in pp-cb
+    and specpipe-db, and `--layers-per-step auto` in specpipe (on the one pool: auto's deeper trees
+    reserve more than such a small window pool holds): pp's tokens, every window block back at the end."""
+    from specpipe.engine.core import EngineCore
+    from specpipe.loader.partition import partition_layers
+    from specpipe.sampling import SamplingParams
+    from specpipe.sched.block_manager import window_need
+    from specpipe.spec_decode.sources import NgramSource
+    from specpipe.worker.local_pipeline import LocalPipeline
+    from specpipe.worker.stage_worker import StageWorker
+
+    path, _ = layout("mxfp4", tmp_path_factory)
+    ckpt = open_checkpoint(path)
+    window, sampling = ckpt.config.sliding_window, SamplingParams(temperature=0.0, max_tokens=32)
+
+    def decode(mode, num_stages, window_blocks=0, layers=1):
+        workers = [StageWorker(build_stage(ckpt, s), 64, 4, window_blocks=window_blocks)
+                   for s in partition_layers(ckpt.config.num_layers, num_stages)]
+        core = EngineCore(LocalPipeline(workers), mode, NgramSource() if mode != "pp-cb" else None, width=4,
+                          layers=layers, kv_blocks=64, block_size=4, max_num_seqs=1, step_rows=4,
+                          window_pool=(window, window_blocks) if window_blocks else None)
+        req = Request(0, PROMPT + PROMPT[:4], sampling, frozenset())
+        core.run([req])
+        assert all(w.slots.window is None or w.slots.window.blocks_in_use() == 0 for w in workers)
+        return req
+
+    reference = decode("pp", 1).output_ids
+    context = len(PROMPT) + 4 + sampling.max_tokens
+    assert decode("specpipe", 2, layers="auto").output_ids == reference  # auto's deep trees: the plain pool
+    for mode, layers in (("pp-cb", 1), ("specpipe-db", 1)):
+        reserve = EngineCore(LocalPipeline([StageWorker(build_stage(ckpt, s), 64, 4)
+                                            for s in partition_layers(ckpt.config.num_layers, 2)]),
+                             mode, NgramSource(), width=4, layers=layers).spec_reserve()
+        blocks = -(-window_need(context + reserve, window, reserve, 2, 4) // 4) + 1
+        assert blocks * 4 < context
+        req = decode(mode, 2, blocks, layers)
+        assert req.output_ids == reference, (mode, layers)
+        assert req.stats.preemptions == 0
