@@ -24,6 +24,10 @@ specifications (costs/roofline.py). Both write the same JSON file:
    "idle_gaps_ms": [0, 2, 5, ...],    what a stage's step costs more after the stage idled this
    "idle_layer_ms": {"M": [...]},     long since its previous step, per layer of a stage of M
    "idle_head_ms": [...],             layers and for the head, per gap ([] / {} = not measured)
+   "contention": 1.0,                 a step's cost on this device while other work shares its
+                                      cores, relative to the idle measurement above (1.0: idle;
+                                      benchmarks/bench_contention.py measures it, `with_contention`
+                                      sets it): stage() and draft_forward() are multiplied by it
    "row_bytes": ...,                  bytes of one row's hidden state on the link between stages
    "links": {name: {...}}}            links measured with the profile (e.g. loopback-s2: stage
                                       processes on this machine), usable by name in `specpipe sim`
@@ -46,7 +50,7 @@ from __future__ import annotations
 
 import bisect
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -91,8 +95,11 @@ class CostProfile:
     idle_gaps_ms: list[float] = field(default_factory=list)
     idle_layer_ms: dict[str, list[float]] = field(default_factory=dict)  # layers -> [gap]
     idle_head_ms: list[float] = field(default_factory=list)  # [gap]
+    contention: float = 1.0  # measured cost under other work / idle cost; multiplies stage() and draft_forward()
 
     def __post_init__(self) -> None:
+        if not self.contention > 0:
+            raise ValueError(f"profile contention must be a positive factor, got {self.contention}")
         if list(self.rows) != sorted(set(self.rows)) or not self.rows or self.rows[0] < 1:
             raise ValueError(f"profile rows must be ascending positive counts, got {self.rows}")
         if list(self.contexts) != sorted(set(self.contexts)) or not self.contexts:
@@ -171,7 +178,12 @@ class CostProfile:
         return _interp(sizes, costs, min(stage_layers, sizes[-1]))
 
     def draft_forward(self, n: int, context: Optional[int] = None) -> float:
-        return self._table(self.draft_ms, n, context)
+        return self._table(self.draft_ms, n, context) * self.contention
+
+    def with_contention(self, factor: float) -> "CostProfile":
+        """This profile on a device whose other work makes every step `factor` times the idle
+        cost (e.g. decode's ms a token under a load over its ms idle, bench_contention.py)."""
+        return replace(self, contention=float(factor))
 
     def stage(self, layers: int, last: bool, n: int, context: Optional[int] = None,
               others: Sequence[int] = (), head: Optional[int] = None) -> float:
@@ -185,7 +197,7 @@ class CostProfile:
             overhead += sum(layers * _interp(self.contexts, self.request_ms, c) + self.request_overhead_ms
                             for c in others)
         head_ms = self.head(n if head is None else head, layers) if last else 0.0
-        return layers * self.layer(n, context, layers) + head_ms + overhead
+        return (layers * self.layer(n, context, layers) + head_ms + overhead) * self.contention
 
     # ---- files ------------------------------------------------------------------------------
 

@@ -23,6 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage-layers", default=None,
                    help="layers per stage, e.g. 10,10,..., or balanced: by the profile, for the rows a step of the "
                         "trace's mode sends, as the engine balances them (default: even split)")
+    p.add_argument("--contention", type=float, default=None,
+                   help="the nodes share their cores with other work: every step costs this factor times the "
+                        "profile's (decode's ms a token under that load over idle: benchmarks/bench_contention.py; "
+                        "default: the profile's own, 1.0 for an idle machine)")
     p.add_argument("--driver-ms", type=float, default=0.0, help="the driver's own time per step (default 0)")
     p.add_argument("--no-draft-cost", action="store_true",
                    help="the source costs nothing (n-gram); default: a trace with a model draft pays the profile's draft")
@@ -57,12 +61,15 @@ def main(args: argparse.Namespace) -> int:
 
     try:
         profile = load_profile(args.profile)
+        if args.contention is not None:
+            profile = profile.with_contention(args.contention)
         link = parse_link(args.link, profile)
         traces = [(path, Trace.load(path)) for path in args.trace]
     except ValueError as e:
         raise ConfigError(str(e)) from None
     layers = parse_stage_layers(args.stage_layers)
-    print(f"profile {profile.device} ({profile.method}), link {link.name}, driver {args.driver_ms} ms/step")
+    print(f"profile {profile.device} ({profile.method}), link {link.name}, driver {args.driver_ms} ms/step"
+          + (f", contention x{profile.contention:g}" if profile.contention != 1.0 else ""))
     print(f"{'trace':28s} {'mode':11s} {'S':>2s} {'tok/step':>8s} {'TBT ms':>8s} {'TTFT ms':>8s} {'tok/s':>7s} "
           f"{'bound by':>9s}  measured TBT / tok/s (error)")
     out = []
