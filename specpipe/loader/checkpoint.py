@@ -17,6 +17,9 @@ and, for the families that have them:
   layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight   -- expert e (Mixtral, Qwen3-MoE, DeepSeek)
   layers.{i}.mlp.gate.e_score_correction_bias (experts,) -- the router's selection bias (DeepSeek V3)
   layers.{i}.mlp.shared_experts.{gate,up,down}_proj.weight -- the always-on shared expert (DeepSeek)
+  layers.{i}.self_attn.sinks                (heads,)      -- gpt-oss's attention sinks, which also has
+  layers.{i}.self_attn.o_proj.bias, layers.{i}.mlp.gate.bias (the router's, on its logits) and
+  layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.bias (loader/hf_gpt_oss.py unstacks its experts)
   layers.{i}.self_attn.{q_a_proj,q_a_layernorm,q_b_proj,kv_a_proj_with_mqa,kv_a_layernorm,kv_b_proj}.weight
                                             -- latent attention (DeepSeek V2/V3, model/mla.py), whose
                                             q_proj (no query LoRA) and o_proj keep the names above

@@ -3,7 +3,8 @@
 SparseMoE (Mixtral, Qwen3-MoE, DeepSeek V2/V3): a router (model/routing.py: softmax or sigmoid
 scores, an optional selection bias, optional expert groups) picks each row's top-k experts and
 their weights; the row gets the weighted sum of their outputs, plus an always-on shared expert
-when the model has one (DeepSeek, GLM-4.5). Rows are grouped per expert, so each expert runs once
+when the model has one (DeepSeek, GLM-4.5); gpt-oss's experts have biases and the clamped
+SwiGLU (clamped_swiglu). Rows are grouped per expert, so each expert runs once
 per call on exactly the rows that chose it, whatever mix of committed tokens, prompt chunks and
 tree nodes of several requests the call packs.
 
