@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             configs.append(("llama.cpp", "llama.cpp", {}))
         except ImportError:
             print("# llama_cpp does not import: llama.cpp not measured (pip install llama-cpp-python)", file=sys.stderr)
+    load_before = os.getloadavg() if hasattr(os, "getloadavg") else None
     workers = [Worker(f"{n} {t}t", e, t, env, args) for n, e, env in configs for t in args.threads]
     try:
         for load in args.loads:
@@ -204,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     base = {load: statistics.median(workers[0].times[load]) for load in args.loads}  # ours, first threads
     name = Path(args.model).name
     print(f"\n{name}, one-row decode, ms per token (median of {args.rounds} rounds x {args.steps} steps); "
-          f"{cpu_name()}, {os.cpu_count()} CPUs\n")
+          f"{cpu_name()}, {os.cpu_count()} CPUs; load average before {load_before}, after "
+          f"{os.getloadavg() if hasattr(os, 'getloadavg') else None} (other processes' work: 'idle' adds none)\n")
     print("| configuration | " + " | ".join(args.loads) + " |")
     print("|---|" + "---|" * len(args.loads))
     for w in workers:
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         meta = {"command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]), "model": name,
                 "cpu": cpu_name(), "cpus": os.cpu_count(), "machine": platform.machine(),
-                "load_avg": os.getloadavg()}
+                "load_avg_before": load_before, "load_avg_after": os.getloadavg()}
         results = [{"config": w.name, "env": w.env, "threads": w.threads,
                     "median_ms": {load: statistics.median(w.times[load]) for load in args.loads}} for w in workers]
         Path(args.out).write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")
