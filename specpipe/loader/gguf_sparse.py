@@ -17,7 +17,7 @@ What the converter does that the loader undoes or reads here:
     cos/sin by attn_factor (rope.scaling.attn_factor, 1 when absent): transformers' numbers
     whenever mscale == mscale_all_dim, as in every released DeepSeek.
   * routers: expert_gating_func (1 softmax, 2 sigmoid; absent: softmax for deepseek2, as
-    llama.cpp reads older V2 files, sigmoid for the others), exp_probs_b (the selection bias),
+    llama.cpp reads older V2 files, except its GLM-4.7-Flash rule; sigmoid for the others), exp_probs_b (the selection bias),
     expert_weights_norm (absent: off; MiniMax-M2: always on), expert_weights_scale,
     expert_group_count / expert_group_used_count (llama.cpp scores a group by the sum of its best
     two, V2 files included), leading_dense_block_count dense layers first, expert_shared_count
@@ -27,6 +27,7 @@ What the converter does that the loader undoes or reads here:
   * glm4moe and minimax-m2 keep Hugging Face's rotate-half layout (llama.cpp's NEOX rope): nothing
     is permuted; partial rotary from rope.dimension_count. MiniMax-M2's q/k norms span the whole
     projection; GLM's are per head, present only when the model uses them.
+  * refused: deepseek2 files with an attention temperature scale (Mistral Large 3).
 """
 
 from __future__ import annotations
@@ -96,7 +97,11 @@ def options(md: Any, gguf_arch: str, names: set[str], num_layers: int, routed_la
     if nextn > 0:
         out["num_layers"] = num_layers = md.get_int(key + "block_count") - nextn
     gating = md.get_int(key + "expert_gating_func", None)
-    scoring = _GATING.get(gating) if gating is not None else ("softmax" if gguf_arch == "deepseek2" else "sigmoid")
+    if gating is None:  # llama.cpp's defaults: V2 / V2.5 files say nothing, nor do GLM-4.7-Flash's
+        vocab = md.get_int(key + "vocab_size", None) or md.array_len("tokenizer.ggml.tokens")
+        glm_lite = num_layers in (47, 48) and vocab == 154880
+        gating = 1 if gguf_arch == "deepseek2" and not glm_lite else 2
+    scoring = _GATING.get(gating)
     if scoring is None:
         raise ValueError(f"unknown expert gating function {gating} (llama.cpp: 1 softmax, 2 sigmoid)")
     if routed_layers:
@@ -111,6 +116,9 @@ def options(md: Any, gguf_arch: str, names: set[str], num_layers: int, routed_la
             scaling_factor=md.get_float(key + "expert_weights_scale", 1.0) or 1.0,
             shared_intermediate_size=0 if minimax else width * md.get_int(key + "expert_shared_count", 0))
     if gguf_arch == "deepseek2":
+        if md.get_float(key + "attention.temperature_scale", 0.0):
+            raise ValueError("deepseek2 with attention.temperature_scale (Mistral Large 3's attention temperature "
+                             "tuning) is not supported")
         out.update(_latent_attention(md, key), arch="deepseek_v3" if scoring == "sigmoid" else "deepseek_v2")
     elif gguf_arch == "glm4moe":
         out["qk_norm"] = "layers.0.self_attn.q_norm.weight" in names
