@@ -19,7 +19,7 @@ from llama_converter import convert
 from safetensors.torch import load_file, save_file
 from test_gguf_families import assert_close_configs, prefill_logits, whole
 
-from specpipe.loader import open_checkpoint
+from specpipe.loader import CheckpointError, open_checkpoint
 from specpipe.loader.gguf_metadata import read_gguf_metadata
 from specpipe.loader.partition import partition_layers
 from specpipe.model.runner import run_rows
@@ -139,29 +139,47 @@ def test_glm_prediction_layer_is_converted_and_skipped_with_a_line(converted, ca
     assert ckpt.config.num_layers == 4 and not any(n.startswith("layers.4.") for n in ckpt.names())
 
 
-def test_older_deepseek2_file_with_kv_b_whole_loads_the_same(converted, tmp_path):
-    """Files written before llama.cpp split kv_b (attn_kv_b whole, no *_mla sizes: key_length and
-    value_length are a head's, head_count_kv the query heads') give the same model."""
-    hf_dir, path, tokens = converted("deepseek_v2")
-    meta, arch = read_gguf_metadata(path), "deepseek2"
-    older = {f"{arch}.attention.key_length": 24, f"{arch}.attention.value_length": 16,
-             f"{arch}.attention.head_count_kv": 4}
-    wr = gguf.GGUFWriter(str(tmp_path / "older.gguf"), arch)
-    for key, value in meta.items():
-        value = older.get(key, value)
-        if (key.startswith(("general.", "tokenizer.")) and key != "tokenizer.ggml.eos_token_id") or key.endswith("_mla"):
+def rewritten(path, out, changes: dict, kv_b_whole=None):
+    """The converted file at `path` rewritten at `out` by gguf's writer: metadata `changes` (None
+    drops a key; the tokenizer's are dropped but for the EOS id), and with `kv_b_whole` (layer ->
+    kv_b_proj) each layer's attn_kv_b in place of its attn_k_b / attn_v_b."""
+    meta = read_gguf_metadata(path)
+    wr = gguf.GGUFWriter(str(out), meta["general.architecture"])
+    for key, value in {**meta, **changes}.items():
+        if value is None or (key.startswith(("general.", "tokenizer.")) and key != "tokenizer.ggml.eos_token_id"):
             continue
         {bool: wr.add_bool, int: wr.add_uint32, float: wr.add_float32, str: wr.add_string}[type(value)](key, value)
     for t in gguf.GGUFReader(path).tensors:
-        if not t.name.endswith(("attn_k_b.weight", "attn_v_b.weight")):
+        if kv_b_whole is None or not t.name.endswith(("attn_k_b.weight", "attn_v_b.weight")):
             wr.add_tensor(t.name, np.array(t.data))
-    hf = open_checkpoint(hf_dir)
-    for layer in range(4):
-        wr.add_tensor(f"blk.{layer}.attn_kv_b.weight", hf.load(f"layers.{layer}.self_attn.kv_b_proj.weight").numpy())
+    for layer, w in (kv_b_whole or {}).items():
+        wr.add_tensor(f"blk.{layer}.attn_kv_b.weight", w.numpy())
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
     wr.write_tensors_to_file()
     wr.close()
-    ckpt = open_checkpoint(tmp_path / "older.gguf")
+    return out
+
+
+def test_older_deepseek2_file_with_kv_b_whole_loads_the_same(converted, tmp_path):
+    """Files written before llama.cpp split kv_b (attn_kv_b whole, no *_mla sizes: key_length and
+    value_length are a head's, head_count_kv the query heads') give the same model."""
+    hf_dir, path, tokens = converted("deepseek_v2")
+    hf = open_checkpoint(hf_dir)
+    older = rewritten(path, tmp_path / "older.gguf", {
+        "deepseek2.attention.key_length": 24, "deepseek2.attention.value_length": 16,
+        "deepseek2.attention.head_count_kv": 4, "deepseek2.attention.key_length_mla": None,
+        "deepseek2.attention.value_length_mla": None},
+        {layer: hf.load(f"layers.{layer}.self_attn.kv_b_proj.weight") for layer in range(4)})
+    ckpt = open_checkpoint(older)
     assert ckpt.config == open_checkpoint(path).config
     assert greedy([whole(ckpt)], PROMPT, N) == tokens
+
+
+def test_attention_temperature_is_refused_by_name(converted, tmp_path):
+    """Mistral Large 3 is a deepseek2 file with attention temperature tuning, which SpecPipe does
+    not implement: refused at open, not run without it."""
+    _, path, _ = converted("deepseek_v2")
+    out = rewritten(path, tmp_path / "t.gguf", {"deepseek2.attention.temperature_scale": 0.1})
+    with pytest.raises(CheckpointError, match=r"attention.temperature_scale \(Mistral Large 3"):
+        open_checkpoint(out)
