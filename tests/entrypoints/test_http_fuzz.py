@@ -64,6 +64,8 @@ def steer(case, context: int, vocab: int) -> None:
     if isinstance(body.get("tokens"), list):
         body["tokens"] = [int(t) % vocab if isinstance(t, (int, float)) and not isinstance(t, bool) else t
                           for t in body["tokens"]]  # integral floats (1e11) are JSON integers too
+    if isinstance(body.get("logit_bias"), dict):  # token ids within the vocabulary (issue 62)
+        body["logit_bias"] = {str(int(k) % vocab) if k.isdigit() else k: v for k, v in body["logit_bias"].items()}
     if body.get("top_logprobs") is not None and "messages" in body:
         body["logprobs"] = True
 

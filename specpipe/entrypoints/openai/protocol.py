@@ -156,8 +156,8 @@ class SamplingFields(OpenAIModel):
     repetition_penalty: Num(float, gt=0.0, le=MAX_REPETITION_PENALTY) = 1.0  # extension (as vLLM)
     min_p: Num(float, ge=0.0, le=1.0) = 0.0  # extension (as vLLM)
     # {token id (as a string): bias in [-100, 100]}, as OpenAI's
-    logit_bias: Optional[Annotated[dict[str, Num(float, ge=-100.0, le=100.0)],
-                                   Field(max_length=MAX_LOGIT_BIAS)]] = None
+    logit_bias: Optional[Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,18}$")], Num(float, ge=-100.0, le=100.0)],
+                                   Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={"additionalProperties": False})]] = None
     best_of: Optional[Int] = Only(None, {"enum": [None, 1]})  # refused unless left at its no-op value
     # vLLM's: each prompt token's log-probability (the first null) and the top k at its place,
     # as choices[].prompt_logprobs (completions) or prompt_logprobs (chat): {token id: Logprob}
@@ -172,8 +172,6 @@ class SamplingFields(OpenAIModel):
         """(field, why) for the first field set to something this server cannot do."""
         if self.best_of not in (None, 1):
             return "best_of", "best_of is not supported"
-        if any(not k.isdigit() or len(k) > 18 for k in self.logit_bias or {}):
-            return "logit_bias", "logit_bias keys must be token ids (decimal integers)"
         return None
 
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
