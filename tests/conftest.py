@@ -230,3 +230,18 @@ def smollm2():
         return open_checkpoint(default_model_path())
     except DefaultModelMissing as e:
         pytest.skip(f"default model not installed: {e}")
+
+
+@pytest.fixture(scope="session")
+def thinking_server(tiny_model_dir, tmp_path_factory):
+    """One in-process server (tests/entrypoints/live_app.py) over the tiny model with a reasoning
+    model's template, shared by the reasoning, tool-format, Anthropic and Responses tests. Here and
+    not in a conftest of tests/entrypoints: a second conftest.py would shadow this one for the tests
+    that import it by name (`from conftest import ...`)."""
+    from live_app import LiveServer, engine_of, thinking_model  # tests/entrypoints is on sys.path for its tests
+
+    engine = engine_of(thinking_model(tiny_model_dir, tmp_path_factory.mktemp("thinking")))
+    server = LiveServer(engine)
+    yield server
+    server.stop()
+    engine.close()
