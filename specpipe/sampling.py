@@ -224,8 +224,8 @@ class TokenLogprobs:
 
 def target_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: int) -> list[TokenLogprobs]:
     """For each row: log p(token) and the k largest log p, where p = softmax(logits) is the
-    target's raw distribution at that position: before temperature, top-k/top-p and any grammar
-    mask (as vLLM returns by default, its "raw_logprobs"), so the values do not depend on how the
+    target's raw distribution at that position: before temperature, top-k/top-p/min_p, penalties,
+    logit_bias and any grammar mask (as vLLM returns by default, its "raw_logprobs"), so the values do not depend on how the
     token was chosen. logits: (N, V), tokens: (N,). Each row alone, in float32: a row's values are
     a function of its logits only, whatever rows share the step."""
     out = []

@@ -1,12 +1,13 @@
 """Request and response bodies of the OpenAI-compatible API (the subset SpecPipe serves).
 
 Fields a client may send that change nothing here (user, metadata, ...) are ignored, as OpenAI's
-own server does; fields that would change the output but are not supported (n > 1, echo,
-penalties, ...) are refused with a 400 naming the field, never silently dropped.
+own server does; fields that would change the output but are not supported (best_of, suffix,
+...) are refused with a 400 naming the field, never silently dropped.
 
-Logprobs (completions' `logprobs: k`, chat's `logprobs: true` + `top_logprobs: k`, k <= 20) are
-the target's raw log-probabilities, before temperature and top-p (vLLM's default), identical in
-every mode: see sampling.target_logprobs.
+Logprobs (completions' `logprobs: k`, chat's `logprobs: true` + `top_logprobs: k`, k <= 20; echo's
+and `prompt_logprobs` for the prompt) are the target's raw log-probabilities, before temperature,
+top-p, min_p, penalties and logit_bias (vLLM's default), identical in every mode: see
+sampling.target_logprobs. n, echo, penalties: docs/api.md.
 """
 
 from __future__ import annotations
