@@ -274,12 +274,13 @@ class GGUFCheckpoint(Checkpoint):
         self._skipped: set[int] = set()  # ids of the records of multi-token-prediction layers
         main = sparse.main_layers(meta, str(gguf_arch))
         for t in self._file.tensors:
-            block = re.match(r"blk\.(\d+)\.(.+)\.weight$", t.name)
-            if main is not None and re.match(r"blk\.(\d+)\.", t.name) and int(t.name.split(".")[1]) >= main:
+            block = re.fullmatch(r"blk\.(\d+)\.(.+)\.(?:weight|bias)", t.name)
+            layer, part = (int(block.group(1)), block.group(2)) if block else (None, None)
+            if main is not None and layer is not None and layer >= main:
                 self._skipped.add(id(t))
                 continue
-            if block and block.group(2) in sparse.KV_B_HALVES:
-                halves[int(block.group(1)), block.group(2)] = t
+            if part in sparse.KV_B_HALVES:
+                halves[layer, part] = t
                 continue
             shape = tuple(reversed(t.shape))
             parts = families.canonical_parts(t.name, shape, str(gguf_arch))
