@@ -8,7 +8,9 @@ a file cut short or overwritten while it is open is a CheckpointError, not a SIG
 Differences from the Hugging Face layout that this module undoes:
   * GGUF lists dimensions fastest-first, so its [in, out] is torch's (out, in).
   * Names, per family (gguf_families.py): llama.cpp's blk.N.* names map to canonical ones;
-    stacked experts and fused tensors are row ranges of the stored tensor.
+    stacked experts and fused tensors are row ranges of the stored tensor. DeepSeek's kv_b_proj,
+    which llama.cpp splits into attn_k_b / attn_v_b, is joined back at load (gguf_sparse.py), and
+    the multi-token-prediction blocks a file may carry are skipped.
   * llama.cpp's converter permutes the rows of Q and K (weights and biases) of
     llama-architecture models from Hugging Face's rotate_half RoPE layout to the
     interleaved-pairs layout llama.cpp's kernels use. Qwen2 files use llama.cpp's

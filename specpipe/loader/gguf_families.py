@@ -16,6 +16,7 @@ What llama.cpp's converter does per family that the loader undoes or reads here:
   * Phi-3: LongRoPE factors as the tensors rope_factors_short / rope_factors_long, with
     rope.scaling.attn_factor and rope.scaling.original_context_length; partial rotary from
     rope.dimension_count.
+  * deepseek2, glm4moe, minimax-m2 (latent attention, shared experts, routers): gguf_sparse.py.
 """
 
 from __future__ import annotations
