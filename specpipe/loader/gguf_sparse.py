@@ -17,8 +17,8 @@ What the converter does that the loader undoes or reads here:
     cos/sin by attn_factor (rope.scaling.attn_factor, 1 when absent): transformers' numbers
     whenever mscale == mscale_all_dim, as in every released DeepSeek.
   * routers: expert_gating_func (1 softmax, 2 sigmoid; absent: softmax for deepseek2, as
-    llama.cpp reads older V2 files, except its GLM-4.7-Flash rule; sigmoid for the others), exp_probs_b (the selection bias),
-    expert_weights_norm (absent: off; MiniMax-M2: always on), expert_weights_scale,
+    llama.cpp reads older V2 files, except its GLM-4.7-Flash rule; sigmoid for the others),
+    exp_probs_b (the selection bias), expert_weights_norm (absent: off; MiniMax-M2: always on), expert_weights_scale,
     expert_group_count / expert_group_used_count (llama.cpp scores a group by the sum of its best
     two, V2 files included), leading_dense_block_count dense layers first, expert_shared_count
     shared experts of expert_feed_forward_length each.
@@ -112,7 +112,8 @@ def options(md: Any, gguf_arch: str, names: set[str], num_layers: int, routed_la
             norm_topk_prob=minimax or bool(md.get_raw(key + "expert_weights_norm", False)),
             layers=tuple(sorted(routed_layers)), scoring=scoring,
             correction_bias=any(n.endswith(".mlp.gate.e_score_correction_bias") for n in names),
-            num_groups=md.get_int(key + "expert_group_count", 1), top_groups=md.get_int(key + "expert_group_used_count", 1),
+            num_groups=md.get_int(key + "expert_group_count", 1),
+            top_groups=md.get_int(key + "expert_group_used_count", 1),
             scaling_factor=md.get_float(key + "expert_weights_scale", 1.0) or 1.0,
             shared_intermediate_size=0 if minimax else width * md.get_int(key + "expert_shared_count", 0))
     if gguf_arch == "deepseek2":
