@@ -18,10 +18,10 @@ What the converter does that the loader undoes or reads here:
     whenever mscale == mscale_all_dim, as in every released DeepSeek.
   * routers: expert_gating_func (1 softmax, 2 sigmoid; absent: softmax for deepseek2, as
     llama.cpp reads older V2 files, except its GLM-4.7-Flash rule; sigmoid for the others),
-    exp_probs_b (the selection bias), expert_weights_norm (absent: off; MiniMax-M2: always on), expert_weights_scale,
-    expert_group_count / expert_group_used_count (llama.cpp scores a group by the sum of its best
-    two, V2 files included), leading_dense_block_count dense layers first, expert_shared_count
-    shared experts of expert_feed_forward_length each.
+    exp_probs_b (the selection bias), expert_weights_norm (absent: off; MiniMax-M2: always on),
+    expert_weights_scale, expert_group_count / expert_group_used_count (llama.cpp scores a group
+    by the sum of its best two, V2 files included), leading_dense_block_count dense layers first,
+    expert_shared_count shared experts of expert_feed_forward_length each.
   * nextn_predict_layers: the last blocks are multi-token-prediction layers (GLM files keep
     them); they are skipped at open, with a line that says so.
   * glm4moe and minimax-m2 keep Hugging Face's rotate-half layout (llama.cpp's NEOX rope): nothing
