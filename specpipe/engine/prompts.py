@@ -63,9 +63,10 @@ class PromptProcessor:
 
     def make_request(self, prompt: str | Sequence[int], sampling: SamplingParams = SamplingParams(),
                      chat: Optional[bool] = None, on_text: Optional[Callable[[str], None]] = None,
-                     ignore_eos: bool = False) -> Request:
+                     ignore_eos: bool = False, keep_special: frozenset[int] = frozenset()) -> Request:
         """A validated request (not yet added): token ids, a concrete seed, a detokenizer.
-        `ignore_eos`: decode past end-of-sequence tokens, up to max_tokens (for benchmarks)."""
+        `ignore_eos`: decode past end-of-sequence tokens, up to max_tokens (for benchmarks).
+        `keep_special`: special tokens whose text stays in the output (tool-call markup)."""
         prompt_ids = list(prompt) if not isinstance(prompt, str) else self.encode_prompt(prompt, chat)
         if not prompt_ids:
             raise PromptError("the prompt is empty")
@@ -82,5 +83,5 @@ class PromptProcessor:
         # A constraint that does not compile fails here, before the request is queued (cached).
         grammar = RequestGrammar(self.grammars.compile(sampling.structured)) if sampling.structured else None
         return Request(next(self._ids), prompt_ids, sampling, stop_ids,
-                       output=RequestText(IncrementalDetokenizer(self.tokenizer, prompt_ids), sampling.stop),
+                       output=RequestText(IncrementalDetokenizer(self.tokenizer, prompt_ids, keep=keep_special), sampling.stop),
                        on_text=on_text, grammar=grammar)

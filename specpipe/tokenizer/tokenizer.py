@@ -331,6 +331,10 @@ class Tokenizer:
         user-defined ones), ascending."""
         return sorted(self._backend.get_added_tokens_decoder())
 
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the added tokens marked special (dropped when decoding with skip_special_tokens)."""
+        return frozenset(i for i, t in self._backend.get_added_tokens_decoder().items() if t.special)
+
     def frequent_ids(self, n: int) -> list[int]:
         """About the n most frequent tokens, for a draft's cut vocabulary (--draft-vocab): the
         ids below n (BPE and SentencePiece vocabularies number their tokens in the order they were
@@ -412,9 +416,13 @@ class IncrementalDetokenizer:
     keeps the leading space a continuation of the prompt needs (decode() alone would strip it).
     """
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens=True):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens=True,
+                 keep: frozenset[int] = frozenset()):
+        """`keep`: special tokens whose text is kept all the same (a family's tool-call markup,
+        which the server must read: vLLM decodes those with skip_special_tokens off)."""
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
+        self._drop = tokenizer.special_ids() - keep if skip_special_tokens and keep else None
         context = list(prompt_ids or [])[-_PROMPT_CONTEXT:]
         if self._decode(context).endswith("\ufffd"):  # the prompt ends mid-character: no usable context
             context = []
@@ -423,6 +431,8 @@ class IncrementalDetokenizer:
         self._read = len(context)  # ids before it have had their text returned
 
     def _decode(self, ids: list[int]) -> str:
+        if self._drop is not None:
+            return self._tokenizer.decode([i for i in ids if i not in self._drop], skip_special_tokens=False)
         return self._tokenizer.decode(ids, skip_special_tokens=self._skip) if ids else ""
 
     def add(self, token_id: int) -> str:

@@ -61,3 +61,29 @@ def test_hermes_calls_are_still_read_as_json():
     text = '<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
     _, calls = parse_tool_calls(text, FUNCS)
     assert [(c.name, c.arguments) for c in calls] == [("now", "{}")]
+
+
+def test_special_markup_tokens_keep_their_text(tmp_path):
+    """Where a tokenizer makes the markup special tokens (GLM-4.5's <tool_call> may be), a chat
+    answer's detokenizer keeps their text, while other specials (end of turn) are still dropped."""
+    from tokenizers import AddedToken
+    from tokenizers import Tokenizer as RawTokenizer
+
+    from conftest import write_tiny_tokenizer
+    from specpipe.entrypoints.openai.tool_formats import markup_ids
+    from specpipe.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
+
+    write_tiny_tokenizer(tmp_path)
+    raw = RawTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ("<tool_call>", "</tool_call>")])
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_path(tmp_path)
+    keep = markup_ids(tok)
+    assert len(keep) == 2
+    ids = tok.encode("ok<tool_call>now</tool_call><|im_end|>", add_special_tokens=False)
+
+    def text(d: IncrementalDetokenizer) -> str:
+        return "".join(d.add(i) for i in ids) + d.flush()
+
+    assert text(IncrementalDetokenizer(tok)) == "oknow"
+    assert text(IncrementalDetokenizer(tok, keep=keep)) == "ok<tool_call>now</tool_call>"

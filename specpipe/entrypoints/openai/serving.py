@@ -21,7 +21,7 @@ from specpipe.entrypoints.openai import protocol as p
 from specpipe.entrypoints.openai.samples import Samples, add_samples, merged_events, sample_seed
 from specpipe.entrypoints.openai.reasoning import ReasoningSplitter, prompt_opens_thinking
 from specpipe.entrypoints.openai.structured import BadConstraint, constraint_of, param_of
-from specpipe.entrypoints.openai.tool_formats import OPENERS as FAMILY_OPENERS
+from specpipe.entrypoints.openai.tool_formats import OPENERS as FAMILY_OPENERS, markup_ids
 from specpipe.entrypoints.openai.tools import FENCE, TOOL_TAG, check_tools, forced_constraint, parse_tool_calls, tools_prompt
 from specpipe.grammar import GrammarSpecError, StructuredOutput
 from specpipe.sampling import SamplingParams, TokenLogprobs
@@ -52,6 +52,7 @@ class OpenAIServing:
         self.engine, self.aengine, self.model_names = engine, aengine, names
         self.model_name = names[0]
         self.fenced_tool_calls = fenced_tool_calls
+        self.markup_ids = markup_ids(engine.tokenizer)  # special tokens a chat answer keeps (tool_formats.py)
         # Tokenizing and rendering the chat template take time in proportion to the body: on the
         # event loop, one big prompt would stall every other stream.
         self._tokenize = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="specpipe-tokenize")
@@ -162,7 +163,7 @@ class OpenAIServing:
                            code="unsupported_parameter")
 
         async def add(i: int) -> RequestStream:
-            stream = await self._add(ids, body, max_tokens, client, structured, i)
+            stream = await self._add(ids, body, max_tokens, client, structured, i, keep_special=self.markup_ids)
             stream.tool_funcs = funcs if choice != "none" else None  # answers are read for calls (tools.py)
             stream.fenced_calls = self.fenced_tool_calls
             stream.reasoning = self._reasoning(ids)
@@ -213,8 +214,10 @@ class OpenAIServing:
                                code="context_length_exceeded")
 
     async def _add(self, prompt_ids: list[int], body: p.SamplingFields, max_tokens: int,
-                   client: Optional[str], structured: Optional[StructuredOutput] = None, sample: int = 0) -> RequestStream:
-        """Sample `sample` of the body's n (its seed: samples.sample_seed)."""
+                   client: Optional[str], structured: Optional[StructuredOutput] = None, sample: int = 0,
+                   keep_special: frozenset[int] = frozenset()) -> RequestStream:
+        """Sample `sample` of the body's n (its seed: samples.sample_seed). `keep_special`: special
+        tokens whose text stays in the output (tool-call and reasoning markup)."""
         if self.aengine.dead is not None:
             raise ApiError(503, f"the engine cannot serve: {self.aengine.dead}", "server_error", code="engine_dead")
         context = self.engine.max_context
@@ -230,7 +233,8 @@ class OpenAIServing:
                                       presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                       repetition_penalty=body.repetition_penalty, min_p=body.min_p,
                                       logit_bias=body.logit_bias_pairs(), prompt_logprobs=body.prompt_logprobs_asked())
-            req = self.engine.prompts.make_request(prompt_ids, sampling, ignore_eos=body.ignore_eos)
+            req = self.engine.prompts.make_request(prompt_ids, sampling, ignore_eos=body.ignore_eos,
+                                                   keep_special=keep_special)
         except PromptError as e:  # empty, or token ids outside the vocabulary (the prompt's or logit_bias's)
             raise ApiError(400, str(e), param="logit_bias" if "logit_bias" in str(e) else "prompt") from None
         except ValueError as e:  # ConfigError included

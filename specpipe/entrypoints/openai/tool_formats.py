@@ -32,6 +32,11 @@ DEEPSEEK_OPEN = "<｜tool▁calls▁begin｜>"
 GLM_ARG = "<arg_key>"
 MINIMAX_OPEN = "<minimax:tool_call>"
 OPENERS = (DEEPSEEK_OPEN, MINIMAX_OPEN)  # text from one of these is held back when streaming
+# The markup the server reads (calls, and reasoning): where a tokenizer makes one of these a
+# special token, its text must stay in the output all the same (as vLLM's parsers decode it).
+MARKUP = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+          "</arg_value>", DEEPSEEK_OPEN, "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+          "<｜tool▁sep｜>", MINIMAX_OPEN, "</minimax:tool_call>")
 
 _DEEPSEEK_CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁sep｜>(.*?)(?:<｜tool▁call▁end｜>|$)", re.S)
 _DEEPSEEK_V3_ARGS = re.compile(r"\s*```(?:json)?\s*\n?(.*?)\n?```\s*$", re.S)
@@ -40,6 +45,11 @@ _GLM_ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>"
 _MINIMAX_BLOCK = re.compile(r"<minimax:tool_call>(.*?)(?:</minimax:tool_call>|$)", re.S)
 _MINIMAX_INVOKE = re.compile(r"<invoke\s+name=\"?([^\">]+)\"?\s*>(.*?)(?:</invoke>|$)", re.S)
 _MINIMAX_PARAM = re.compile(r"<parameter\s+name=\"?([^\">]+)\"?\s*>(.*?)</parameter>", re.S)
+
+
+def markup_ids(tokenizer) -> frozenset[int]:
+    """The special tokens of `tokenizer` that are markup the server reads (MARKUP)."""
+    return frozenset(i for i in tokenizer.special_ids() if tokenizer.decode([i], skip_special_tokens=False) in MARKUP)
 
 
 def family_format(text: str) -> Optional[str]:
