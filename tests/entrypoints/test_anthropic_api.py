@@ -112,6 +112,12 @@ def test_output_config_json_schema(client):
     assert isinstance(json.loads(msg.content[0].text)["n"], int), msg
 
 
+def test_thinking_disabled_reaches_the_template(client):
+    on = client.messages.create(model=NAME, messages=ASK, max_tokens=2, thinking={"type": "enabled", "budget_tokens": 1024})
+    off = client.messages.create(model=NAME, messages=ASK, max_tokens=2, thinking={"type": "disabled"})
+    assert off.usage.input_tokens > on.usage.input_tokens  # the template wrote an empty <think></think>
+
+
 def test_errors_have_anthropics_shape_and_the_key_is_checked(server, client):
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model=NAME, messages=ASK, max_tokens=0)
