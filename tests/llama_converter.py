@@ -6,8 +6,8 @@ llama.cpp writes them rather than as our imitation of it (checkpoint_helpers.ggu
 
 The sdist (~73 MB, PyPI) is downloaded once into a cache directory ($SPECPIPE_LLAMA_CONVERTER_CACHE,
 else ~/.cache/specpipe/llama_converter/<version>), and only the converter, its `conversion`
-package and its bundled gguf-py are extracted; a file lock makes concurrent pytest workers share
-one download. The converter runs in a subprocess with its bundled gguf-py first on sys.path (not
+package and its bundled gguf-py are extracted (2 MB; the tarball is then deleted); a file lock
+makes concurrent pytest workers share one download. The converter runs in a subprocess with its bundled gguf-py first on sys.path (not
 the pip `gguf` the loader uses), with two adjustments for tiny test checkpoints, both outside the
 tensor and metadata code under test:
   * its BPE pre-tokenizer check hashes the tokens of a fixed text against the tokenizers of
@@ -79,7 +79,9 @@ def converter_dir() -> Path:
     with open(cache / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if not (done / "convert_hf_to_gguf.py").is_file():
-            _extract(_sdist(cache), cache, done)
+            tarball = _sdist(cache)
+            _extract(tarball, cache, done)
+            tarball.unlink()  # 73 MB, of which the converter is 2
     return done
 
 
