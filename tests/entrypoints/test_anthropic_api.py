@@ -113,7 +113,8 @@ def test_output_config_json_schema(client):
 
 
 def test_thinking_disabled_reaches_the_template(client):
-    on = client.messages.create(model=NAME, messages=ASK, max_tokens=2, thinking={"type": "enabled", "budget_tokens": 1024})
+    on = client.messages.create(model=NAME, messages=ASK, max_tokens=2,
+                                thinking={"type": "enabled", "budget_tokens": 1024})
     off = client.messages.create(model=NAME, messages=ASK, max_tokens=2, thinking={"type": "disabled"})
     assert off.usage.input_tokens > on.usage.input_tokens  # the template wrote an empty <think></think>
 
