@@ -27,8 +27,9 @@ PENALIZED = dict(presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty
 GREEDY = SamplingParams(max_tokens=10, logprobs=2, **PENALIZED)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, min_p=0.05, seed=77, max_tokens=10, **PENALIZED)
 # (mode, stages, layers per step)
-MODES = [("pp", 2, 1), ("pp-cb", 3, 1), ("tree", 1, 1), ("tree", 2, 1), ("specpipe", 1, 1), ("specpipe", 3, 1),
-         ("specpipe-db", 2, 1), ("specpipe-db", 3, 1), ("specpipe-db", 2, "auto")]
+# Each mode once, S = 1, 2 and 3 among them (and S = 2 again over stage processes, below).
+MODES = [("pp", 2, 1), ("pp-cb", 3, 1), ("tree", 1, 1), ("specpipe", 3, 1), ("specpipe-db", 2, 1),
+         ("specpipe-db", 3, 1), ("specpipe-db", 2, "auto")]
 
 
 @pytest.fixture(scope="module")
