@@ -28,11 +28,15 @@ from specpipe.loader.hf_gpt_oss import ggml_mxfp4_rows
 from specpipe.model.stage import build_stage
 from specpipe.request import Request
 from test_model_vs_hf import greedy_ours, hf_logits, max_diff, prefill_then_decode, random_tokens, whole_model
-from test_moe_families_lossless import serve, GREEDY, SAMPLED, PROMPT, BLOCK_SIZE
+from specpipe.sampling import SamplingParams
+from test_moe_families_lossless import serve, PROMPT, BLOCK_SIZE
 
 transformers = pytest.importorskip("transformers")
 
 RTOL = 2e-5  # of the logits' largest magnitude, as the other families
+# The modes' runs: 8 tokens a request (the other MoE families' 12, fewer to keep CI's time down)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=4321, max_tokens=8)
 E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
@@ -315,7 +319,6 @@ def test_window_pool_and_auto_equal_pp(tmp_path_factory):
     reserve more than such a small window pool holds): pp's tokens, every window block back at the end."""
     from specpipe.engine.core import EngineCore
     from specpipe.loader.partition import partition_layers
-    from specpipe.sampling import SamplingParams
     from specpipe.sched.block_manager import window_need
     from specpipe.spec_decode.sources import NgramSource
     from specpipe.worker.local_pipeline import LocalPipeline
