@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional, Sequence, Union
 
 from specpipe.config import ConfigError
@@ -22,7 +23,8 @@ from specpipe.entrypoints.openai.samples import Samples, add_samples, merged_eve
 from specpipe.entrypoints.openai.reasoning import ReasoningSplitter, prompt_opens_thinking
 from specpipe.entrypoints.openai.structured import BadConstraint, constraint_of, param_of
 from specpipe.entrypoints.openai.tool_formats import OPENERS as FAMILY_OPENERS, markup_ids
-from specpipe.entrypoints.openai.tools import FENCE, TOOL_TAG, check_tools, forced_constraint, parse_tool_calls, tools_prompt
+from specpipe.entrypoints.openai.tools import (FENCE, TOOL_TAG, ToolCall, check_tools, forced_constraint,
+                                               parse_tool_calls, tools_prompt)
 from specpipe.grammar import GrammarSpecError, StructuredOutput
 from specpipe.sampling import SamplingParams, TokenLogprobs
 from specpipe.tokenizer.tokenizer import TokenizerError
@@ -368,34 +370,67 @@ async def _tool_events(stream: RequestStream, include_usage: bool, rid: str, mod
 
     try:
         yield _sse(first.model_dump_json())
-        sent = 0  # characters of the answer already sent as content
-        answer, splitter = "", getattr(stream, "reasoning", None)  # the answer less its reasoning
-        async for d in stream:
-            if d.finish_reason in ("error", "abort"):
-                yield _sse(_failure(stream).body.model_dump_json())
+        async for piece in answer_pieces(stream):
+            if piece.kind == "error":
+                yield _sse(piece.error.body.model_dump_json())
                 yield _sse("[DONE]")
                 return
-            if splitter is not None:
-                reasoning, text = splitter.feed(d.text, final=d.finish_reason is not None)
-                answer += text
-                if reasoning:
-                    yield chunk(p.DeltaMessage(reasoning_content=reasoning))
+            if piece.kind == "reasoning":
+                yield chunk(p.DeltaMessage(reasoning_content=piece.text))
+            elif piece.kind == "content":
+                yield chunk(p.DeltaMessage(content=piece.text))
+            elif piece.kind == "calls":
+                for i, call in enumerate(piece.calls):
+                    yield chunk(p.DeltaMessage(tool_calls=[call.as_openai(index=i)]))
             else:
-                answer = stream.text
-            safe = _free_text_end(answer, stream.fenced_calls)
-            if safe > sent:
-                yield chunk(p.DeltaMessage(content=answer[sent:safe]))
-                sent = safe
-        _, calls = _answer(stream, answer)
-        rest = "" if calls else answer[sent:]  # with calls, all before the first was sent above
-        if rest:
-            yield chunk(p.DeltaMessage(content=rest))
-        for i, call in enumerate(calls):
-            yield chunk(p.DeltaMessage(tool_calls=[call.as_openai(index=i)]))
-        yield chunk(p.DeltaMessage(), "tool_calls" if calls else stream.finish_reason)
+                yield chunk(p.DeltaMessage(), piece.finish)
         if include_usage:
             yield _sse(p.ChatCompletionChunk(id=rid, model=model, choices=[], usage=_usage(stream)).model_dump_json())
         yield _sse("[DONE]")
+    finally:
+        stream.cancel()
+
+
+@dataclass
+class Piece:
+    """A piece of a chat answer as it streams (answer_pieces)."""
+
+    kind: str  # "reasoning" | "content" | "calls" | "end" | "error"
+    text: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+    finish: Optional[str] = None  # "stop", "length" or "tool_calls" (end)
+    error: Optional[ApiError] = None  # (error)
+
+
+async def answer_pieces(stream: RequestStream) -> AsyncIterator[Piece]:
+    """A chat answer as it comes, in the pieces every dialect's events are made of (chat's tool
+    stream here, Anthropic's and the Responses API's: answer_stream.py): reasoning, content, the
+    tool calls once the answer is complete, then the end. With tools, text streams as content
+    while it cannot be the start of a call (_free_text_end) and is held from there to the end;
+    held text that holds no call goes out as content then. The request is cancelled however the
+    iteration ends."""
+    splitter = getattr(stream, "reasoning", None)
+    tools = bool(getattr(stream, "tool_funcs", None))
+    answer, sent = "", 0  # the answer less its reasoning; how much of it went out as content
+    try:
+        async for d in stream:
+            if d.finish_reason in ("error", "abort"):
+                yield Piece("error", error=_failure(stream))
+                return
+            reasoning, text = splitter.feed(d.text, d.finish_reason is not None) if splitter else ("", d.text)
+            if reasoning:
+                yield Piece("reasoning", reasoning)
+            answer += text
+            safe = _free_text_end(answer, stream.fenced_calls) if tools else len(answer)
+            if safe > sent:
+                yield Piece("content", answer[sent:safe])
+                sent = safe
+        _, calls = _answer(stream, answer)
+        if not calls and answer[sent:]:  # with calls, all before the first went out above
+            yield Piece("content", answer[sent:])
+        if calls:
+            yield Piece("calls", calls=calls)
+        yield Piece("end", finish="tool_calls" if calls else stream.finish_reason)
     finally:
         stream.cancel()
 
