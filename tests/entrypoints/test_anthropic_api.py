@@ -138,3 +138,12 @@ def test_errors_have_anthropics_shape_and_the_key_is_checked(server, client):
     assert bearer.messages.create(model=NAME, messages=ASK, max_tokens=2).usage.output_tokens >= 1
     r = httpx.post(f"{server.url}/v1/messages", headers={"x-api-key": KEY}, content=b"{not json", timeout=30)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_count_tokens_is_the_prompt_a_message_would_have(client):
+    kw = dict(model=NAME, system=SYSTEM, messages=ASK, tools=[WEATHER])
+    counted = client.messages.count_tokens(**kw).input_tokens
+    sent = client.messages.create(max_tokens=2, extra_body=GREEDY, **kw).usage.input_tokens
+    assert counted == sent > client.messages.count_tokens(model=NAME, messages=ASK).input_tokens
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(model="nope", messages=ASK)

@@ -9,13 +9,14 @@ Anthropic's message or its event stream.
 
 Mapping: tool_choice auto/any/tool/none = chat's auto/required/{function}/none; output_config's
 format (a JSON schema) = response_format json_schema; thinking enabled/disabled = the template's
-enable_thinking (chat_template_kwargs); stop_reason is
-end_turn, max_tokens, stop_sequence (with the string) or tool_use; reasoning (<think>) comes as a
-thinking block with an empty signature. Errors have Anthropic's shape
-`{"type": "error", "error": {"type": ..., "message": ...}}`. Not served: images and documents
-(a 400), prompt caching (cache_control is ignored), thinking budgets and effort (ignored). The
-current `anthropic` client no longer sends temperature / top_p / top_k as arguments; they are
-read from the body when given (extra_body).
+enable_thinking (chat_template_kwargs); stop_reason is end_turn, max_tokens, stop_sequence (with
+the string) or tool_use; reasoning (<think>) comes as a thinking block with an empty signature.
+Errors have Anthropic's shape `{"type": "error", "error": {"type": ..., "message": ...}}`.
+`/v1/messages/count_tokens` counts the prompt's tokens as the template renders them.
+Not served: images and documents (a 400), Anthropic's built-in tools (a 400: no input_schema),
+prompt caching (cache_control is ignored), thinking budgets and effort (ignored). The current
+`anthropic` client no longer sends temperature / top_p / top_k as arguments; they are read from
+the body when given (extra_body).
 """
 
 from __future__ import annotations
@@ -108,6 +109,10 @@ class MessagesRequest(_Body):
     thinking: Optional[dict] = None  # {"type": "disabled"}: the template's enable_thinking false
 
 
+class CountTokensRequest(MessagesRequest):
+    max_tokens: Optional[int] = Field(default=None, ge=1, le=MAX_TOKENS)  # not needed to count
+
+
 def error_body(e: ApiError) -> dict:
     return {"type": "error", "error": {"type": ERROR_TYPES.get(e.status, "api_error"), "message": e.body.error.message}}
 
@@ -183,6 +188,10 @@ class AnthropicServing:
     async def start(self, body: MessagesRequest, client: Optional[str]) -> RequestStream:
         """Queue a request (ApiError for anything refused)."""
         return await self.serving.chat_stream(to_chat(body), client)
+
+    async def count_tokens(self, body: CountTokensRequest) -> dict:
+        """`/v1/messages/count_tokens`: the prompt's tokens as the template renders them."""
+        return {"input_tokens": await self.serving.count_chat_tokens(to_chat(body))}
 
     async def whole(self, body: MessagesRequest, stream: RequestStream) -> dict:
         a = await finished(stream)

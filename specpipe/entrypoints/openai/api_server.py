@@ -35,7 +35,8 @@ from specpipe.engine.async_engine import AsyncEngine
 from specpipe.engine.engine import Engine
 from specpipe.engine.metrics import EngineMetrics
 from specpipe.entrypoints.openai import protocol as p
-from specpipe.entrypoints.openai.anthropic_api import AnthropicServing, MessagesRequest, error_body as anthropic_error
+from specpipe.entrypoints.openai.anthropic_api import (AnthropicServing, CountTokensRequest, MessagesRequest,
+                                                       error_body as anthropic_error)
 from specpipe.entrypoints.openai.responses_api import ResponsesRequest, ResponsesServing
 from specpipe.entrypoints.openai.connections import HEADER_TIMEOUT_S, MAX_CONNECTIONS_PER_CLIENT, http_protocol
 from specpipe.entrypoints.openai.middleware import DEFAULT_MAX_BODY_BYTES, BodyLimit, key_index
@@ -212,6 +213,14 @@ def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, mode
         if body.stream:
             return _EventStream(stream, responses_api.events(body, stream))
         return await _unless_disconnected(request, responses_api.whole(body, stream), stream)
+
+    @app.post("/v1/messages/count_tokens", responses=_errors(400, *key_errors, 404, 413))
+    async def count_tokens(body: CountTokensRequest):
+        """Anthropic's token count of a Messages request's prompt."""
+        try:
+            return await anthropic.count_tokens(body)
+        except ApiError as e:
+            return JSONResponse(anthropic_error(e), status_code=e.status)
 
     def openapi() -> dict:
         """FastAPI's schema, less the 422 it adds to every route with a body: this server answers

@@ -146,18 +146,7 @@ class OpenAIServing:
         except BadConstraint as e:
             raise ApiError(400, str(e), param=e.param) from None
         structured = await self._constraint(body, forced)
-        conversation = body.conversation()
-        tools = _dumped(body.tools) if funcs and choice != "none" else None
-        if tools and not self.engine.tokenizer.renders_tools:
-            conversation = [{"role": "system", "content": tools_prompt(tools)}, *conversation]  # template cannot
-            tools = None
-        kwargs = body.chat_template_kwargs or {}
-        if "messages" in kwargs:
-            raise ApiError(400, "chat_template_kwargs may not set messages", param="chat_template_kwargs")
-        try:
-            ids = await self._off_loop(lambda: self.engine.prompts.encode_chat(conversation, tools, kwargs))
-        except (ConfigError, TokenizerError) as e:  # no template, or the template refused these messages
-            raise ApiError(400, str(e), param="messages") from None
+        ids = await self._chat_prompt(body, funcs, choice)
         # Without a limit a chat answer may use the rest of the context.
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, self.engine.max_context - len(ids))
         if body.n > 1 and body.stream and funcs and choice != "none":
@@ -177,6 +166,31 @@ class OpenAIServing:
     async def _samples(body: p.SamplingFields, add) -> Union[RequestStream, Samples]:
         """One stream, or for n > 1 the n samples' (samples.py)."""
         return await add(0) if body.n == 1 else await add_samples(body.n, add)
+
+    async def _chat_prompt(self, body: p.ChatCompletionRequest, funcs: dict, choice: str) -> list[int]:
+        """The prompt's ids: the template over the messages with chat_template_kwargs, and the
+        offered tools (as a system message where the template cannot render them)."""
+        conversation = body.conversation()
+        tools = _dumped(body.tools) if funcs and choice != "none" else None
+        if tools and not self.engine.tokenizer.renders_tools:
+            conversation = [{"role": "system", "content": tools_prompt(tools)}, *conversation]  # template cannot
+            tools = None
+        kwargs = body.chat_template_kwargs or {}
+        if "messages" in kwargs:
+            raise ApiError(400, "chat_template_kwargs may not set messages", param="chat_template_kwargs")
+        try:
+            return await self._off_loop(lambda: self.engine.prompts.encode_chat(conversation, tools, kwargs))
+        except (ConfigError, TokenizerError) as e:  # no template, or the template refused these messages
+            raise ApiError(400, str(e), param="messages") from None
+
+    async def count_chat_tokens(self, body: p.ChatCompletionRequest) -> int:
+        """The tokens a chat request's prompt would hold (Anthropic's count_tokens), nothing queued."""
+        self._check_model(body.model)
+        try:
+            funcs, choice = check_tools(_dumped(body.tools), _dumped(body.tool_choice))
+        except BadConstraint as e:
+            raise ApiError(400, str(e), param=e.param) from None
+        return len(await self._chat_prompt(body, funcs, choice))
 
     def _reasoning(self, prompt_ids: list[int]) -> Optional[ReasoningSplitter]:
         """A reasoning model's answer is read for <think>…</think> (reasoning.py); its prompt
