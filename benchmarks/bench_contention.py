@@ -35,24 +35,27 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The environment as the user gave it, before importing specpipe here sets anything (its OpenMP
+# wait policy): each worker starts from this, and a specpipe worker's own import sets the rest.
+USER_ENV = dict(os.environ)
 
 
 # ---- the worker: one configuration, one process -------------------------------------------------
 
 def worker(args) -> int:
-    import specpipe  # noqa: F401  (first: the package sets the OpenMP wait policy before torch loads it)
-
-    import numpy as np
-    import torch
-
-    from specpipe.config import StageSpec
-    from specpipe.loader import open_checkpoint
-    from specpipe.model.runner import run_rows
-    from specpipe.model.stage import build_stage
-
-    torch.set_num_threads(args.threads)
     p = args.prompt_tokens
     if args.engine == "specpipe":
+        import specpipe  # noqa: F401  (first: the package sets the OpenMP wait policy before torch loads it)
+
+        import numpy as np
+        import torch
+
+        from specpipe.config import StageSpec
+        from specpipe.loader import open_checkpoint
+        from specpipe.model.runner import run_rows
+        from specpipe.model.stage import build_stage
+
+        torch.set_num_threads(args.threads)
         ckpt = open_checkpoint(args.model)
         model = build_stage(ckpt, StageSpec.whole(ckpt.config))
         vocab = ckpt.config.vocab_size
@@ -64,7 +67,8 @@ def worker(args) -> int:
         def step(i: int) -> None:
             pos = p + i
             run_rows(model, kv, torch.tensor([ids[pos]]), [pos], [pos], list(range(pos + 1)), None)
-    else:
+    else:  # llama.cpp with its own defaults: nothing of specpipe's in this process
+        import numpy as np
         from llama_cpp import Llama
 
         llm = Llama(model_path=args.model, n_ctx=p + args.steps + 8, n_threads=args.threads,
@@ -95,7 +99,7 @@ class Worker:
         cmd = [sys.executable, __file__, "--worker", "--engine", engine, "--threads", str(threads),
                "--model", args.model, "--steps", str(args.steps), "--prompt-tokens", str(args.prompt_tokens)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env={**os.environ, **env})
+                                     env={**USER_ENV, **env})
         self.env = env
         self.times: dict[str, list[float]] = {}
         if self.proc.stdout.readline().strip() != "ready":
