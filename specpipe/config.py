@@ -284,7 +284,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto = float32 activations, weights as stored on CPU; bfloat16 on CUDA
     quantization: Optional[str] = None  # int8 | int4: float (HF) weights to Q8_0 / Q4_0 at load
     transport: str = "auto"  # inproc | processes; auto = inproc for one stage, processes for more
-    stage_threads: int = 0  # CPU threads per local stage process; 0 = this machine's cores / stages
+    stage_threads: int = 0  # CPU threads per local stage process; 0 = usable cores / stages (cpus.py)
     link_delay_ms: float = 0.0  # emulated per-message link latency between ranks
     link_bandwidth_mbps: float = 0.0  # emulated link bandwidth; 0 = unlimited
     stage_timeout_s: float = 30.0  # a stage silent this long fails the in-flight requests

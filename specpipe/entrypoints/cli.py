@@ -163,7 +163,9 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--transport", default="auto",
                    help="inproc (all stages in this process) | processes (one per stage); auto: processes when --stages > 1")
     g.add_argument("--stage-threads", type=int, default=0,
-                   help="CPU threads per local stage process (default: this machine's cores / stages)")
+                   help="CPU threads per local stage process (default: the cores this process may use, affinity "
+                        "and cgroup quota, / stages; each stage pinned to cores of its own where there are enough: "
+                        "specpipe env shows them)")
     g.add_argument("--link-delay-ms", type=float, default=0.0, help="emulated per-message link latency between ranks")
     g.add_argument("--link-bandwidth-mbps", type=float, default=0.0, help="emulated link bandwidth (0 = unlimited)")
     g.add_argument("--link-encryption", action="store_true",
