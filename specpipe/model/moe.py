@@ -13,6 +13,10 @@ router logits; each expert is a linear layer on the quantized-linear seam (Float
 QuantLinear), whose rows do not depend on the rows sharing the call; and a row sums its experts'
 outputs in ascending expert order whatever else is in the batch. So a row computed alone equals
 the same row among others, bitwise (tests/kernels/test_batch_invariance.py).
+
+EXPERTS_READ counts, while a profiler turns it on, the distinct experts each call ran: what a
+step of several rows reads from memory (docs/benchmarks.md, the MoE row cost); off, it costs
+one attribute check a call.
 """
 
 from __future__ import annotations
@@ -28,6 +32,23 @@ from specpipe.kernels.native import layer as native_layer
 from specpipe.kernels.qlinear import FloatLinear, StackedLinear
 from specpipe.model.lanes import pad_columns
 from specpipe.model.routing import Router
+
+
+class ExpertsRead:
+    """Distinct experts run per SparseMoE call, summed while `on` (costs/measure.py reads it)."""
+
+    def __init__(self) -> None:
+        self.on, self.calls, self.experts = False, 0, 0
+
+    def reset(self) -> None:
+        self.calls = self.experts = 0
+
+    def mean(self) -> float:
+        """Distinct experts a call read, on average since the last reset (0 without calls)."""
+        return self.experts / self.calls if self.calls else 0.0
+
+
+EXPERTS_READ = ExpertsRead()
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -89,7 +110,10 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         chosen, weights = self.route(x)
         out = torch.zeros_like(x)  # (T, H)
-        for e in torch.unique(chosen).tolist():  # ascending expert ids
+        experts = torch.unique(chosen).tolist()  # ascending expert ids
+        if EXPERTS_READ.on:
+            EXPERTS_READ.calls, EXPERTS_READ.experts = EXPERTS_READ.calls + 1, EXPERTS_READ.experts + len(experts)
+        for e in experts:
             rows, k = torch.nonzero(chosen == e, as_tuple=True)  # the rows that chose e, and in which place
             y = self.experts[e](x.index_select(0, rows)) * weights[rows, k, None]  # (rows, H)
             out.index_add_(0, rows, y)
