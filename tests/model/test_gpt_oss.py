@@ -351,3 +351,36 @@ def test_window_pool_and_auto_equal_pp(tmp_path_factory):
         req = decode(mode, 2, blocks, layers)
         assert req.output_ids == reference, (mode, layers)
         assert req.stats.preemptions == 0
+
+
+def test_the_released_20b_config_reads_as_transformers_builds_it():
+    """gpt-oss-20b's config.json as OpenAI publishes it (legacy rope_scaling with truncate false,
+    an MXFP4 quantization_config): the options, and YaRN's frequencies and cos/sin factor equal
+    transformers' own (ROPE_INIT_FUNCTIONS["yarn"] on GptOssConfig) at its real factor 32."""
+    from transformers import GptOssConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from specpipe.loader.hf_config import model_config_from_hf
+    from specpipe.model.rope import rope_attention_factor, rope_inv_freq
+
+    raw = dict(architectures=["GptOssForCausalLM"], attention_bias=True, eos_token_id=200002, experts_per_token=4,
+               head_dim=64, hidden_act="silu", hidden_size=2880, initial_context_length=4096, intermediate_size=2880,
+               layer_types=["sliding_attention", "full_attention"] * 12, max_position_embeddings=131072,
+               model_type="gpt_oss", num_attention_heads=64, num_experts_per_tok=4, num_hidden_layers=24,
+               num_key_value_heads=8, num_local_experts=32, pad_token_id=199999, rms_norm_eps=1e-05,
+               quantization_config={"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                               "model.embed_tokens", "lm_head"],
+                                    "quant_method": "mxfp4"},
+               rope_scaling={"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings":
+                             4096, "rope_type": "yarn", "truncate": False},
+               rope_theta=150000, sliding_window=128, swiglu_limit=7.0, tie_word_embeddings=False, vocab_size=201088)
+    cfg = model_config_from_hf(raw)
+    assert (cfg.arch, cfg.num_layers, cfg.head_dim, cfg.num_kv_heads, cfg.sliding_window) == ("gpt_oss", 24, 64, 8, 128)
+    assert cfg.sliding_layers == tuple(range(0, 24, 2)) and cfg.attention_sinks and cfg.o_proj_bias
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.intermediate_size, cfg.moe.swiglu_limit) == (32, 4, 2880, 7.0)
+    assert cfg.rope_scaling.truncate is False
+    ref = GptOssConfig(**{k: v for k, v in raw.items() if k not in ("quantization_config", "rope_scaling")},
+                       rope_parameters=dict(raw["rope_scaling"], rope_theta=150000.0))
+    inv, factor = ROPE_INIT_FUNCTIONS["yarn"](ref, "cpu")
+    assert torch.allclose(rope_inv_freq(cfg), inv.float(), rtol=1e-6, atol=0)
+    assert abs(rope_attention_factor(cfg) - factor) < 1e-9
