@@ -185,10 +185,14 @@ def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: in
 
     sizes = middle_stage_sizes(L, stage_layers)
     K = sizes[0]
+    # A mixture of experts' middle stages start at its first sparse layer (DeepSeek V3, GLM-4.5:
+    # the first 3 are dense), so a layer's cost by rows is a sparse layer's: n rows read the
+    # distinct experts they chose, which EXPERTS_READ counts on the 1-layer stage.
+    first = min(cfg.moe.layers[0], L - sizes[-1]) if cfg.moe else 0
     print(f"profile: computing the contexts ({REQUESTS} requests at {', '.join(map(str, contexts))} tokens) "
           f"on stages of 1, {', '.join(map(str, sizes))} and 1 + head layers", file=sys.stderr, flush=True)
-    one, tail = timer(0, 1), timer(L - 1, L, last=True)
-    middles = {k: timer(0, k) for k in sizes}
+    one, tail = timer(first, first + 1), timer(L - 1, L, last=True)
+    middles = {k: timer(first, first + k) for k in sizes}
     # The head again on last stages of each size: on a CPU the head's weights stay in the caches
     # of a 1-layer stage run back to back, not beside many layers' (SmolLM2: 1.8-1.9 ms against
     # 2.4-4.5; benchmarks/stage_costs.py head).
@@ -205,6 +209,9 @@ def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: in
         done += 1
         print(f"\rprofile: {done}/{total} {what:40s}", end="", file=sys.stderr, flush=True)
 
+    from specpipe.model.moe import EXPERTS_READ
+
+    experts: dict[int, list[float]] = {}  # rows -> distinct experts a step read, per context
     layer_ms, head_ms, overhead_ms, request_ms, request_overhead = [], [], [], [], []
     larger: dict[str, list[list[float]]] = {str(k): [] for k in sizes[1:]}
     heads_by: dict[str, list[list[float]]] = {str(k): [] for k in sizes}  # [context][rows]
@@ -220,7 +227,14 @@ def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: in
         for table in (*larger.values(), *heads_by.values()):
             table.append([])
         for n in rows:
-            t1 = one.ms(n, ctx, repeats)
+            EXPERTS_READ.reset()
+            EXPERTS_READ.on = cfg.moe is not None
+            try:
+                t1 = one.ms(n, ctx, repeats)
+            finally:
+                EXPERTS_READ.on = False
+            if cfg.moe is not None:
+                experts.setdefault(n, []).append(EXPERTS_READ.mean())
             progress(f"1-layer stage, {n} rows, context {ctx}")
             t_last = tail.ms(n, ctx, repeats)
             progress(f"last stage, {n} rows, context {ctx}")
@@ -270,7 +284,8 @@ def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: in
         overhead_ms=[statistics.median(col) for col in zip(*overhead_ms)],
         request_ms=request_ms, request_overhead_ms=statistics.median(request_overhead),
         method="measured",
-        model={"num_layers": L, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size},
+        model={"num_layers": L, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+               **({"num_experts": cfg.moe.num_experts, "top_k": cfg.moe.top_k} if cfg.moe else {})},
         assumptions=[f"measured with `specpipe profile`: a stage's real step (StageWorker.step), median of "
                      f"{repeats} runs after a warm-up",
                      f"layer: the difference between middle stages of {K} and 1 layers over {K - 1}; overhead: the "
@@ -279,6 +294,9 @@ def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: in
                        if larger else []),
                      f"head_ms_by_stage: last stages of {', '.join(heads_by)} layers minus middle stages of as many",
                      "every row attends to the whole context and itself (one tree layer of one request)",
+                     *([f"a sparse layer's cost: the stages start at layer {first}; experts_read: the distinct "
+                        "experts its steps ran (random hidden states: a random router's even spread, an upper "
+                        "bound for a tree's rows, which share context)"] if cfg.moe else []),
                      f"per extra request: {REQUESTS} rows of {REQUESTS} requests against {REQUESTS} rows of one",
                      "messages between processes are not included: see the link (`specpipe sim --link`)",
                      *([f"idle_layer_ms / idle_head_ms: a one-row step at context {contexts[0]} after the stage "
@@ -287,4 +305,5 @@ def profile_stages(build, cfg, rows: list[int], contexts: list[int], repeats: in
         row_bytes=cfg.hidden_size * torch.empty((), dtype=dtype).element_size(),
         stage_layers=K, layer_ms_by_stage=larger,
         head_ms_by_stage={k: [statistics.median(col) for col in zip(*t)] for k, t in heads_by.items()},
-        idle_gaps_ms=list(gaps) if idle_layer else [], idle_layer_ms=idle_layer, idle_head_ms=idle_head)
+        idle_gaps_ms=list(gaps) if idle_layer else [], idle_layer_ms=idle_layer, idle_head_ms=idle_head,
+        experts_read=[statistics.median(experts[n]) for n in rows] if experts else [])

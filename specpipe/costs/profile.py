@@ -28,6 +28,9 @@ specifications (costs/roofline.py). Both write the same JSON file:
                                       cores, relative to the idle measurement above (1.0: idle;
                                       benchmarks/bench_contention.py measures it, `with_contention`
                                       sets it): stage() and draft_forward() are multiplied by it
+   "experts_read": [...],             a mixture of experts: the distinct experts one sparse layer's
+                                      step of n rows ran, per rows (mean over the measured steps;
+                                      [] = a dense model); layer_ms is then that sparse layer's
    "row_bytes": ...,                  bytes of one row's hidden state on the link between stages
    "links": {name: {...}}}            links measured with the profile (e.g. loopback-s2: stage
                                       processes on this machine), usable by name in `specpipe sim`
@@ -96,6 +99,7 @@ class CostProfile:
     idle_layer_ms: dict[str, list[float]] = field(default_factory=dict)  # layers -> [gap]
     idle_head_ms: list[float] = field(default_factory=list)  # [gap]
     contention: float = 1.0  # measured cost under other work / idle cost; multiplies stage() and draft_forward()
+    experts_read: list[float] = field(default_factory=list)  # [rows]: distinct experts a sparse layer's step read
 
     def __post_init__(self) -> None:
         if not self.contention > 0:
@@ -117,6 +121,8 @@ class CostProfile:
                              **{f"head_ms_by_stage[{k}]": v for k, v in self.head_ms_by_stage.items()}}.items():
             if len(values) != len(self.rows):
                 raise ValueError(f"profile {name} must have {len(self.rows)} entries")
+        if self.experts_read and len(self.experts_read) != len(self.rows):
+            raise ValueError(f"profile experts_read must have {len(self.rows)} entries")
         if self.request_ms and len(self.request_ms) != len(self.contexts):
             raise ValueError(f"profile request_ms must have {len(self.contexts)} entries")
         gaps = self.idle_gaps_ms

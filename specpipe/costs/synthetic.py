@@ -61,6 +61,25 @@ PRESETS: dict[str, dict] = {
                           num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
                           rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=40960,
                           tie_word_embeddings=False),
+    # DeepSeek-V3 (671B; R1 and V3.1 share the shapes) and GLM-4.6 (355B), their published config.json
+    # (deepseek-ai/DeepSeek-V3, zai-org/GLM-4.6) as recalled, not read from the files here: the
+    # multi-token-prediction layer (num_nextn_predict_layers 1) is not in a stage and is left out;
+    # GLM-4.6's use_qk_norm true and max_position_embeddings 202752 are the least certain fields.
+    "deepseek-v3": dict(model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                        num_hidden_layers=61, first_k_dense_replace=3, n_routed_experts=256, num_experts_per_tok=8,
+                        n_shared_experts=1, n_group=8, topk_group=4, topk_method="noaux_tc", scoring_func="sigmoid",
+                        norm_topk_prob=True, routed_scaling_factor=2.5, moe_layer_freq=1, num_attention_heads=128,
+                        num_key_value_heads=128, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+                        qk_nope_head_dim=128, v_head_dim=128, vocab_size=129280, rms_norm_eps=1e-6,
+                        rope_theta=10000.0, max_position_embeddings=163840, tie_word_embeddings=False,
+                        rope_scaling=dict(type="yarn", factor=40.0, beta_fast=32, beta_slow=1, mscale=1.0,
+                                          mscale_all_dim=1.0, original_max_position_embeddings=4096)),
+    "glm-4.6": dict(model_type="glm4_moe", hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536,
+                    num_hidden_layers=92, first_k_dense_replace=3, n_routed_experts=160, num_experts_per_tok=8,
+                    n_shared_experts=1, n_group=1, topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+                    num_attention_heads=96, num_key_value_heads=8, head_dim=128, partial_rotary_factor=0.5,
+                    attention_bias=True, use_qk_norm=True, vocab_size=151552, rms_norm_eps=1e-5, rope_theta=1e6,
+                    max_position_embeddings=202752, tie_word_embeddings=False),
     # The pair this repository measures for real, for checking the synthetic profile against them.
     "qwen2.5-coder-1.5b": dict(model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                                num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, rope_theta=1e6,
@@ -73,11 +92,32 @@ PRESETS: dict[str, dict] = {
 # the presets above say tie_word_embeddings False so the head is its own Q6_K tensor, as there.
 
 
+def scaled_experts(fields: dict, experts: int) -> dict:
+    """A config.json's fields with `experts` routed experts instead of its own, every expert's
+    shape, the top k and the groups kept: a layer a machine can hold whose step reads what the
+    real layer's step reads for as many distinct experts (not for as many rows: fewer experts
+    are all read by fewer rows, so a profile of it records the experts each row count read)."""
+    key = next((k for k in ("n_routed_experts", "num_experts", "num_local_experts") if k in fields), None)
+    if key is None:
+        raise ValueError("only a mixture of experts has experts to scale")
+    groups = int(fields.get("n_group") or 1)
+    if experts % groups or experts // groups * int(fields.get("topk_group") or 1) < int(fields["num_experts_per_tok"]):
+        raise ValueError(f"{experts} experts do not fill {groups} groups with the top-k's experts")
+    return {**fields, key: experts}
+
+
 def model_config(name: str) -> tuple[str, ModelConfig]:
-    """(a short name, the ModelConfig) of a preset or of a Hugging Face config.json path."""
+    """(a short name, the ModelConfig) of a preset or of a Hugging Face config.json path; a
+    preset's name ending in `:eN` keeps N of its routed experts (scaled_experts)."""
     from specpipe.config import ConfigError
     from specpipe.loader.hf_config import model_config_from_hf
 
+    base, _, experts = name.partition(":e")
+    if base in PRESETS and experts.isdigit():
+        try:
+            return name, model_config_from_hf(scaled_experts(PRESETS[base], int(experts)))
+        except ValueError as e:
+            raise ConfigError(f"--synthetic {name}: {e}") from None
     if name in PRESETS:
         return name, model_config_from_hf(PRESETS[name])
     path = Path(name)
