@@ -131,6 +131,7 @@ class HFCheckpoint(Checkpoint):
         # gpt-oss: canonical name -> its part of a stacked expert tensor, and those tensors by name
         self._slices: dict[str, hf_gpt_oss.ExpertSlice] = {}
         self._stacked: dict[str, _Tensor] = {}
+        self._recent: dict[tuple[str, int], torch.Tensor] = {}  # the last experts read (_expert)
         # shard name -> (its open file, where its data starts, its tensors by their names in it)
         self._shard_data: dict[str, tuple[CheckedFile, int, dict[str, _Tensor]]] = {}
         with closed_on_error(self):
@@ -249,7 +250,11 @@ class HFCheckpoint(Checkpoint):
         return hf_gpt_oss.Q.MXFP4 if piece is not None and piece.kind == "mxfp4" else None
 
     def _expert(self, stacked: str, e: int) -> torch.Tensor:
-        """Expert e of a stacked gpt-oss tensor (E, ...), reading only its bytes."""
+        """Expert e of a stacked gpt-oss tensor (E, ...), reading only its bytes. The last two read
+        are kept: gate and up are halves of one stored expert (and MXFP4 reads blocks and scales),
+        so a stage loading them one after the other reads each expert's bytes once."""
+        if (stacked, e) in self._recent:
+            return self._recent[stacked, e]
         t = self._stacked.get(stacked)
         if t is None:
             raise CheckpointError(f"{self.path.name}: tensor {stacked!r} is missing from the checkpoint")
@@ -258,10 +263,14 @@ class HFCheckpoint(Checkpoint):
             raise CheckpointError(f"{self.path.name}: cannot read expert {e} of {t.name!r} ({t.dtype}, {t.shape})")
         n = t.length // t.shape[0]
         try:
-            return torch.frombuffer(bytearray(t.file.read(t.offset + e * n, n, f"tensor {t.name}")),
-                                    dtype=stored).reshape(t.shape[1:])
+            w = torch.frombuffer(bytearray(t.file.read(t.offset + e * n, n, f"tensor {t.name}")),
+                                 dtype=stored).reshape(t.shape[1:])
         except (RuntimeError, ValueError) as err:
             raise CheckpointError(f"{self.path.name}: cannot read tensor {t.name!r} ({err})") from None
+        if len(self._recent) >= 2:
+            del self._recent[next(iter(self._recent))]
+        self._recent[stacked, e] = w
+        return w
 
     def stage_ranges(self, spec: StageSpec) -> StageBytes:
         """Every *.json file whole (config, index, tokenizer, generation config: small, and the

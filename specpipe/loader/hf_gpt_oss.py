@@ -89,8 +89,8 @@ def load_slice(s: ExpertSlice, expert: Callable[[str, int], torch.Tensor]) -> to
     """A float (weight or bias) slice in canonical layout; `expert(name, e)` reads expert e of a
     stacked tensor."""
     t = expert(s.stored, s.expert)
-    if s.kind == "bias":
-        return _rows(t, s.half).contiguous()
+    if s.kind == "bias":  # a copy, never the reader's tensor (which it may hand out again)
+        return _rows(t, s.half).clone(memory_format=torch.contiguous_format)
     return _rows(t.t(), s.half).contiguous()  # (in, out) -> (out, in), then gate or up rows
 
 
