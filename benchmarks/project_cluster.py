@@ -104,6 +104,8 @@ def main() -> None:
     ap.add_argument("--driver-ms", type=float, default=0.3)
     ap.add_argument("--lower", type=float, default=0.2, help="share of the draft's expansions made wrong")
     ap.add_argument("--threads", type=int, default=1, help="torch threads for the references and the draft")
+    ap.add_argument("--runs", default="pp,tree,specpipe,auto", help="of pp, tree, specpipe, auto (pp always)")
+    ap.add_argument("--sources", default="draft,weakened,ngram", help="of draft, weakened, ngram")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     import torch
@@ -129,12 +131,15 @@ def main() -> None:
     vocab = engine.checkpoint.config.vocab_size
     sources = {"draft": engine.source, f"draft, {args.lower:.0%} of expansions wrong":
                Weakened(engine.source, args.lower, vocab), "ngram": NgramSource()}
+    wanted = set(args.sources.split(","))
+    sources = {name: src for (key, (name, src)) in zip(("draft", "weakened", "ngram"), sources.items()) if key in wanted}
+    run_names = [r for r in RUNS if r in {"pp", *args.runs.split(",")}]
     rows = []
     try:
         for S in stage_counts:
             for src_name, source in sources.items():
-                for run in ("pp", "tree", "specpipe", "auto"):
-                    if run == "pp" and src_name != "draft":
+                for run in run_names:
+                    if run == "pp" and src_name != next(iter(sources)):
                         continue  # pp has no source: once per S
                     # pp / tree / specpipe do not plan on the profile: one trace serves every profile.
                     for pi, (ppath, prof) in enumerate(profiles.items()):
