@@ -250,9 +250,9 @@ class HFCheckpoint(Checkpoint):
         return hf_gpt_oss.Q.MXFP4 if piece is not None and piece.kind == "mxfp4" else None
 
     def _expert(self, stacked: str, e: int) -> torch.Tensor:
-        """Expert e of a stacked gpt-oss tensor (E, ...), reading only its bytes. The last two read
-        are kept: gate and up are halves of one stored expert (and MXFP4 reads blocks and scales),
-        so a stage loading them one after the other reads each expert's bytes once."""
+        """Expert e of a stacked gpt-oss tensor (E, ...), reading only its bytes. The last three read
+        are kept: gate and up are halves of one stored expert, each loaded with its bias (and MXFP4
+        from blocks and scales), so a stage loading them one after the other reads each once."""
         if (stacked, e) in self._recent:
             return self._recent[stacked, e]
         t = self._stacked.get(stacked)
@@ -267,7 +267,7 @@ class HFCheckpoint(Checkpoint):
                                  dtype=stored).reshape(t.shape[1:])
         except (RuntimeError, ValueError) as err:
             raise CheckpointError(f"{self.path.name}: cannot read tensor {t.name!r} ({err})") from None
-        if len(self._recent) >= 2:
+        if len(self._recent) >= 3:
             del self._recent[next(iter(self._recent))]
         self._recent[stacked, e] = w
         return w
