@@ -19,10 +19,15 @@ non-trivial norm weights and biases) so that logits are far from ties and every 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Callable
 
 import pytest
+
+# Every engine in the tests checks its speculative requests' records after each step
+# (engine/modes/draft_progress.py); read when specpipe is first imported, so set before that.
+os.environ.setdefault("SPECPIPE_CHECK_STATE", "1")
 
 TINY_VOCAB = 300
 TINY_SHAPE = dict(

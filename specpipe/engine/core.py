@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Optional
 from specpipe.config import BUDGETED_MODES, SPECULATIVE_MODES, ConfigError
 from specpipe.engine.async_drafting import AsyncDrafting
 from specpipe.engine.modes.base import AFTER, BEFORE, DURING, ModeState
+from specpipe.engine.modes.draft_progress import CHECK_STATE
 from specpipe.engine.modes.rounds import RoundsState
 from specpipe.engine.modes.specpipe import AUTO, AutoPlan, SpecPipeState, block_rows
 from specpipe.engine.observer import NO_OBSERVER, StepObserver
@@ -290,6 +291,10 @@ class EngineCore:
         else:
             for st in live:  # drop a new root's draft call: the source may be in any state
                 self.own_fault(st, st.drafting, AFTER)
+        if CHECK_STATE:  # the tests: every speculative request's record obeys its invariants
+            for st in live:
+                if isinstance(st, SpecPipeState):
+                    st.check()
         done = [st.req for st in live if st.req.finished]
         self.observer.verified([st.req for st in live])
         for req in done:

@@ -150,19 +150,13 @@ MAX_HORIZON = 64  # steps a pruned row may still travel: enough for a pipeline o
 
 class SlotTable:
     def __init__(self, num_blocks: int, block_size: int, horizon: int = MAX_HORIZON,
-                 window_pool: Optional[tuple[int, int]] = None, evict_behind: Optional[int] = None,
-                 unknown_parents: bool = False) -> None:
+                 window_pool: Optional[tuple[int, int]] = None, evict_behind: Optional[int] = None) -> None:
         """`horizon`: steps after a pruning during which rows of pruned nodes may still arrive
         here (a stage's index + 1; a draft model, fed synchronously, 0).
         `window_pool`: (window, blocks): the stage's sliding-window layers keep their KV in a table
         of their own, `self.window`, of that many blocks, planned with the same rows.
         `evict_behind`: this table is such a window table: it forgets committed positions that
-        no row can see any more (see the module's docstring).
-        `unknown_parents`: a row whose parent this table never saw reads the committed prefix
-        instead of being refused (`check_tree`). Only for the driver's own draft model, whose rows
-        come from the driver, not from a peer: its asynchronous path can feed a request's first
-        drafted row before its prompt (a lower hit rate, never other output; docs/reliability.md)."""
-        self.unknown_parents = unknown_parents
+        no row can see any more (see the module's docstring)."""
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
         self.requests: dict[int, RequestSlots] = {}
@@ -421,7 +415,7 @@ class SlotTable:
             raise RowsRefused(f"rows for request {request_id}, which this stage does not hold")
         if r.failed:
             raise RowsRefused(f"request {request_id}: rows planned after it failed at this stage")
-        at, tip = check_tree(r, request_id, node_ids, parent_ids, positions, self.unknown_parents)
+        at, tip = check_tree(r, request_id, node_ids, parent_ids, positions)
         new_blocks = -(-max(0, len(node_ids) - len(r.free)) // self.block_size)
         if new_blocks > self.pool.num_free():
             what = "sliding-window KV" if self.evict_behind is not None else "KV cache"
@@ -521,8 +515,7 @@ def unpruned(dropped: dict[int, int], node_ids: list[int]) -> list[int]:
 
 
 def check_tree(r: RequestSlots, request_id: int, node_ids: list[int], parent_ids: list[int],
-               positions: Optional[list[int]] = None,
-               unknown_parents: bool = False) -> tuple[list[int], Optional[int]]:
+               positions: Optional[list[int]] = None) -> tuple[list[int], Optional[int]]:
     """The rule every new row obeys, so that the parent links stay a tree across messages:
     its parent is a node the stage already holds (a live node, or the committed tip: the last
     committed position's node) or a row EARLIER in the same message, and its own id is new here
@@ -555,8 +548,6 @@ def check_tree(r: RequestSlots, request_id: int, node_ids: list[int], parent_ids
                               "(parents come first: a cycle otherwise)")
         elif p == tip or tip is None:
             tip, pos = p, r.held
-        elif unknown_parents:  # the driver's draft table (SlotTable.unknown_parents): its position as sent
-            pos = r.held if positions is None else positions[i]
         else:
             raise RowsRefused(f"request {request_id}: node {n}'s parent {p} is neither a node this stage holds "
                               f"(the committed tip {tip}, {len(spec)} live nodes) nor an earlier row")

@@ -44,7 +44,7 @@ class DraftModelSource(TokenSource):
         self.model, self.name = model, name
         self.tokenizer_fingerprint = tokenizer_fingerprint
         # Horizon 0: the draft is fed synchronously, never a pruned node's row, so it remembers none.
-        self.slots = SlotTable(num_blocks, block_size, horizon=0, unknown_parents=True)
+        self.slots = SlotTable(num_blocks, block_size, horizon=0)
         self.kv = model.make_kv_cache(self.slots.num_slots)
         self._failed: list[int] = []
         self.prefix: Optional[DraftPrefixCache] = None

@@ -44,12 +44,13 @@ from typing import Optional
 import torch
 
 from specpipe.engine.modes.base import AFTER, DURING, ModeState
+from specpipe.engine.modes.draft_progress import DraftProgress, Phase, check_counters
 from specpipe.engine.rows import concat_rows, node_rows, source_rows
 from specpipe.messages import Rows
 from specpipe.sched.scheduler import Want
 from specpipe.spec_decode.block import BlockShape, Pick, select_block, take_block
 from specpipe.spec_decode.planner import HitProfile, StepCost, plan_block
-from specpipe.spec_decode.sources import ProposeCall, SourceRows
+from specpipe.spec_decode.sources import ProposeCall
 
 AUTO = "auto"
 AUTO_MAX_LAYERS = 8
@@ -80,21 +81,31 @@ class SpecPipeState(ModeState):
         self.layers = 1 if auto else int(layers)  # d: the block's depth now
         self.block_width = width  # w: nodes per layer of the block (auto: planned, at most W)
         self._cap, self._calm = AUTO_MAX_LAYERS, 0  # auto: the depth drafting allows, steps since it bound
-        self.props: dict[int, list[tuple[int, float]]] = {}  # node id -> its children's candidates
-        self.drafted_depth: dict[int, int] = {}  # node id -> its depth when it was sent
-        self.sent: set[int] = set()  # tree node ids sent into the pipeline (the root once it is)
-        self.fed: set[int] = set()  # tree node ids the source has taken in
-        self.new_root: Optional[Rows] = None  # after a miss: must cross the whole pipeline
-        self._last_root: Optional[int] = None  # the root before it (its parent for the stages)
-        self._chunk: Optional[SourceRows] = None  # a prompt chunk sent this step, for the source
+        self.d = DraftProgress()  # what its drafting has done so far (modes/draft_progress.py)
         self._calls = None  # the drafting in progress: a generator of source calls
         self._phase: Optional[str] = None
         self._call: Optional[ProposeCall] = None
         self._picks: Optional[list[Pick]] = None  # the block `want` chose this step, for `send`
-        self.lagging = False  # --draft-async: the draft may fall behind the committed tokens
-        self._behind: list[tuple[int, int, int, int]] = []  # lagging: committed (node, parent, position, token) it has not seen
         if auto:
             self._replan()
+
+    @property
+    def lagging(self) -> bool:
+        return self.d.lagging
+
+    @lagging.setter
+    def lagging(self, value: bool) -> None:
+        self.d.lagging = value
+
+    @property
+    def phase(self) -> Phase:
+        return self.d.phase(self.prefill.left(), self.source is not None)
+
+    def check(self) -> None:
+        """The record's invariants and the request's counters (engine/core.py runs this after
+        every step under SPECPIPE_CHECK_STATE)."""
+        self.d.check(self.tree, self.prefill.left(), self.req.request_id)
+        check_counters(self.req.stats, self.req.request_id)
 
     def shape(self) -> BlockShape:
         return BlockShape(self.layers, self.layers * self.block_width, self.block_width)
@@ -102,8 +113,8 @@ class SpecPipeState(ModeState):
     def want(self) -> Want:
         if self.prefill.left():
             return Want(must=self.prefill.left(), chunkable=True, held=self.held)
-        self._picks = select_block(self.tree, self.props, self.sent, self.shape())
-        return Want(must=len(self.new_root) if self.new_root is not None else 0, spec=len(self._picks),
+        self._picks = select_block(self.tree, self.d.props, self.d.sent, self.shape())
+        return Want(must=len(self.d.new_root) if self.d.new_root is not None else 0, spec=len(self._picks),
                     held=self.held)
 
     def send(self) -> Optional[Rows]:
@@ -116,26 +127,24 @@ class SpecPipeState(ModeState):
             # The source computes its own KV: with a cached prefix its first chunk starts at 0. (A
             # lagging draft, --draft-async, may not have taken in the last chunk yet: it gets both.)
             rows = self.prefill.rows(0 if start == self.prefill.cached else start, self.prefill.sent)
-            self._chunk = source_rows(concat_rows(self._pending_chunk(), rows))
+            self.d.chunk = source_rows(concat_rows(self._pending_chunk(), rows))
             if not self.prefill.left():
-                self.sent.add(tree.root_id)
+                self.d.sent.add(tree.root_id)
             return self._sent(chunk)
         rows = None
-        if self.new_root is not None:
+        if self.d.new_root is not None:
             if not g.must:
                 return None  # its children cannot go before it
-            rows, self.new_root = self.new_root, None
-            self.sent.add(tree.root_id)
+            rows, self.d.new_root = self.d.new_root, None
+            self.d.sent.add(tree.root_id)
         # The grant may cap the block: the picks are in choice order, so a prefix is the block a
         # smaller cap would have chosen.
-        picks = self._picks if self._picks is not None else select_block(tree, self.props, self.sent, self.shape())
+        picks = self._picks if self._picks is not None else select_block(tree, self.d.props, self.d.sent, self.shape())
         self._picks = None
         block = take_block(tree, picks[:g.spec]) if g.spec else []
         self._discard_unsent(keep={n.node_id for n in block})
         if block:
-            for n in block:
-                self.drafted_depth[n.node_id] = tree.depth_of(n.node_id)
-            self.sent.update(n.node_id for n in block)
+            self.d.block_sent(tree, [n.node_id for n in block])
             self.req.stats.drafted += len(block)
             shape = f"{self.layers}x{self.block_width}"
             self.req.stats.block_shapes[shape] = self.req.stats.block_shapes.get(shape, 0) + 1
@@ -150,18 +159,18 @@ class SpecPipeState(ModeState):
         if self._phase != phase:  # a new phase starts its own drafting (a cut-short one is dropped)
             self._phase, self._calls, self._call = phase, None, None
             if self.source is not None and not self.req.finished and (
-                    phase == DURING or (phase == AFTER and self.new_root is not None)):
+                    phase == DURING or (phase == AFTER and self.d.new_root is not None)):
                 self._calls = self._draft_ahead()
                 self._advance(None)
         return self._call
 
     def proposals(self, phase: str, props: dict) -> None:
-        self.fed.update(self._call.want)
-        self.props.update(props)
+        self.d.taken_in(self._call)  # the source answered: it has the call's rows
+        self.d.props.update(props)
         self._advance(props)
 
     def _pending_chunk(self) -> Optional[Rows]:
-        c = self._chunk
+        c = self.d.chunk
         if c is None:
             return None
         return Rows(self.pid, list(c.node_ids), list(c.parent_ids), list(c.positions), c.tokens)
@@ -172,19 +181,19 @@ class SpecPipeState(ModeState):
         proposals so far allow is added, and the call takes in what the draft has not seen. Its
         answer comes a step or more later (`async_proposals`), so the drafting is not resumed:
         the next call starts afresh from the tree as it will be then."""
-        self.lagging = True
+        self.d.lagging = True
         if self.source is None or self.req.finished:
             return None
         self._phase, self._calls, self._call = None, self._draft_ahead(), None
         self._advance(None)
         call, self._calls, self._call = self._call, None, None
         if call is not None:
-            self.fed.update(call.want)  # the draft takes them in before any later pruning message
+            self.d.taken_in(call)  # the draft takes it in before any later pruning message
         return call
 
     def async_proposals(self, call: ProposeCall, props: dict) -> None:
         """A forward's answer, steps after its call: keep the proposals of nodes still live."""
-        self.props.update({n: p for n, p in props.items() if n in self.tree})
+        self.d.props.update({n: p for n, p in props.items() if n in self.tree})
 
     def _advance(self, props) -> None:
         try:
@@ -198,39 +207,38 @@ class SpecPipeState(ModeState):
         not seen (what was sent, then each new layer) except the deepest layer: its children
         would lie beyond the next block."""
         tree = self.tree
-        if self._chunk is not None:  # a prompt chunk; the source proposes for the root once it is in
-            chunk, self._chunk = self._chunk, None
-            done = tree.root_id in self.sent
+        if self.d.chunk is not None:  # a prompt chunk; the source proposes for the root once it is in
+            chunk = self.d.chunk  # pending until a call carrying it is taken in (DraftProgress.taken_in)
+            done = tree.root_id in self.d.sent
             want = [tree.root_id] if done and tree.root_id in chunk.node_ids else []  # (a lagging draft: the root may have moved on)
             yield ProposeCall(self.pid, tree, chunk, want, self.width)
             if not done:
                 return
-        target = max((tree.depth_of(n) for n in self.sent if n in tree), default=0) + self.layers
+        target = max((tree.depth_of(n) for n in self.d.sent if n in tree), default=0) + self.layers
         while True:
             call = self._unfed_call(target - 1)
             if call is not None:
                 yield call
             if tree.max_depth() >= target:
                 return
-            frontier = [n.node_id for n in tree.frontier() if n.node_id in self.props]
-            if not frontier or not tree.expand({n: self.props[n] for n in frontier}):
+            frontier = [n.node_id for n in tree.frontier() if n.node_id in self.d.props]
+            if not frontier or not tree.expand({n: self.d.props[n] for n in frontier}):
                 return
 
     def _unfed_call(self, max_depth: int) -> Optional[ProposeCall]:
         """One call taking in every node (the root included) the source has not seen, down to
         `max_depth`, parents first, and asking for all their children."""
         tree, rows, caught_up = self.tree, None, set()
-        if tree.root_id not in self.fed and self.new_root is None and tree.root_id not in self.sent:
+        if tree.root_id not in self.d.fed and self.d.new_root is None and tree.root_id not in self.d.sent:
             return None  # the prompt is still coming in
-        if self._behind:  # a lagging draft catches up on the committed tokens it missed, in order
-            behind, self._behind = self._behind, []
-            nodes, parents, positions, tokens = (list(x) for x in zip(*behind))
+        if self.d.behind:  # a lagging draft catches up on the committed tokens it missed, in order
+            nodes, parents, positions, tokens = (list(x) for x in zip(*self.d.behind))
             rows = Rows(self.pid, nodes, parents, positions, torch.tensor(tokens, dtype=torch.long))
             caught_up = set(nodes)
-        if tree.root_id not in self.fed:
-            root = self.new_root if self.new_root is not None else node_rows(self.pid, [tree.root], self._last_root)
+        if tree.root_id not in self.d.fed:
+            root = self.d.new_root if self.d.new_root is not None else node_rows(self.pid, [tree.root], self.d.last_root)
             rows = concat_rows(rows, root)
-        nodes = [n for n in tree.live_nodes() if n.node_id not in self.fed and tree.depth_of(n.node_id) <= max_depth]
+        nodes = [n for n in tree.live_nodes() if n.node_id not in self.d.fed and tree.depth_of(n.node_id) <= max_depth]
         if nodes:
             rows = concat_rows(rows, node_rows(self.pid, nodes))
         if rows is None:
@@ -245,31 +253,31 @@ class SpecPipeState(ModeState):
         commit, drop = [], []
         while tree.root_target() is not None and not req.finished:
             parent = tree.root_id
-            depth = max((self.drafted_depth.get(n.node_id, 0) for n in tree.live_nodes() if n.parent == parent),
+            depth = max((self.d.drafted_depth.get(n.node_id, 0) for n in tree.live_nodes() if n.parent == parent),
                         default=0)  # when the root's children were sent (0: none were)
             rank = self._rank(parent, tree.root_target()) if planning else None
-            if self.lagging and self.source is not None and parent not in self.fed and not self._in_chunk(parent):
+            if self.d.lagging and self.source is not None and parent not in self.d.fed and not self._in_chunk(parent):
                 root = tree.root  # committed, and the draft never took it in: it catches up later
-                if self._last_root is None:
+                if self.d.last_root is None:
                     raise RuntimeError("a lagging draft missed the prompt's last token")
-                self._behind.append((parent, self._last_root, root.position, root.token))
+                self.d.behind.append((parent, self.d.last_root, root.position, root.token))
             v = tree.verify(tree.root_target())
             stats.verifications += 1
-            hit = v.hit and v.committed_id in self.sent
+            hit = v.hit and v.committed_id in self.d.sent
             if planning:
                 self.auto.hits.record(rank, hit)
             if hit:
                 stats.hits += 1
-                depth = self.drafted_depth.get(v.committed_id, depth)
+                depth = self.d.drafted_depth.get(v.committed_id, depth)
                 stats.hits_by_depth[depth] = stats.hits_by_depth.get(depth, 0) + 1
             else:
                 # A miss, or a hit on a node drafted ahead but not sent yet: either way the new
                 # root must cross the whole pipeline (a drafted-ahead root keeps its subtree).
-                self._last_root = parent
-                self.new_root = node_rows(self.pid, [tree.root], root_parent=parent)
+                self.d.last_root = parent
+                self.d.new_root = node_rows(self.pid, [tree.root], root_parent=parent)
             stats.verifications_by_depth[depth] = stats.verifications_by_depth.get(depth, 0) + 1
-            if self.lagging:
-                self._last_root = parent  # the new root's parent, for a draft that takes it in late
+            if self.d.lagging:
+                self.d.last_root = parent  # the new root's parent, for a draft that takes it in late
             commit.append(v.committed_id)
             drop.extend(v.pruned)
             req.append(v.token, self._logprobs_of(parent))
@@ -279,21 +287,15 @@ class SpecPipeState(ModeState):
                 self._adapt()
         if not (commit or drop):
             return
-        self._pruned(commit, [n for n in drop if n in self.sent], [n for n in drop if n in self.fed])
-        # Keep proposals of every live node: when a hit leaves a subtree shallower than the rest
-        # of the tree was, its deepest layer becomes the frontier again and is re-expanded from
-        # them (otherwise the tree would stop growing until a miss).
-        self.props = {n: p for n, p in self.props.items() if n in tree}
-        self.drafted_depth = {n: d for n, d in self.drafted_depth.items() if n in tree}
-        self.sent = {n for n in self.sent if n in tree}
-        self.fed = {n for n in self.fed if n in tree}
+        self._pruned(commit, [n for n in drop if n in self.d.sent], [n for n in drop if n in self.d.fed])
+        self.d.keep_live(tree)
 
     def _in_chunk(self, node: int) -> bool:
-        return self._chunk is not None and node in self._chunk.node_ids
+        return self.d.chunk is not None and node in self.d.chunk.node_ids
 
     def _rank(self, parent: int, token: int) -> Optional[int]:
         """Where the source ranked the target's token among its proposals for `parent`."""
-        ranked = sorted(self.props.get(parent, ()), key=lambda p: -p[1])
+        ranked = sorted(self.d.props.get(parent, ()), key=lambda p: -p[1])
         return next((i for i, (t, _) in enumerate(ranked) if t == token), None)
 
     def _adapt(self) -> None:
@@ -321,13 +323,9 @@ class SpecPipeState(ModeState):
     def _discard_unsent(self, keep: set[int]) -> None:
         """Drop the nodes drafted ahead that are not in this step's block (the source forgets
         those it took in); they are drafted again when their turn comes."""
-        unsent = [n.node_id for n in self.tree.live_nodes() if n.node_id not in self.sent and n.node_id not in keep]
+        unsent = [n.node_id for n in self.tree.live_nodes() if n.node_id not in self.d.sent and n.node_id not in keep]
         if not unsent:
             return
-        removed = self.tree.discard(unsent)
-        fed = [n for n in removed if n in self.fed]
+        fed = self.d.discarded(self.tree.discard(unsent))
         if fed and self.source is not None:
             self.source.observe(self.pid, [], fed)
-        for n in removed:
-            self.props.pop(n, None)
-            self.fed.discard(n)
