@@ -70,20 +70,21 @@ def test_budget_of_this_process_is_within_its_mask():
     assert 1 <= b.threads <= (len(mask) if mask else (os.cpu_count() or 1))
 
 
-def test_stage_cores_are_disjoint_and_leave_the_driver_one_when_they_can():
-    assert cpus.stage_cores(2, [0, 1]) == [[0], [1]]  # no core left for the driver
+def test_stage_cores_are_disjoint_and_leave_the_driver_one():
+    assert cpus.stage_cores(2, [0, 1]) is None  # no core left for the driver: unpinned
     assert cpus.stage_cores(2, [0, 1, 2]) == [[1], [2]]  # core 0: the driver's draft thread
-    assert cpus.stage_cores(2, [0, 1, 2, 3, 4]) == [[1, 2], [3, 4]]
+    assert cpus.stage_cores(2, [4, 5, 6, 7, 8]) == [[5, 6], [7, 8]]
     assert cpus.stage_cores(2, [0, 1, 2, 3], threads=1) == [[1], [2]]
-    assert cpus.stage_cores(2, [0, 1, 2, 3], threads=2) == [[0, 1], [2, 3]]
-    assert cpus.stage_cores(3, [0, 1]) is None  # fewer cores than stages: they share, unpinned
-    assert cpus.stage_cores(2, [0, 1, 2], threads=2) is None
+    assert cpus.stage_cores(2, [0, 1, 2, 3], threads=2) is None
+    assert cpus.stage_cores(3, [0, 1]) is None
+    assert cpus.stage_cores(1, [0]) is None
     for n in range(1, 9):
         for s in range(1, 5):
             sets = cpus.stage_cores(s, list(range(n)))
+            assert (sets is not None) == (n > s)
             if sets is not None:
                 flat = [c for cs in sets for c in cs]
-                assert len(flat) == len(set(flat)) and all(sets) and len(sets) == s
+                assert len(flat) == len(set(flat)) and all(sets) and len(sets) == s and 0 not in flat
 
 
 def test_wait_policy_only_where_the_user_set_nothing():

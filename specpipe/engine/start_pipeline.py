@@ -66,11 +66,12 @@ def in_process(ckpt: Checkpoint, specs: list[StageSpec], num_blocks: int, block_
 
 
 def local_stage_cpus(num_stages: int, threads: int = 0, device: str = "cpu") -> tuple[Optional[list[list[int]]], int]:
-    """(each local stage's CPUs, or None where they share unpinned; threads per stage). The
-    stages share out the CPUs this process may use (cpus.py: its affinity mask and cgroup quota),
-    disjoint where each can have one, a core kept for the driver's draft thread where one is
-    left over; `threads` (--stage-threads, 0: as many as its cores) per stage. A GPU's stages are
-    not pinned: their CPU threads mostly wait for the device."""
+    """(each local stage's CPUs, or None where they run unpinned; threads per stage). The stages
+    share out the CPUs this process may use (cpus.py: its affinity mask and cgroup quota),
+    disjoint, where there are enough for every stage and one more for the driver's step loop and
+    draft thread (with none left, pinning measured slower: cpus.py); `threads` (--stage-threads,
+    0: as many as its cores, or the usable CPUs / stages) per stage. A GPU's stages are not
+    pinned: their CPU threads mostly wait for the device."""
     b = cpus.budget()
     cores = cpus.stage_cores(num_stages, b.cpus[:b.threads] if b.cpus else None, threads) \
         if device == "cpu" else None
