@@ -254,7 +254,9 @@ class SyntheticCheckpoint(Checkpoint):
         shape = self._shapes[name]
         if name.endswith("norm.weight"):
             t = torch.ones(shape)
-        elif name.endswith(".bias"):
+        elif name.endswith(".bias") or name.endswith("e_score_correction_bias"):
+            # The router's selection bias too: a trained one balances the experts' load, a random
+            # one would favour some (W random rows read fewer distinct experts than E(1-(1-k/E)^W)).
             t = torch.zeros(shape)
         else:  # a float matrix (the router): a trained layer's spread
             t = torch.from_numpy(self._rng(name).standard_normal(shape, dtype=np.float32)) * shape[-1] ** -0.5
