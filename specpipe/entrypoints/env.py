@@ -133,7 +133,8 @@ def format_text(info: dict) -> str:
         f"default model   {info['default_model']['path'] or 'not here (fetched to ' + info['default_model']['cache'] + ')'}",
         f"threads         {th['default']} by default ({th['why']}); two local stages: "
         + (f"cores {th['two_local_stages']['cores']}, {th['two_local_stages']['threads_each']} threads each"
-           if th["two_local_stages"]["cores"] else f"unpinned, {th['two_local_stages']['threads_each']} threads each"),
+           if th["two_local_stages"]["cores"] else f"unpinned ({th['two_local_stages']['threads_each']} threads each; "
+           "pinned only with a CPU for each stage and one for the driver)"),
         f"OpenMP waits    {th['openmp_wait_policy']}",
         f"ray             {info['ray'] or 'not installed (only --cluster ray needs it: pip install ray)'}",
     ]
