@@ -151,15 +151,6 @@ def stage_cores(num_stages: int, cpus: Optional[list[int]] = None, threads: int 
     return [free[i * per:(i + 1) * per] for i in range(num_stages)]
 
 
-def pin(cores: list[int]) -> bool:
-    """Run this process on `cores` only; False where the system cannot (then it runs unpinned)."""
-    try:
-        os.sched_setaffinity(0, cores)
-        return True
-    except (AttributeError, OSError, ValueError):
-        return False
-
-
 def set_openmp_wait_policy(env: Optional[dict] = None) -> str:
     """Ask the OpenMP runtime for the passive wait policy (WAIT_POLICY) unless the user set
     OMP_WAIT_POLICY or GOMP_SPINCOUNT; return what was done, in words. libgomp reads its
