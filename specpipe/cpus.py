@@ -16,7 +16,7 @@ driver and other processes then always falling on a stage's core instead of the 
 
 The OpenMP runtime (libgomp, which torch and the native kernels share in one process) spins
 about 300,000 times before its idle threads sleep: on a core that another process needs, that
-spinning and the waits behind a descheduled thread made a 2-thread decode 10-30x slower than one
+spinning and the waits behind a descheduled thread made a 2-thread decode 6-18x slower than one
 thread (benchmarks/bench_contention.py, docs/benchmarks.md). `set_openmp_wait_policy` asks for
 the passive policy, which it reads once, when it loads: so the package does it on import, before
 torch is imported, and only where the user set neither OMP_WAIT_POLICY nor GOMP_SPINCOUNT.
