@@ -43,6 +43,11 @@ def speaks_harmony(tokenizer) -> bool:
     return CHANNEL in template and all(tokenizer.token_to_id(t) is not None for t in (START, MESSAGE, CHANNEL, END))
 
 
+def harmony_ids(tokenizer) -> frozenset[int]:
+    """The ids of Harmony's markup tokens (kept in the answer's text, which the parser reads)."""
+    return frozenset(i for i in map(tokenizer.token_to_id, MARKUP) if i is not None)
+
+
 class HarmonyParser:
     """Reads an answer, fed piece by piece, into reasoning and content pieces and, once each is
     complete, tool calls. The same face as reasoning.ReasoningSplitter (feed, reasoning_text),

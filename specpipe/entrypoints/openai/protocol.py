@@ -250,6 +250,7 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[str, list[TextPart], None] = None
     tool_calls: Optional[list[ToolCallIn]] = None  # an assistant's earlier calls
+    reasoning_content: Optional[str] = None  # an assistant's earlier reasoning, for templates that read it
     tool_call_id: Optional[str] = None  # a tool's answer: to which call
     name: Optional[str] = None
 
@@ -269,6 +270,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Optional[Logprobs] = None  # and the top k at its position (needs logprobs: true)
     # vLLM's: extra variables for the chat template, e.g. {"enable_thinking": false} (Qwen3)
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # OpenAI's, for reasoning models: reaches the template as reasoning_effort (gpt-oss's reads it)
+    reasoning_effort: Optional[Literal["low", "medium", "high"]] = None
 
     def logprobs_asked(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -285,6 +288,8 @@ class ChatCompletionRequest(SamplingFields):
             d = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             if m.tool_calls:
                 d["tool_calls"] = [_call_for_template(c.model_dump()) for c in m.tool_calls]
+            if m.reasoning_content is not None:
+                d["reasoning_content"] = m.reasoning_content
             if m.tool_call_id is not None:
                 d["tool_call_id"] = m.tool_call_id
             if m.name is not None:

@@ -19,6 +19,8 @@ from specpipe.engine.async_engine import AdmitFailed, AsyncEngine, Delta, Engine
 from specpipe.engine.engine import Engine
 from specpipe.engine.prompts import PromptError
 from specpipe.entrypoints.openai import protocol as p
+from specpipe.entrypoints.openai.harmony import HarmonyParser, harmony_ids, speaks_harmony, template_messages
+from specpipe.entrypoints.openai.harmony_grammar import call_constraint, harmony_constraint
 from specpipe.entrypoints.openai.samples import Samples, add_samples, merged_events, sample_seed
 from specpipe.entrypoints.openai.reasoning import ReasoningSplitter, prompt_opens_thinking
 from specpipe.entrypoints.openai.structured import BadConstraint, constraint_of, param_of
@@ -54,7 +56,10 @@ class OpenAIServing:
         self.engine, self.aengine, self.model_names = engine, aengine, names
         self.model_name = names[0]
         self.fenced_tool_calls = fenced_tool_calls
-        self.markup_ids = markup_ids(engine.tokenizer)  # special tokens a chat answer keeps (tool_formats.py)
+        self.harmony = speaks_harmony(engine.tokenizer)  # gpt-oss: answers in channels (harmony.py)
+        # special tokens a chat answer keeps: the markup the server reads (tool_formats.py, harmony.py)
+        harmony_markup = harmony_ids(engine.tokenizer) if self.harmony else frozenset()
+        self.markup_ids = markup_ids(engine.tokenizer) | harmony_markup
         # Tokenizing and rendering the chat template take time in proportion to the body: on the
         # event loop, one big prompt would stall every other stream.
         self._tokenize = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="specpipe-tokenize")
@@ -142,10 +147,10 @@ class OpenAIServing:
         self._check(body)
         try:
             funcs, choice = check_tools(_dumped(body.tools), _dumped(body.tool_choice))
-            forced = forced_constraint(funcs, choice)
+            forced = (call_constraint if self.harmony else forced_constraint)(funcs, choice)
         except BadConstraint as e:
             raise ApiError(400, str(e), param=e.param) from None
-        structured = await self._constraint(body, forced)
+        structured = await self._constraint(body, forced, harmony=self.harmony)
         ids = await self._chat_prompt(body, funcs, choice)
         # Without a limit a chat answer may use the rest of the context.
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, self.engine.max_context - len(ids))
@@ -157,7 +162,7 @@ class OpenAIServing:
             stream = await self._add(ids, body, max_tokens, client, structured, i, keep_special=self.markup_ids)
             stream.tool_funcs = funcs if choice != "none" else None  # answers are read for calls (tools.py)
             stream.fenced_calls = self.fenced_tool_calls
-            stream.reasoning = self._reasoning(ids)
+            stream.reasoning = self._reasoning(ids, funcs if choice != "none" else None)
             return stream
 
         return await self._samples(body, add)
@@ -171,6 +176,8 @@ class OpenAIServing:
         """The prompt's ids: the template over the messages with chat_template_kwargs, and the
         offered tools (as a system message where the template cannot render them)."""
         conversation = body.conversation()
+        if self.harmony:
+            conversation = template_messages(conversation)
         tools = _dumped(body.tools) if funcs and choice != "none" else None
         if tools and not self.engine.tokenizer.renders_tools:
             conversation = [{"role": "system", "content": tools_prompt(tools)}, *conversation]  # template cannot
@@ -178,6 +185,8 @@ class OpenAIServing:
         kwargs = body.chat_template_kwargs or {}
         if "messages" in kwargs:
             raise ApiError(400, "chat_template_kwargs may not set messages", param="chat_template_kwargs")
+        if body.reasoning_effort is not None and "reasoning_effort" not in kwargs:  # gpt-oss's template reads it
+            kwargs = {**kwargs, "reasoning_effort": body.reasoning_effort}
         try:
             return await self._off_loop(lambda: self.engine.prompts.encode_chat(conversation, tools, kwargs))
         except (ConfigError, TokenizerError) as e:  # no template, or the template refused these messages
@@ -192,20 +201,26 @@ class OpenAIServing:
             raise ApiError(400, str(e), param=e.param) from None
         return len(await self._chat_prompt(body, funcs, choice))
 
-    def _reasoning(self, prompt_ids: list[int]) -> Optional[ReasoningSplitter]:
+    def _reasoning(self, prompt_ids: list[int],
+                   funcs: Optional[dict] = None) -> Union[ReasoningSplitter, HarmonyParser, None]:
         """A reasoning model's answer is read for <think>…</think> (reasoning.py); its prompt
-        may have opened the <think> already (DeepSeek-R1's template does)."""
+        may have opened the <think> already (DeepSeek-R1's template does). gpt-oss's is read
+        for its channels, calls of `funcs` among them (harmony.py)."""
+        if self.harmony:
+            return HarmonyParser(funcs)
         tok = self.engine.tokenizer
         if not tok.reasons:
             return None
         return ReasoningSplitter(prompt_opens_thinking(tok.decode(prompt_ids[-8:], skip_special_tokens=False)))
 
-    async def _constraint(self, body: p.SamplingFields,
-                          forced: Optional[StructuredOutput] = None) -> Optional[StructuredOutput]:
+    async def _constraint(self, body: p.SamplingFields, forced: Optional[StructuredOutput] = None,
+                          harmony: bool = False) -> Optional[StructuredOutput]:
         """The body's output constraint, compiled (off the event loop, cached) so that one that
-        does not compile is a 400 naming the field, before anything is queued."""
+        does not compile is a 400 naming the field, before anything is queued. `harmony`: a
+        JSON one holds the final channel only (harmony_grammar.py)."""
         try:
             structured = constraint_of(body, forced)
+            structured = harmony_constraint(structured) if harmony else structured
         except BadConstraint as e:
             raise ApiError(400, str(e), param=e.param) from None
         if structured is not None:
@@ -424,7 +439,8 @@ async def answer_pieces(stream: RequestStream) -> AsyncIterator[Piece]:
     held text that holds no call goes out as content then. The request is cancelled however the
     iteration ends."""
     splitter = getattr(stream, "reasoning", None)
-    tools = bool(getattr(stream, "tool_funcs", None))
+    # Harmony's content is its final channel: never the start of a call (those have their own)
+    tools = bool(getattr(stream, "tool_funcs", None)) and not isinstance(splitter, HarmonyParser)
     answer, sent = "", 0  # the answer less its reasoning; how much of it went out as content
     try:
         async for d in stream:
@@ -571,6 +587,9 @@ def _delta(stream: RequestStream, d: Delta) -> p.DeltaMessage:
 
 def _answer(stream: RequestStream, text: str) -> tuple[Optional[str], list]:
     """(content, tool calls) of a finished chat answer's `text` (its reasoning left out)."""
+    splitter = getattr(stream, "reasoning", None)
+    if isinstance(splitter, HarmonyParser):  # its calls were read with its channels
+        return (text or None) if splitter.calls else text, list(splitter.calls)
     funcs = getattr(stream, "tool_funcs", None)
     if not funcs:
         return text, []
