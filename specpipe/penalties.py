@@ -66,16 +66,24 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, seen: Optional[t
         x[:, ids] += torch.tensor([b for _, b in params.logit_bias], dtype=torch.float32, device=x.device)
     if seen is None:
         return x
+    # Only the U tokens of the context or of some path change: work on those columns alone.
     seen, paths = seen.to(x.device), paths.to(x.device)
-    counts = torch.zeros(v, dtype=torch.float32, device=x.device)
-    counts[seen[0]] = (seen[1] >> 1).float()
-    in_prompt = torch.zeros(v, dtype=torch.bool, device=x.device)
-    in_prompt[seen[0]] = (seen[1] & 1).bool()
-    counts = counts.expand(h, v).clone()  # (H, V): generated tokens on each row's path
+    ids = torch.cat([seen[0], paths[paths != PAD]]).unique()  # (U,) ascending
+    if not len(ids):
+        return x
+    at = torch.searchsorted(ids, seen[0])  # each seen token's column among ids
+    counts = torch.zeros(len(ids), dtype=torch.float32, device=x.device)
+    counts[at] = (seen[1] >> 1).float()
+    in_prompt = torch.zeros(len(ids), dtype=torch.bool, device=x.device)
+    in_prompt[at] = (seen[1] & 1).bool()
+    counts = counts.expand(h, len(ids)).clone()  # (H, U): generated tokens on each row's path
     if paths.numel():
-        counts.scatter_add_(1, paths.clamp(min=0), (paths != PAD).float())
+        cols = torch.searchsorted(ids, paths).clamp(max=len(ids) - 1)  # (PAD adds 0, wherever it lands)
+        counts.scatter_add_(1, cols, (paths != PAD).float())
     generated = counts > 0
+    sub = x[:, ids]  # (H, U)
     if params.repetition_penalty != 1:
-        r = torch.where(in_prompt | generated, params.repetition_penalty, 1.0)  # (H, V)
-        x = torch.where(x > 0, x / r, x * r)
-    return x - params.frequency_penalty * counts - params.presence_penalty * generated.float()
+        r = torch.where(in_prompt | generated, params.repetition_penalty, 1.0)  # (H, U)
+        sub = torch.where(sub > 0, sub / r, sub * r)
+    x[:, ids] = sub - params.frequency_penalty * counts - params.presence_penalty * generated.float()
+    return x

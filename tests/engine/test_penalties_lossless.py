@@ -111,6 +111,8 @@ def test_adjust_logits_is_the_plain_rules():
     for i, path in enumerate(paths):
         want = plain_rules(logits[i], prompt, committed_out + list(path or ()), GREEDY)
         assert torch.allclose(got[i], want, atol=1e-6)
+    nothing_seen = context_tensors(len(prompt), prompt, [[]], SamplingParams(presence_penalty=1.0))  # (2, 0), (1, 0)
+    assert torch.equal(adjust_logits(logits[:1], SamplingParams(presence_penalty=1.0), *nothing_seen), logits[:1])
 
 
 def test_wire_round_trip():
