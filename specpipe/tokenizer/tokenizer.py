@@ -290,6 +290,12 @@ class Tokenizer:
         self.source = source
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.bos_token_id = bos_token_id
+        # Harmony (gpt-oss): <|return|> and <|call|> end an answer; <|end|> only ends a message
+        # within it (llama.cpp drops it from a GGUF's end-of-generation tokens too).
+        harmony = [backend.token_to_id(t) for t in ("<|return|>", "<|call|>")]
+        if None not in harmony:
+            end = backend.token_to_id("<|end|>")
+            eos_token_ids = [i for i in eos_token_ids if i != end] + harmony
         # deduplicated, primary eos first; ids outside the vocabulary (a damaged config) never match
         self.eos_token_ids = tuple(dict.fromkeys(
             i for i in eos_token_ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size))

@@ -213,3 +213,13 @@ def test_a_json_schema_holds_the_final_channel(tok):
 def test_plain_templates_do_not_speak_harmony(tmp_path: Path):
     write_tiny_tokenizer(tmp_path)
     assert not speaks_harmony(Tokenizer.from_path(tmp_path))
+
+
+def test_harmony_stop_tokens_are_return_and_call_never_end(tok):
+    """<|end|> closes a message inside an answer: a tokenizer that lists it among its stop tokens
+    (a GGUF marks it end-of-generation) stops on <|return|> and <|call|> instead."""
+    ids = {t: tok.token_to_id(t) for t in ("<|end|>", "<|return|>", "<|call|>", "<|endoftext|>")}
+    assert set(tok.eos_token_ids) == {ids["<|return|>"], ids["<|call|>"], ids["<|endoftext|>"]}
+    gguf_like = Tokenizer(tok._backend, bos_token_id=None, eos_token_ids=[ids["<|endoftext|>"], ids["<|end|>"]],
+                          chat_template=None, source="test")
+    assert gguf_like.eos_token_ids == (ids["<|endoftext|>"], ids["<|return|>"], ids["<|call|>"])
