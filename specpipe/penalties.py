@@ -44,13 +44,44 @@ def context_tensors(prompt_len: int, committed: Sequence[int], paths: Sequence[O
     """The driver's side: `seen` and `paths` (see the module) for head rows whose speculative
     tokens are `paths` (None: a row no longer in the tree, whose token is never used), below the
     `committed` tokens, of which the first `prompt_len` are the prompt."""
-    counts = Counter(committed[prompt_len:])
-    prompt = set(committed[:prompt_len]) if params.repetition_penalty != 1 else set()
-    ids = sorted(counts.keys() | prompt)
-    seen = torch.tensor([ids, [counts.get(t, 0) * 2 + (t in prompt) for t in ids]], dtype=torch.long).reshape(2, -1)
+    ctx = PenaltyContext(committed[:prompt_len], params)
+    ctx.extend(committed[prompt_len:])
+    return ctx.seen(), paths_tensor(paths)
+
+
+class PenaltyContext:
+    """One request's committed context as penalties read it, kept by the driver as tokens are
+    committed, so a step costs its new tokens (and a new `seen` only when some were committed)."""
+
+    def __init__(self, prompt: Sequence[int], params: SamplingParams) -> None:
+        self.prompt = set(prompt) if params.repetition_penalty != 1 else set()  # only it reads the prompt
+        self.counts: Counter = Counter()  # generated token -> count
+        self.consumed = len(prompt)  # committed tokens (prompt included) counted so far
+        self._seen: Optional[torch.Tensor] = None
+
+    def extend(self, generated: Sequence[int]) -> None:
+        self.counts.update(generated)
+        self.consumed += len(generated)
+        self._seen = None
+
+    def follow(self, tree) -> None:
+        """Count what the request's TokenTree committed since the last call."""
+        if tree.num_committed > self.consumed:
+            self.extend(tree.committed_since(self.consumed))
+
+    def seen(self) -> torch.Tensor:
+        if self._seen is None:
+            ids = sorted(self.counts.keys() | self.prompt)
+            self._seen = torch.tensor([ids, [self.counts.get(t, 0) * 2 + (t in self.prompt) for t in ids]],
+                                      dtype=torch.long).reshape(2, -1)
+        return self._seen
+
+
+def paths_tensor(paths: Sequence[Optional[Sequence[int]]]) -> torch.Tensor:
+    """(H, D) int64: each head row's speculative tokens, PAD after them (None: none)."""
     depth = max((len(p) for p in paths if p), default=0)
     rows = [list(p or ()) + [PAD] * (depth - len(p or ())) for p in paths]
-    return seen, torch.tensor(rows, dtype=torch.long).reshape(len(paths), depth)
+    return torch.tensor(rows, dtype=torch.long).reshape(len(paths), depth)
 
 
 def adjust_logits(logits: torch.Tensor, params: SamplingParams, seen: Optional[torch.Tensor],

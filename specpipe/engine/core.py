@@ -32,7 +32,7 @@ from specpipe.engine.modes.rounds import RoundsState
 from specpipe.engine.modes.specpipe import AUTO, AutoPlan, SpecPipeState, block_rows
 from specpipe.engine.observer import NO_OBSERVER, StepObserver
 from specpipe.engine.prefix_sharing import PrefixSharing
-from specpipe.penalties import context_tensors
+from specpipe.penalties import PenaltyContext, paths_tensor
 from specpipe.messages import Admit, Control, Pipeline, Prune, Rows, Share, StagesRestarted
 from specpipe.request import Request
 from specpipe.sched.block_manager import BlockManager, window_need
@@ -396,8 +396,12 @@ class EngineCore:
             return rows
         heads = rows.head_rows if rows.head_rows is not None else range(len(rows))
         tree = st.tree
-        paths = [tree.path_tokens(rows.node_ids[h]) if rows.node_ids[h] in tree else None for h in heads]
-        rows.seen, rows.paths = context_tensors(len(st.req.prompt_ids), tree.committed_since(0), paths, params)
+        if st.penalty_context is None:
+            st.penalty_context = PenaltyContext(st.req.prompt_ids, params)
+        st.penalty_context.follow(tree)
+        rows.seen = st.penalty_context.seen()
+        rows.paths = paths_tensor([tree.path_tokens(rows.node_ids[h]) if rows.node_ids[h] in tree else None
+                                   for h in heads])
         return rows
 
     @staticmethod

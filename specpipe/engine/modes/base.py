@@ -33,6 +33,7 @@ from specpipe.request import Request
 from specpipe.sampling import TokenLogprobs
 from specpipe.sched.scheduler import Grant, Want
 from specpipe.spec_decode.sources import ProposeCall, TokenSource
+from specpipe.penalties import PenaltyContext
 from specpipe.spec_decode.tree import TokenTree
 
 BEFORE, DURING, AFTER = "before_send", "while_computing", "after_verify"
@@ -65,6 +66,7 @@ class ModeState(ABC):
         # Prompt logprobs, asked for and not yet had (not after a preemption that came later):
         # every prefill row is scored on the next prompt token (engine/rows.py, Prefill).
         self._prompt_pos: dict[int, int] = {}
+        self.penalty_context: Optional[PenaltyContext] = None  # a penalized request's (engine/core.py)
         if req.sampling.prompt_logprobs is not None and not req.output_ids:
             self.prefill.scored = True
             self._prompt_pos = {n: i for i, n in enumerate(self.prefill.node_ids[:-1])}
