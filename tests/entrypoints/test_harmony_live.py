@@ -124,3 +124,6 @@ def test_reasoning_effort_reaches_the_template(client):
     high = _ask(client, FINAL, reasoning_effort="high").usage.prompt_tokens
     by_kwargs = _ask(client, FINAL, extra_body={"chat_template_kwargs": {"reasoning_effort": "high"}}).usage
     assert high == low + 1 == by_kwargs.prompt_tokens  # "high" is one byte-level token longer than "low"
+    effort = [client.responses.create(model=NAME, input=ASK[0]["content"], max_output_tokens=4, temperature=0,
+                                      reasoning={"effort": e}).usage.input_tokens for e in ("low", "high")]
+    assert effort == [low, high]  # the Responses API's reasoning.effort is the same field

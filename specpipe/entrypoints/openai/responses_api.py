@@ -85,6 +85,10 @@ class TextConfig(p.OpenAIModel):
     format: Optional[TextFormat] = None
 
 
+class ReasoningConfig(p.OpenAIModel):
+    effort: Optional[Literal["low", "medium", "high"]] = None  # the chat's reasoning_effort (gpt-oss reads it)
+
+
 class ResponsesRequest(p.OpenAIModel):
     model: str = Field(max_length=256)
     input: Union[Annotated[str, Field(min_length=1)], Annotated[list[Item], Field(min_length=1, json_schema_extra={
@@ -101,6 +105,7 @@ class ResponsesRequest(p.OpenAIModel):
     store: Optional[StrictBool] = None  # ignored: nothing is kept
     previous_response_id: Optional[str] = p.Only(None, {"enum": [None]})  # refused: nothing is kept
     metadata: Optional[dict[str, str]] = None  # returned as given
+    reasoning: Optional[ReasoningConfig] = None
 
 
 def to_chat(body: ResponsesRequest) -> p.ChatCompletionRequest:
@@ -124,7 +129,8 @@ def to_chat(body: ResponsesRequest) -> p.ChatCompletionRequest:
     if not messages:
         raise ApiError(400, "input holds nothing but reasoning items", param="input")
     chat: dict[str, Any] = dict(model=body.model, messages=messages, temperature=body.temperature, top_p=body.top_p,
-                                max_tokens=body.max_output_tokens, parallel_tool_calls=body.parallel_tool_calls)
+                                max_tokens=body.max_output_tokens, parallel_tool_calls=body.parallel_tool_calls,
+                                reasoning_effort=body.reasoning.effort if body.reasoning else None)
     if body.tools:
         chat["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
                          for t in body.tools]
