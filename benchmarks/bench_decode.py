@@ -35,6 +35,7 @@ import time
 import warnings
 from pathlib import Path
 
+import specpipe  # noqa: F401  (before torch: sets OpenMP's wait policy, specpipe/cpus.py)
 import torch
 
 from specpipe.config import StageSpec

@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import specpipe  # noqa: F401  (before torch: sets OpenMP's wait policy, specpipe/cpus.py)
 import torch
 
 from specpipe.bench.datasets import load_prompts
