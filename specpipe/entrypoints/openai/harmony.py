@@ -61,8 +61,9 @@ class HarmonyParser:
         self.body: list[str] = []  # a call's text, kept until it closes
         self.reasoning: list[str] = []
         self.wrote = False  # the open message has written reasoning or content
-        self.apart = {"reasoning": False, "content": False}  # a message of that kind was written: a
-        self.calls: list[ToolCall] = []  # later one starts with a blank line
+        # a message of that kind was written before: the next one starts with a blank line
+        self.apart = {"reasoning": False, "content": False}
+        self.calls: list[ToolCall] = []
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
         """The reasoning and content that `text` decides; `final`: no more text comes."""
