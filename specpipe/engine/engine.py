@@ -204,6 +204,7 @@ class Engine:
         return stages
 
     def close(self) -> None:
+        self.prompts.close()
         if self.async_source is not None:
             self.async_source.close()
         self.pipeline.close()

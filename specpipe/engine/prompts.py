@@ -33,6 +33,11 @@ class PromptProcessor:
             self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size)
         return self._grammars
 
+    def close(self) -> None:
+        """Stop the grammar compiler's child process, if one was started."""
+        if self._grammars is not None:
+            self._grammars.close()
+
     @classmethod
     def of(cls, model_path, cfg, max_context: int) -> "PromptProcessor":
         """The model's tokenizer, its vocabulary, and a context of at most what it was trained for."""

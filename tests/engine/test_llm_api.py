@@ -134,3 +134,17 @@ def test_in_process_api_and_bad_input(model):
             llm.generate(["a", "b"], [SamplingParams()] * 3)
         with pytest.raises(ValueError, match="context"):
             llm.generate("x" * 200, SamplingParams(max_tokens=4))
+
+
+def test_closing_stops_the_grammar_compilers_child(model):
+    """Structured output compiles in a child process (grammar/sandbox.py); closing the LLM ends
+    it, as `specpipe serve` does on shutdown (an LLM or Engine left it running until exit)."""
+    from specpipe.sampling import StructuredOutput
+
+    with LLM(model=model, mode="pp-cb", kv_memory="8MiB", max_context=64) as llm:
+        out = llm.generate("a person", SamplingParams(max_tokens=6, structured=StructuredOutput(json_object=True)),
+                           use_tqdm=False)
+        assert out[0].token_ids
+        child = llm.engine.prompts.grammars._sandbox._proc
+        assert child is not None and child.poll() is None
+    assert child.poll() is not None

@@ -75,7 +75,7 @@ class OpenAIServing:
         at once, so shutdown never waits for one)."""
         self._tokenize.shutdown(wait=False, cancel_futures=True)
         self._compile.shutdown(wait=False, cancel_futures=True)
-        self.engine.prompts.grammars.close()
+        self.engine.prompts.close()
 
     def models(self) -> p.ModelList:
         root = str(self.engine.model_path)
