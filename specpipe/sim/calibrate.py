@@ -62,7 +62,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "e.g. 1,2: idle (saved as loopback-sS) and while the stages compute (loopback-sS-busy)")
     p.add_argument("--synthetic", metavar="NAME", default=None,
                    help="measure random weights of a model's shapes instead of a file: a preset "
-                        "(qwen2.5-32b, llama-3.1-70b, qwen3-30b-a3b, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b) "
+                        "(qwen2.5-32b, llama-3.1-70b, qwen3-30b-a3b, deepseek-v3, glm-4.6, qwen2.5-coder-1.5b, "
+                        "qwen2.5-coder-0.5b; NAME:eN keeps N of a mixture's experts, each of its shape) "
                         "or a Hugging Face config.json")
     p.add_argument("--type-mix", default="q4_k_m",
                    help="with --synthetic: the weights' GGML types, q4_k_m (llama.cpp's rule) or one type (q8_0, ...)")
