@@ -50,10 +50,11 @@ def engine_of(model: Path) -> Engine:
 
 
 class LiveServer:
-    def __init__(self, engine: Engine, options: ServerOptions = ServerOptions(api_keys=(KEY,))) -> None:
-        self.metrics = EngineMetrics(lambda: self.aengine.snapshot, lambda: self.aengine.dead is None, NAME)
+    def __init__(self, engine: Engine, options: ServerOptions = ServerOptions(api_keys=(KEY,)),
+                 names: tuple[str, ...] = (NAME,)) -> None:
+        self.metrics = EngineMetrics(lambda: self.aengine.snapshot, lambda: self.aengine.dead is None, names[0])
         self.aengine = AsyncEngine(engine.core(), observer=self.metrics, admit_timeout_s=30)
-        self.app = build_app(engine, self.aengine, self.metrics, (NAME,), options)
+        self.app = build_app(engine, self.aengine, self.metrics, names, options)
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"

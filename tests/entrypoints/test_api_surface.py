@@ -11,52 +11,33 @@ stages, specpipe-db with an n-gram source), with the official `openai` client wh
 from __future__ import annotations
 
 import json
-import socket
-import threading
-import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from specpipe.config import EngineConfig
-from specpipe.engine.async_engine import AsyncEngine
 from specpipe.engine.engine import Engine
-from specpipe.engine.metrics import EngineMetrics
-from specpipe.entrypoints.openai.api_server import ServerOptions, build_app, uvicorn_config
+from specpipe.entrypoints.openai.api_server import ServerOptions
 from specpipe.entrypoints.openai.tools import parse_tool_calls
 
+import live_app
+
 NAMES = ("tiny", "tiny-alias")
-KEY = "key-a"
+KEY = live_app.KEY
 
 
-class LiveServer:
-    """build_app on uvicorn in a background thread, on a free loopback port."""
+class LiveServer(live_app.LiveServer):
+    """build_app on uvicorn in a background thread, on a free loopback port, serving NAMES."""
 
     def __init__(self, engine: Engine, options: ServerOptions) -> None:
-        self.metrics = EngineMetrics(lambda: self.aengine.snapshot, lambda: self.aengine.dead is None, NAMES[0])
-        self.aengine = AsyncEngine(engine.core(), observer=self.metrics, admit_timeout_s=30)
-        self.app = build_app(engine, self.aengine, self.metrics, NAMES, options)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn_config(self.app, options, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
+        super().__init__(engine, options, NAMES)
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=120)
 
     def post(self, path: str, key: str = KEY, **kw) -> httpx.Response:
         return httpx.post(self.url + path, headers={"Authorization": f"Bearer {key}"}, timeout=120, **kw)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.aengine.shutdown()
 
 
 def _engine(tiny_model_dir) -> Engine:
