@@ -12,7 +12,6 @@ compared with transformers running on its own dequantization of those bytes
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import TINY_SHAPE, tiny_tokenizer_ids, write_tiny_tokenizer
-from specpipe.config import MODES, StageSpec
+from specpipe.config import StageSpec
 from specpipe.kernels.qlinear import QuantLinear
 from specpipe.loader import open_checkpoint
 from specpipe.loader.hf_gpt_oss import ggml_mxfp4_rows
@@ -29,7 +28,7 @@ from specpipe.model.stage import build_stage
 from specpipe.request import Request
 from test_model_vs_hf import greedy_ours, hf_logits, max_diff, prefill_then_decode, random_tokens, whole_model
 from specpipe.sampling import SamplingParams
-from test_moe_families_lossless import serve, PROMPT, BLOCK_SIZE
+from test_moe_families_lossless import PROMPT, assert_every_mode_equals_pp
 
 transformers = pytest.importorskip("transformers")
 
@@ -271,13 +270,7 @@ def test_every_mode_equals_pp(tmp_path_factory, sampling):
     families: test_moe_families_lossless.serve). The 4 layers split 2+1+1 at S = 3: a sliding and
     a full layer, then one of each kind alone."""
     path, _ = layout("mxfp4", tmp_path_factory)
-    ckpt = open_checkpoint(path)
-    reference = [r.output_ids for r in serve(ckpt, "pp", 1, sampling, cached=False)]
-    assert all(len(out) == sampling.max_tokens and len(set(out)) > 3 for out in reference)
-    for num_stages, mode in itertools.product([1, 3] if sampling.temperature == 0 else [2], MODES):
-        first, second = serve(ckpt, mode, num_stages, sampling, cached=True)
-        assert [first.output_ids, second.output_ids] == reference, f"{mode} at S={num_stages}"
-        assert second.stats.cached_tokens >= len(PROMPT) // BLOCK_SIZE * BLOCK_SIZE, (mode, num_stages)
+    assert_every_mode_equals_pp(open_checkpoint(path), sampling, "gpt-oss mxfp4")
 
 
 @pytest.mark.parametrize("kind", ["float", "mxfp4"])

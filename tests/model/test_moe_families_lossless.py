@@ -62,13 +62,18 @@ def serve(ckpt, mode: str, num_stages: int, sampling: SamplingParams, cached: bo
     return [first, second]
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
-@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2"])
-def test_every_mode_equals_pp(tiny_model_dir, family, sampling):
-    ckpt = open_checkpoint(tiny_model_dir(family))
+def assert_every_mode_equals_pp(ckpt, sampling: SamplingParams, what: str) -> None:
+    """Greedy at S = 1 and 3, seeded at S = 2: every mode's two requests (the second reading the
+    first's prompt from the prefix cache) give pp's tokens."""
     reference = [r.output_ids for r in serve(ckpt, "pp", 1, sampling, cached=False)]
     assert all(len(out) == sampling.max_tokens and len(set(out)) > 3 for out in reference)
     for num_stages, mode in itertools.product([1, 3] if sampling.temperature == 0 else [2], MODES):
         first, second = serve(ckpt, mode, num_stages, sampling, cached=True)
-        assert [first.output_ids, second.output_ids] == reference, f"{family}: {mode} at S={num_stages}"
+        assert [first.output_ids, second.output_ids] == reference, f"{what}: {mode} at S={num_stages}"
         assert second.stats.cached_tokens >= len(PROMPT) // BLOCK_SIZE * BLOCK_SIZE, (mode, num_stages)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2"])
+def test_every_mode_equals_pp(tiny_model_dir, family, sampling):
+    assert_every_mode_equals_pp(open_checkpoint(tiny_model_dir(family)), sampling, family)
