@@ -1,0 +1,119 @@
+"""lm-evaluation-harness's `local-completions` model against a live server, on two tasks built
+from files in the repo (tests/entrypoints/lm_eval_tasks: a task YAML and a JSONL each, read with
+datasets' local `json` builder; nothing is downloaded):
+
+  * specpipe_ll (multiple_choice): lm_eval sends token-id prompts with `echo: true`,
+    `max_tokens: 1` and `logprobs: 1`, and sums the prompt's `token_logprobs` over each
+    continuation. Every per-choice log-likelihood it reports equals a direct log_softmax of the
+    model's logits (transformers, the same weights in float32) within 1e-4.
+  * specpipe_gen (generate_until): six stop strings, greedy. Each output equals what the server
+    gives for the same prompt sent directly.
+
+The tokenizer lm_eval uses is the tiny model's own directory (tokenizer_backend huggingface), so
+nothing reaches the hub; HF_HUB_OFFLINE and HF_DATASETS_OFFLINE make sure of it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from live_app import LiveServer  # tests/entrypoints is on sys.path for its tests
+from specpipe.config import EngineConfig
+from specpipe.engine.engine import Engine
+from specpipe.entrypoints.openai.api_server import ServerOptions
+
+lm_eval = pytest.importorskip("lm_eval")
+
+TASKS = Path(__file__).parent / "lm_eval_tasks"
+NAME = "tiny"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return tiny_model_dir("llama", num_hidden_layers=2, max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    engine = Engine(EngineConfig(model=str(model), mode="specpipe-db", draft="ngram", stages=2, transport="inproc",
+                                 kv_memory="8MiB", max_context=1024))
+    s = LiveServer(engine, ServerOptions(), names=(NAME,))
+    yield s
+    s.stop()
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def evaluate(server, model, tmp_path_factory):
+    """Runs one of the repo's tasks through local-completions; returns lm_eval's logged samples."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    mp.setenv("HF_DATASETS_OFFLINE", "1")
+    mp.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf_datasets")))
+    mp.chdir(TASKS)  # the YAMLs' data_files are relative to it
+    manager = TaskManager(include_path=str(TASKS))
+
+    def run(task: str) -> list[dict]:
+        out = simple_evaluate(
+            model="local-completions",
+            model_args=dict(base_url=f"{server.url}/v1/completions", model=NAME, tokenizer=str(model),
+                            tokenizer_backend="huggingface", tokenized_requests=True, max_length=1024,
+                            num_concurrent=1, max_retries=1),
+            tasks=[task], task_manager=manager, log_samples=True, apply_chat_template=False)
+        return out["samples"][task]
+
+    yield run
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def forward(model):
+    """log_softmax of one transformers forward over the ids (T, V), the same weights in float32."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+
+    def run(ids):
+        with torch.no_grad():
+            return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    return run
+
+
+def test_loglikelihood_task_equals_a_direct_log_softmax(evaluate, forward, model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model))
+    samples = evaluate("specpipe_ll")
+    assert len(samples) == 3
+    for s in samples:
+        doc = s["doc"]
+        got = [ll for ll, _ in (r[0] for r in s["resps"])]  # one (loglikelihood, is_greedy) per choice
+        assert len(got) == len(doc["choices"])
+        for choice, ll in zip(doc["choices"], got):
+            # lm_eval's own split: the whole text's ids, the context's ids a prefix of them.
+            ctx = tok.encode(doc["context"], add_special_tokens=False)
+            whole = tok.encode(doc["context"] + choice, add_special_tokens=False)
+            assert whole[:len(ctx)] == ctx
+            lp = forward(whole)
+            want = sum(float(lp[i - 1, whole[i]]) for i in range(len(ctx), len(whole)))
+            assert ll == pytest.approx(want, abs=1e-4), (doc["context"], choice)
+
+
+def test_generate_until_task_equals_the_server_directly(evaluate, server):
+    samples = evaluate("specpipe_gen")
+    assert len(samples) == 2
+    for s in samples:
+        until = ["\n\n", "<|im_end|>", "zzz", "qqq", "###", "END"]
+        r = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
+            "model": NAME, "prompt": s["doc"]["prompt"], "max_tokens": 12, "temperature": 0, "stop": until})
+        assert r.status_code == 200, r.text
+        direct = r.json()["choices"][0]["text"]
+        assert s["resps"][0][0] == direct
