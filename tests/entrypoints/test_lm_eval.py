@@ -6,8 +6,10 @@ datasets' local `json` builder; nothing is downloaded):
     `max_tokens: 1` and `logprobs: 1`, and sums the prompt's `token_logprobs` over each
     continuation. Every per-choice log-likelihood it reports equals a direct log_softmax of the
     model's logits (transformers, the same weights in float32) within 1e-4.
-  * specpipe_gen (generate_until): six stop strings, greedy. Each output equals what the server
-    gives for the same prompt sent directly.
+  * specpipe_gen (generate_until): six stop strings (seven with the tokenizer's EOS text), greedy.
+    Each output equals what the server gives for the same prompt sent directly; the same task
+    through `local-chat-completions` (which sends the first four stop strings) equals the chat
+    endpoint's answer.
 
 The tokenizer lm_eval uses is the tiny model's own directory (tokenizer_backend huggingface), so
 nothing reaches the hub; HF_HUB_OFFLINE and HF_DATASETS_OFFLINE make sure of it.
@@ -59,13 +61,15 @@ def evaluate(server, model, tmp_path_factory):
     mp.chdir(TASKS)  # the YAMLs' data_files are relative to it
     manager = TaskManager(include_path=str(TASKS))
 
-    def run(task: str) -> list[dict]:
-        out = simple_evaluate(
-            model="local-completions",
-            model_args=dict(base_url=f"{server.url}/v1/completions", model=NAME, tokenizer=str(model),
-                            tokenizer_backend="huggingface", tokenized_requests=True, max_length=1024,
-                            num_concurrent=1, max_retries=1),
-            tasks=[task], task_manager=manager, log_samples=True, apply_chat_template=False)
+    def run(task: str, chat: bool = False) -> list[dict]:
+        if chat:  # messages in, text out: no tokenizer on lm_eval's side
+            args = dict(base_url=f"{server.url}/v1/chat/completions", model=NAME, num_concurrent=1, max_retries=1)
+        else:
+            args = dict(base_url=f"{server.url}/v1/completions", model=NAME, tokenizer=str(model),
+                        tokenizer_backend="huggingface", tokenized_requests=True, max_length=1024,
+                        num_concurrent=1, max_retries=1)
+        out = simple_evaluate(model="local-chat-completions" if chat else "local-completions", model_args=args,
+                              tasks=[task], task_manager=manager, log_samples=True, apply_chat_template=chat)
         return out["samples"][task]
 
     yield run
@@ -117,3 +121,14 @@ def test_generate_until_task_equals_the_server_directly(evaluate, server):
         assert r.status_code == 200, r.text
         direct = r.json()["choices"][0]["text"]
         assert s["resps"][0][0] == direct
+
+
+def test_generate_until_through_local_chat_completions(evaluate, server):
+    samples = evaluate("specpipe_gen", chat=True)
+    assert len(samples) == 2
+    for s in samples:
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
+            "model": NAME, "messages": [{"role": "user", "content": s["doc"]["prompt"]}], "max_tokens": 12,
+            "temperature": 0, "seed": 1234, "stop": ["\n\n", "<|im_end|>", "zzz", "qqq"]})
+        assert r.status_code == 200, r.text
+        assert s["resps"][0][0] == r.json()["choices"][0]["message"]["content"]
