@@ -352,6 +352,11 @@ class Tokenizer:
         return sorted({*range(min(n, self.vocab_size)), *extra})
 
     @property
+    def chat_template(self) -> str | None:
+        """The Jinja source (None without one): /tokenizer_info serves it."""
+        return self._chat_template
+
+    @property
     def has_chat_template(self) -> bool:
         return self._chat_template is not None
 

@@ -11,8 +11,10 @@ datasets' local `json` builder; nothing is downloaded):
     through `local-chat-completions` (which sends the first four stop strings) equals the chat
     endpoint's answer.
 
-The tokenizer lm_eval uses is the tiny model's own directory (tokenizer_backend huggingface), so
-nothing reaches the hub; HF_HUB_OFFLINE and HF_DATASETS_OFFLINE make sure of it.
+The log-likelihood task runs with lm_eval's default tokenizer_backend ("auto"), which finds the
+server's /tokenizer_info and tokenizes through /tokenize (no tokenizer files needed: a GGUF-only
+model works); the generate_until task names the tiny model's own directory (tokenizer_backend
+huggingface). Nothing reaches the hub; HF_HUB_OFFLINE and HF_DATASETS_OFFLINE make sure of it.
 """
 
 from __future__ import annotations
@@ -61,13 +63,13 @@ def evaluate(server, model, tmp_path_factory):
     mp.chdir(TASKS)  # the YAMLs' data_files are relative to it
     manager = TaskManager(include_path=str(TASKS))
 
-    def run(task: str, chat: bool = False) -> list[dict]:
+    def run(task: str, chat: bool = False, local_tokenizer: bool = False) -> list[dict]:
         if chat:  # messages in, text out: no tokenizer on lm_eval's side
             args = dict(base_url=f"{server.url}/v1/chat/completions", model=NAME, num_concurrent=1, max_retries=1)
-        else:
-            args = dict(base_url=f"{server.url}/v1/completions", model=NAME, tokenizer=str(model),
-                        tokenizer_backend="huggingface", tokenized_requests=True, max_length=1024,
-                        num_concurrent=1, max_retries=1)
+        else:  # token-id prompts: lm_eval's default ("auto" finds the server's /tokenizer_info) or the model's files
+            args = dict(base_url=f"{server.url}/v1/completions", model=NAME, tokenized_requests=True, max_length=1024,
+                        num_concurrent=1, max_retries=1,
+                        **(dict(tokenizer=str(model), tokenizer_backend="huggingface") if local_tokenizer else {}))
         out = simple_evaluate(model="local-chat-completions" if chat else "local-completions", model_args=args,
                               tasks=[task], task_manager=manager, log_samples=True, apply_chat_template=chat)
         return out["samples"][task]
@@ -91,11 +93,19 @@ def forward(model):
     return run
 
 
-def test_loglikelihood_task_equals_a_direct_log_softmax(evaluate, forward, model):
+def test_tokenizer_info_names_the_special_tokens(server):
+    info = httpx.get(f"{server.url}/tokenizer_info", timeout=30).json()
+    assert info["eos_token"] == "<|endoftext|>" and info["chat_template"].startswith("{%")
+    assert info["model_max_length"] == 1024
+
+
+def test_loglikelihood_task_equals_a_direct_log_softmax(evaluate, forward, model, caplog):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model))
-    samples = evaluate("specpipe_ll")
+    with caplog.at_level("INFO"):
+        samples = evaluate("specpipe_ll")
+    assert "Using remote tokenizer backend" in caplog.text  # the server's /tokenize, no local files
     assert len(samples) == 3
     for s in samples:
         doc = s["doc"]
@@ -112,7 +122,7 @@ def test_loglikelihood_task_equals_a_direct_log_softmax(evaluate, forward, model
 
 
 def test_generate_until_task_equals_the_server_directly(evaluate, server):
-    samples = evaluate("specpipe_gen")
+    samples = evaluate("specpipe_gen", local_tokenizer=True)
     assert len(samples) == 2
     for s in samples:
         until = ["\n\n", "<|im_end|>", "zzz", "qqq", "###", "END"]

@@ -6,8 +6,8 @@
 Routes: /v1/completions, /v1/chat/completions (streaming as server-sent events), /v1/messages
 (Anthropic's Messages API, anthropic_api.py), /v1/responses (OpenAI's Responses API,
 responses_api.py), /v1/models,
-/tokenize and /detokenize (vLLM's), /health, /metrics (Prometheus). With --api-key every /v1
-route and /tokenize, /detokenize want `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`)
+/tokenize, /detokenize and /tokenizer_info (vLLM's), /health, /metrics (Prometheus). With
+--api-key every /v1 route and /tokenize, /detokenize, /tokenizer_info want `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`)
 (and /health and /metrics too with --metrics-need-key). Every error has OpenAI's body, and the
 OpenAPI schema declares, per route, the statuses it can answer with.
 """
@@ -177,6 +177,10 @@ def build_app(engine: Engine, aengine: AsyncEngine, metrics: EngineMetrics, mode
     @app.post("/detokenize", response_model=p.DetokenizeResponse, responses=_errors(400, *key_errors, 404, 413))
     async def detokenize(body: p.DetokenizeRequest):
         return await serving.detokenize(body)
+
+    @app.get("/tokenizer_info", responses=_errors(*key_errors))  # guarded: it starts with /tokenize
+    async def tokenizer_info() -> p.TokenizerInfo:
+        return serving.tokenizer_info()
 
     generation_errors = {**STREAM_200, **_errors(400, *key_errors, 404, 413, 429, 500, 503,
                                                  plain_503=options.max_concurrency is not None)}

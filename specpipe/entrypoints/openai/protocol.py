@@ -489,6 +489,18 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class TokenizerInfo(BaseModel):
+    """vLLM's GET /tokenizer_info, the fields its clients read (no pad token of its own: the EOS,
+    as the server pads nothing)."""
+
+    tokenizer_class: str = "specpipe"
+    eos_token: Optional[str] = None
+    bos_token: Optional[str] = None
+    pad_token: Optional[str] = None
+    chat_template: Optional[str] = None
+    model_max_length: int
+
+
 class ErrorInfo(BaseModel):
     message: str
     type: str

@@ -82,7 +82,14 @@ class OpenAIServing:
         return p.ModelList(data=[p.ModelCard(id=name, root=root, max_model_len=self.engine.max_context)
                                  for name in self.model_names])
 
-    # -- vLLM's /tokenize and /detokenize -----------------------------------------------------------
+    # -- vLLM's /tokenize, /detokenize and /tokenizer_info --------------------------------------------
+    def tokenizer_info(self) -> p.TokenizerInfo:
+        """What a client needs to tokenize through /tokenize (lm-evaluation-harness's remote
+        tokenizer reads the special tokens' texts and the chat template from it)."""
+        tok = self.engine.tokenizer
+        return p.TokenizerInfo(eos_token=tok.eos_token, bos_token=tok.bos_token, pad_token=tok.eos_token,
+                               chat_template=tok.chat_template, model_max_length=self.engine.max_context)
+
     async def tokenize(self, body: p.TokenizeRequest) -> p.TokenizeResponse:
         self._check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
