@@ -2,8 +2,8 @@
 from files in the repo (tests/entrypoints/lm_eval_tasks: a task YAML and a JSONL each, read with
 datasets' local `json` builder; nothing is downloaded):
 
-  * specpipe_ll (multiple_choice): lm_eval sends token-id prompts with `echo: true`,
-    `max_tokens: 1` and `logprobs: 1`, and sums the prompt's `token_logprobs` over each
+  * specpipe_ll (multiple_choice): lm_eval sends token-id prompts, three a request
+    (batch_size 3), with `echo: true`, `max_tokens: 1` and `logprobs: 1`, and sums the prompt's `token_logprobs` over each
     continuation. Every per-choice log-likelihood it reports equals a direct log_softmax of the
     model's logits (transformers, the same weights in float32) within 1e-4.
   * specpipe_gen (generate_until): six stop strings (seven with the tokenizer's EOS text), greedy.
@@ -63,12 +63,12 @@ def evaluate(server, model, tmp_path_factory):
     mp.chdir(TASKS)  # the YAMLs' data_files are relative to it
     manager = TaskManager(include_path=str(TASKS))
 
-    def run(task: str, chat: bool = False, local_tokenizer: bool = False) -> list[dict]:
+    def run(task: str, chat: bool = False, local_tokenizer: bool = False, batch_size: int = 1) -> list[dict]:
         if chat:  # messages in, text out: no tokenizer on lm_eval's side
             args = dict(base_url=f"{server.url}/v1/chat/completions", model=NAME, num_concurrent=1, max_retries=1)
         else:  # token-id prompts: lm_eval's default ("auto" finds the server's /tokenizer_info) or the model's files
             args = dict(base_url=f"{server.url}/v1/completions", model=NAME, tokenized_requests=True, max_length=1024,
-                        num_concurrent=1, max_retries=1,
+                        num_concurrent=1, max_retries=1, batch_size=batch_size,
                         **(dict(tokenizer=str(model), tokenizer_backend="huggingface") if local_tokenizer else {}))
         out = simple_evaluate(model="local-chat-completions" if chat else "local-completions", model_args=args,
                               tasks=[task], task_manager=manager, log_samples=True, apply_chat_template=chat)
@@ -104,7 +104,7 @@ def test_loglikelihood_task_equals_a_direct_log_softmax(evaluate, forward, model
 
     tok = AutoTokenizer.from_pretrained(str(model))
     with caplog.at_level("INFO"):
-        samples = evaluate("specpipe_ll")
+        samples = evaluate("specpipe_ll", batch_size=3)  # its 8 requests as 3 lists of prompts
     assert "Using remote tokenizer backend" in caplog.text  # the server's /tokenize, no local files
     assert len(samples) == 3
     for s in samples:

@@ -108,6 +108,28 @@ def test_n_streamed_chunks_carry_their_index(server, alone):
     assert chunks[-1].usage.completion_tokens == 18
 
 
+def test_several_prompts_each_as_if_sent_alone(server, alone):
+    """A list of prompts (lm-evaluation-harness's batch_size > 1): prompt j's sample i is choice
+    j * n + i, equal to prompt j sent alone with seed + i; usage sums the prompts; streamed too."""
+    prompts = [[5, 17, 42, 99, 7], [130, 64, 12, 250, 33, 8, 9]]  # a list of texts works too (the schema)
+    out = server.client().completions.create(model=NAME, prompt=prompts, n=2, seed=50, temperature=1.0, max_tokens=6)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    want = [alone(q, temperature=1.0, seed=50 + i, max_tokens=6).text for q in prompts for i in range(2)]
+    assert [c.text for c in out.choices] == want
+    assert out.usage.prompt_tokens == 12
+    assert out.usage.completion_tokens == 24
+    streamed = [""] * 4
+    for c in server.client().completions.create(model=NAME, prompt=prompts, n=2, seed=50, temperature=1.0,
+                                                max_tokens=6, stream=True):
+        for choice in c.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == want
+    r = server.post("/v1/completions", json={"model": NAME, "prompt": [[1, 2]] * 33, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = server.post("/v1/completions", json={"model": NAME, "prompt": [[1, 2]] * 5, "n": 16, "max_tokens": 1})
+    assert r.status_code == 400 and "choices" in r.json()["error"]["message"]
+
+
 def test_chat_n_whole_and_streamed(server):
     client, messages = server.client(), [{"role": "user", "content": "the cat"}]
     whole = client.chat.completions.create(model=NAME, messages=messages, n=2, seed=3, temperature=1.0, max_tokens=5)

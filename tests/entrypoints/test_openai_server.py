@@ -203,7 +203,7 @@ def test_32_concurrent_requests_each_equal_alone(server, alone):
     ({"prompt": 12}, 400, "prompt"),
     ({"prompt": "hi", "n": 17}, 400, "n"),  # at most 16
     ({"prompt": "hi", "logprobs": 21}, 400, "logprobs"),  # at most 20
-    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": ["a"] * 33}, 400, "prompt"),  # over MAX_PROMPTS (a list of up to 32 is served)
     ({"prompt": [5, 99999]}, 400, "prompt"),  # a token id outside the vocabulary
     ({"prompt": "hi", "stop": [""]}, 400, "stop"),
 ])

@@ -131,6 +131,8 @@ Text = Annotated[str, Field(min_length=1)]
 MAX_SEED = 2**53
 MAX_TOOLS = 128  # as OpenAI allows
 MAX_N = 16  # samples one request may ask for (each is a request of its own in the engine)
+MAX_PROMPTS = 32  # prompts one completions request may hold (each a request of its own in the engine)
+MAX_CHOICES = 64  # prompts x n in one completions request
 
 
 class SamplingFields(OpenAIModel):
@@ -193,11 +195,22 @@ class SamplingFields(OpenAIModel):
 Logprobs = Num(int, ge=0, le=MAX_LOGPROBS)
 
 
+def _prompt_count_checked(v: Any) -> Any:
+    """Before the union's type check, so that too many prompts is a 400 that says so."""
+    if isinstance(v, list) and len(v) > MAX_PROMPTS and all(isinstance(x, (str, list)) for x in v):
+        raise ValueError(f"{len(v)} prompts, at most {MAX_PROMPTS} are allowed in one request")
+    return v
+
+
 class CompletionRequest(SamplingFields):
-    # One prompt per request (a list holding one prompt is accepted too), never empty.
-    prompt: Union[Annotated[str, Field(min_length=1)], Annotated[list[TokenId], Field(min_length=1)],
-                  Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1)],
-                  Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1, max_length=1)]]
+    # A prompt (text or token ids), or a list of up to MAX_PROMPTS of them (lm-evaluation-harness
+    # sends batch_size of them): each is sampled as if sent alone, its n choices at index j * n + i.
+    prompt: Annotated[Union[Annotated[str, Field(min_length=1)], Annotated[list[TokenId], Field(min_length=1)],
+                            Annotated[list[Annotated[str, Field(min_length=1)]],
+                                      Field(min_length=1, max_length=MAX_PROMPTS)],
+                            Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
+                                      Field(min_length=1, max_length=MAX_PROMPTS)]],
+                      BeforeValidator(_prompt_count_checked)]
     echo: StrictBool = False  # the prompt before the completion (with logprobs: the prompt's too, the first null)
     max_tokens: Optional[Num(int, ge=0, le=MAX_TOKENS)] = None  # 0: the prompt only (with echo)
     suffix: Optional[str] = Only(None, {"maxLength": 0})
@@ -218,16 +231,16 @@ class CompletionRequest(SamplingFields):
             return "suffix", "suffix is not supported"
         return super().unsupported()
 
-    def single_prompt(self) -> Union[str, list[int]]:
-        """The one prompt (a list holding one prompt is accepted too); ValueError otherwise."""
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompts, one or several; ValueError when one is empty or prompts x n is over MAX_CHOICES."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            if len(p) != 1:
-                raise ValueError(f"one prompt per request is supported, got {len(p)}")
-            p = p[0]
-        if not p:
+        prompts = list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+        if any(not q for q in prompts):
             raise ValueError("the prompt is empty")
-        return p
+        if len(prompts) * self.n > MAX_CHOICES:
+            raise ValueError(f"{len(prompts)} prompts x n = {self.n} is {len(prompts) * self.n} choices, "
+                             f"over {MAX_CHOICES}")
+        return prompts
 
 
 class TextPart(OpenAIModel):

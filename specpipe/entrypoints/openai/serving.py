@@ -125,20 +125,41 @@ class OpenAIServing:
                            param="model", code="model_not_found")
 
     # -- admission ----------------------------------------------------------------------------------
-    async def completion_stream(self, body: p.CompletionRequest, client: Optional[str] = None) -> RequestStream:
+    async def completion_stream(self, body: p.CompletionRequest,
+                                client: Optional[str] = None) -> Union[RequestStream, Samples]:
         self._check(body)
         try:
-            prompt = body.single_prompt()
+            prompts = body.prompts()
         except ValueError as e:
             raise ApiError(400, str(e), param="prompt") from None
+        ids = [await self._prompt_ids(prompt) for prompt in prompts]  # every 400 before anything is queued
+        structured = await self._constraint(body)
+        if len(prompts) == 1:
+            return await self._completion_samples(body, prompts[0], ids[0], structured, client)
+        # Several prompts: each sampled as if sent alone (its own n, its seeds), choices j * n + i.
+        added = await asyncio.gather(*[self._completion_samples(body, prompt, prompt_ids, structured, client, j)
+                                       for j, (prompt, prompt_ids) in enumerate(zip(prompts, ids))],
+                                     return_exceptions=True)
+        streams = [s for a in added if not isinstance(a, BaseException)
+                   for s in (a.streams if isinstance(a, Samples) else [a])]
+        failed = next((a for a in added if isinstance(a, BaseException)), None)
+        if failed is not None:
+            Samples(streams).cancel()
+            raise failed
+        return Samples(streams)
+
+    async def _prompt_ids(self, prompt: Union[str, list[int]]) -> list[int]:
         if isinstance(prompt, str):
-            ids = await self._off_loop(self.engine.tokenizer.encode, prompt)
-        elif len(prompt) > self.engine.max_context:
+            return await self._off_loop(self.engine.tokenizer.encode, prompt)
+        if len(prompt) > self.engine.max_context:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens, over this model's context of "
                                 f"{self.engine.max_context}", param="prompt", code="context_length_exceeded")
-        else:
-            ids = list(prompt)
-        structured = await self._constraint(body)
+        return list(prompt)
+
+    async def _completion_samples(self, body: p.CompletionRequest, prompt: Union[str, list[int]], ids: list[int],
+                                  structured: Optional[StructuredOutput], client: Optional[str],
+                                  prompt_index: int = 0) -> Union[RequestStream, Samples]:
+        """One prompt's n samples (or its one stream)."""
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         echo = (prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)) if body.echo else None
 
@@ -146,6 +167,7 @@ class OpenAIServing:
             # max_tokens 0 (with echo): the prompt alone; the engine still decodes one token, unshown
             stream = await self._add(ids, body, max(1, max_tokens), client, structured, i)
             stream.echo, stream.hide_output, stream.show_prompt_logprobs = echo, max_tokens == 0, body.prompt_logprobs
+            stream.prompt_index = prompt_index  # usage counts each prompt once (_usage)
             return stream
 
         return await self._samples(body, add)
@@ -629,11 +651,18 @@ def _shown(stream: RequestStream) -> int:
 
 
 def _usage(*streams: RequestStream) -> p.UsageInfo:
-    """One request's usage; for n samples the prompt once, the samples' outputs summed, and the
-    most prompt tokens one sample read from the prefix cache (samples.py)."""
-    prompt = len(streams[0].req.prompt_ids)
-    return p.usage(prompt, sum(_shown(s) for s in streams),
-                   max(min(prompt, s.req.stats.cached_tokens) for s in streams))
+    """One request's usage; for n samples of a prompt the prompt once, the samples' outputs summed,
+    and the most prompt tokens one sample read from the prefix cache (samples.py); for several
+    prompts (completions) the sum of theirs."""
+    by_prompt: dict[int, list[RequestStream]] = {}
+    for s in streams:
+        by_prompt.setdefault(getattr(s, "prompt_index", 0), []).append(s)
+    prompt = cached = 0
+    for group in by_prompt.values():
+        n = len(group[0].req.prompt_ids)
+        prompt += n
+        cached += max(min(n, s.req.stats.cached_tokens) for s in group)
+    return p.usage(prompt, sum(_shown(s) for s in streams), cached)
 
 
 async def _drain_all(stream: Union[RequestStream, Samples]) -> list[RequestStream]:
