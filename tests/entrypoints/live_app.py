@@ -68,3 +68,18 @@ class LiveServer:
         self.server.should_exit = True
         self.thread.join(30)
         self.aengine.shutdown()
+
+
+def float32_log_softmax(model: Path):
+    """ids -> log_softmax of one transformers forward over them (T, V), the model's weights in
+    float32: the reference the served log-probabilities are checked against."""
+    import torch
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+
+    def run(ids):
+        with torch.no_grad():
+            return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    return run

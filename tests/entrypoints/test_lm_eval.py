@@ -24,7 +24,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from live_app import LiveServer  # tests/entrypoints is on sys.path for its tests
+import live_app  # tests/entrypoints is on sys.path for its tests
+from live_app import LiveServer
 from specpipe.config import EngineConfig
 from specpipe.engine.engine import Engine
 from specpipe.entrypoints.openai.api_server import ServerOptions
@@ -80,17 +81,7 @@ def evaluate(server, model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def forward(model):
-    """log_softmax of one transformers forward over the ids (T, V), the same weights in float32."""
-    transformers = pytest.importorskip("transformers")
-    import torch
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
-
-    def run(ids):
-        with torch.no_grad():
-            return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
-
-    return run
+    return live_app.float32_log_softmax(model)
 
 
 def test_tokenizer_info_names_the_special_tokens(server):

@@ -9,54 +9,34 @@ specpipe-db with an n-gram source) and the official `openai` client:
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from specpipe.config import EngineConfig
-from specpipe.engine.async_engine import AsyncEngine
 from specpipe.engine.engine import Engine
-from specpipe.engine.metrics import EngineMetrics
-from specpipe.entrypoints.openai.api_server import ServerOptions, build_app, uvicorn_config
+from specpipe.entrypoints.openai.api_server import ServerOptions
 from specpipe.sampling import SamplingParams
+
+import live_app
 
 NAME = "tiny"
 # Longer than two KV blocks (16 tokens each), so the later samples can read it from the cache.
 PROMPT = "the cat sat on the mat and the dog sat on the log, and then the cat saw the dog and ran far away home"
 
 
-class LiveServer:
-    """build_app on uvicorn in a background thread, on a free loopback port."""
+class LiveServer(live_app.LiveServer):
+    """build_app on uvicorn in a background thread, on a free loopback port, without API keys."""
 
     def __init__(self, engine: Engine) -> None:
-        options = ServerOptions()
-        metrics = EngineMetrics(lambda: self.aengine.snapshot, lambda: self.aengine.dead is None, NAME)
-        self.aengine = AsyncEngine(engine.core(), observer=metrics, admit_timeout_s=30)
-        app = build_app(engine, self.aengine, metrics, (NAME,), options)
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn_config(app, options, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.01)
+        super().__init__(engine, ServerOptions())
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
 
     def post(self, path: str, **kw) -> httpx.Response:
         return httpx.post(self.url + path, timeout=120, **kw)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.aengine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -167,17 +147,7 @@ def test_bad_values_are_400s_naming_the_field(server, body, param):
 
 @pytest.fixture(scope="module")
 def forward(model):
-    """log_softmax of one transformers forward over the ids (T, V), the same weights in float32."""
-    transformers = pytest.importorskip("transformers")
-    import torch
-
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(model), torch_dtype=torch.float32).eval()
-
-    def run(ids):
-        with torch.no_grad():
-            return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
-
-    return run
+    return live_app.float32_log_softmax(model)
 
 
 def test_echo_with_logprobs_gives_the_prompts_as_a_single_forward(server, forward):
