@@ -21,11 +21,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "specpipe"
 
 # Lazy circles that remain (a dispatcher importing its cases lazily, a case importing the
-# dispatcher's module at top level); to be broken by moving the shared piece out.
-KNOWN_LAZY_CIRCLES = {
-    # ggml_types.dequantize hands the low-bit types to ggml_lowbit, which reads LAYOUTS from ggml_types
-    frozenset({"specpipe.kernels.ggml_types", "specpipe.kernels.ggml_lowbit"}),
-}
+# dispatcher's module at top level); to be broken by moving the shared piece out. None now (the
+# last, ggml_types <-> ggml_lowbit, went with kernels/ggml_layouts.py).
+KNOWN_LAZY_CIRCLES: set[frozenset[str]] = set()
 
 
 def module_name(path: Path) -> str:

@@ -71,7 +71,7 @@ from pathlib import Path
 import gguf
 import torch
 
-from specpipe.kernels.ggml_types import LAYOUTS, _f16
+from specpipe.kernels.ggml_layouts import LAYOUTS, _f16
 
 Q = gguf.GGMLQuantizationType
 GRIDS_H = Path(__file__).resolve().parent / "native" / "ggml_grids.h"

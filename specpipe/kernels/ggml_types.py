@@ -29,9 +29,9 @@ IEEE half. The layouts, as in llama.cpp's ggml-common.h / ggml-quants.c:
   F16 / BF16 / F32: one element per "block" of 2 / 2 / 4 bytes.
 
 The low-bit types (Q2_K, Q3_K, the IQ types, MXFP4, TQ1_0, TQ2_0) have their layouts and their
-reference dequantize in ggml_lowbit.py, beside these; LAYOUTS below holds them all.
+reference dequantize in ggml_lowbit.py, beside these; LAYOUTS holds them all.
 
-The field offsets are the table LAYOUTS below, which the reader slices by; it is the C structs'
+The field offsets are the table LAYOUTS (ggml_layouts.py), which the reader slices by; it is the C structs'
 of kernels/native/ggml_blocks.h written again, and checked against them (their offsetof and
 sizeof, exported by the library) when the native library loads and in
 tests/kernels/test_native_boundary.py.
@@ -43,63 +43,15 @@ step is a separately rounded float32 operation (no fused multiply-add).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import gguf
 import torch
+
+from specpipe.kernels import ggml_lowbit
+from specpipe.kernels.ggml_layouts import LAYOUTS, Layout, _f16  # noqa: F401  (importers' names)
 
 Q = gguf.GGMLQuantizationType
 
 
-@dataclass(frozen=True)
-class Layout:
-    """One block type: `values` elements in `size` bytes, its fields (name -> (offset, bytes))
-    in storage order."""
-
-    values: int
-    size: int
-    fields: dict[str, tuple[int, int]]
-
-    def field(self, b: torch.Tensor, name: str) -> torch.Tensor:
-        """The bytes of field `name` of blocks b (B, size) uint8 -> (B, its bytes)."""
-        off, n = self.fields[name]
-        return b[:, off:off + n]
-
-
-def _layout(values: int, *fields: tuple[str, int]) -> Layout:
-    out, off = {}, 0
-    for name, n in fields:
-        out[name] = (off, n)
-        off += n
-    return Layout(values, off, out)
-
-
-# The quantized block types, field by field (kernels/native/ggml_blocks.h: the same structs)
-LAYOUTS: dict[Q, Layout] = {
-    Q.Q4_0: _layout(32, ("d", 2), ("qs", 16)),
-    Q.Q4_1: _layout(32, ("d", 2), ("m", 2), ("qs", 16)),
-    Q.Q5_0: _layout(32, ("d", 2), ("qh", 4), ("qs", 16)),
-    Q.Q5_1: _layout(32, ("d", 2), ("m", 2), ("qh", 4), ("qs", 16)),
-    Q.Q8_0: _layout(32, ("d", 2), ("qs", 32)),
-    Q.Q4_K: _layout(256, ("d", 2), ("dmin", 2), ("scales", 12), ("qs", 128)),
-    Q.Q5_K: _layout(256, ("d", 2), ("dmin", 2), ("scales", 12), ("qh", 32), ("qs", 128)),
-    Q.Q6_K: _layout(256, ("ql", 128), ("qh", 64), ("scales", 16), ("d", 2)),
-    # the low-bit types (ggml_lowbit.py describes each)
-    Q.Q2_K: _layout(256, ("scales", 16), ("qs", 64), ("d", 2), ("dmin", 2)),
-    Q.Q3_K: _layout(256, ("hmask", 32), ("qs", 64), ("scales", 12), ("d", 2)),
-    Q.IQ2_XXS: _layout(256, ("d", 2), ("qs", 64)),
-    Q.IQ2_XS: _layout(256, ("d", 2), ("qs", 64), ("scales", 8)),
-    Q.IQ2_S: _layout(256, ("d", 2), ("qs", 32), ("signs", 32), ("qh", 8), ("scales", 8)),
-    Q.IQ3_XXS: _layout(256, ("d", 2), ("qs", 64), ("scales_signs", 32)),
-    Q.IQ3_S: _layout(256, ("d", 2), ("qs", 64), ("qh", 8), ("signs", 32), ("scales", 4)),
-    Q.IQ1_S: _layout(256, ("d", 2), ("qs", 32), ("qh", 16)),
-    Q.IQ1_M: _layout(256, ("qs", 32), ("qh", 16), ("scales", 8)),
-    Q.IQ4_NL: _layout(32, ("d", 2), ("qs", 16)),
-    Q.IQ4_XS: _layout(256, ("d", 2), ("scales_h", 2), ("scales_l", 4), ("qs", 128)),
-    Q.MXFP4: _layout(32, ("e", 1), ("qs", 16)),
-    Q.TQ1_0: _layout(256, ("qs", 48), ("qh", 4), ("d", 2)),
-    Q.TQ2_0: _layout(256, ("qs", 64), ("d", 2)),
-}
 LOWBIT_TYPES = (Q.Q2_K, Q.Q3_K, Q.IQ2_XXS, Q.IQ2_XS, Q.IQ2_S, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ1_M,
                 Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4, Q.TQ1_0, Q.TQ2_0)
 
@@ -131,11 +83,6 @@ def row_bytes(qtype: Q, in_features: int) -> int:
     if in_features % n:
         raise ValueError(f"{qtype.name} rows must be a multiple of {n} elements, got {in_features}")
     return in_features // n * size
-
-
-def _f16(b: torch.Tensor) -> torch.Tensor:
-    """(..., 2) uint8 -> (..., 1) float32."""
-    return b.contiguous().view(torch.float16).float()
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -194,8 +141,6 @@ def _dequantize_blocks(b: torch.Tensor, qtype: Q) -> torch.Tensor:
         d = _f16(f(b, "d")) * f(b, "scales").contiguous().view(torch.int8).float()  # (B, 16)
         return (d[:, :, None] * q).reshape(n, 256)
     if qtype in LOWBIT_TYPES:
-        from specpipe.kernels import ggml_lowbit
-
         return ggml_lowbit.dequantize_blocks(b, qtype)
     raise NotImplementedError(f"no dequantize for GGML type {qtype.name}")
 
