@@ -45,6 +45,7 @@ def thinking_model(tiny_model_dir, tmp_path: Path) -> Path:
 
 
 def engine_of(model: Path) -> Engine:
+    """specpipe-db with n-grams over two in-process stages of `model`: what the API tests serve."""
     return Engine(EngineConfig(model=str(model), mode="specpipe-db", draft="ngram", stages=2, transport="inproc",
                                kv_memory="8MiB", max_context=1024))
 

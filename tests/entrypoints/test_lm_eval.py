@@ -26,8 +26,6 @@ import pytest
 
 import live_app  # tests/entrypoints is on sys.path for its tests
 from live_app import LiveServer
-from specpipe.config import EngineConfig
-from specpipe.engine.engine import Engine
 from specpipe.entrypoints.openai.api_server import ServerOptions
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -43,8 +41,7 @@ def model(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def server(model):
-    engine = Engine(EngineConfig(model=str(model), mode="specpipe-db", draft="ngram", stages=2, transport="inproc",
-                                 kv_memory="8MiB", max_context=1024))
+    engine = live_app.engine_of(model)
     s = LiveServer(engine, ServerOptions(), names=(NAME,))
     yield s
     s.stop()

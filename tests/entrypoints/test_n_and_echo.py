@@ -46,8 +46,7 @@ def model(tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def server(model):
-    engine = Engine(EngineConfig(model=str(model), mode="specpipe-db", draft="ngram", stages=2, transport="inproc",
-                                 kv_memory="8MiB", max_context=1024))
+    engine = live_app.engine_of(model)
     s = LiveServer(engine)
     yield s
     s.stop()
