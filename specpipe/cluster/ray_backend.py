@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from specpipe.cluster.planner import DRIVER, Link, ModelBytes, NodeReport, Plan, PlanError, objective_for, plan_split
-from specpipe.config import SPECULATIVE_MODES, ConfigError, EngineConfig, StageSpec, parse_bytes
+from specpipe.config import SPECULATIVE_MODES, ConfigError, EngineConfig, StageSpec
 from specpipe.distributed.remote_pipeline import PipelineError, RemotePipeline
 from specpipe.loader.checkpoint import Checkpoint
 
@@ -35,22 +35,16 @@ LOAD_TIMEOUT_S = 600.0
 CHUNK_ENV = "SPECPIPE_WEIGHT_CHUNK"  # the streamed chunk's size on the driver, e.g. 1MiB (default 8 MiB)
 
 
-def stream_chunk_bytes() -> int:
-    """The chunk size weights are streamed in: $SPECPIPE_WEIGHT_CHUNK, else weights.CHUNK_BYTES.
-    Smaller chunks resume closer to where a transfer stopped and hold less memory in flight;
-    larger ones cost fewer calls."""
-    from specpipe.cluster.weights import CHUNK_BYTES
+def stream_chunk_bytes(option: Optional[str] = None) -> int:
+    """The chunk size weights are streamed in: --weight-chunk (`option`), else
+    $SPECPIPE_WEIGHT_CHUNK, else weights.CHUNK_BYTES. Smaller chunks resume closer to where a
+    transfer stopped and hold less memory in flight; larger ones cost fewer calls."""
+    from specpipe.cluster.weights import CHUNK_BYTES, parse_weight_chunk
 
+    if option is not None:
+        return parse_weight_chunk(option)
     text = os.environ.get(CHUNK_ENV, "").strip()
-    if not text:
-        return CHUNK_BYTES
-    try:
-        n = parse_bytes(text)
-    except (ConfigError, ValueError) as e:
-        raise ConfigError(f"${CHUNK_ENV}={text!r}: {e}") from None
-    if not 4096 <= n <= 1 << 30:
-        raise ConfigError(f"${CHUNK_ENV}={text!r}: a chunk must be between 4 KiB and 1 GiB")
-    return n
+    return parse_weight_chunk(text, f"${CHUNK_ENV}") if text else CHUNK_BYTES
 
 
 class RayBackend:
@@ -72,7 +66,7 @@ class RayBackend:
         self.reports: dict[str, NodeReport] = {}
         self.links: dict[tuple[str, str], Link] = {}  # (from, to) node ids, DRIVER for this process
         self._digests: dict[StageSpec, tuple] = {}
-        self.chunk_bytes = stream_chunk_bytes()
+        self.chunk_bytes = stream_chunk_bytes(config.weight_chunk)
         self.restarts = 0
         self.state = "starting"
         self._refresh_nodes()
