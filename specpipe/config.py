@@ -291,6 +291,8 @@ class EngineConfig:
     restart_stages: int = 3  # stage processes or actors: start them again this often in a row after one dies; 0 = never
     cluster: str = "local"  # local (this machine, or torchrun ranks) | ray (stages as actors on a Ray cluster)
     ray_address: str = "auto"  # --cluster ray: the cluster to join (auto: the one `ray start` made here)
+    weight_chunk: Optional[str] = None  # --cluster ray: streamed weight chunk, e.g. "256KiB" (None: $SPECPIPE_WEIGHT_CHUNK, else 8 MiB)
+    weight_cache_max: Optional[str] = None  # --cluster ray: a node's weight cache cap, SIZE or N% (None: 50%)
     cluster_key_file: Optional[str] = None  # a file holding the pipeline's secret (required under torchrun)
     link_encryption: bool = False  # encrypt what crosses the links between ranks, not only authenticate it
     max_num_seqs: int = 32  # requests in the pipeline at once (more wait in a queue)
@@ -345,6 +347,10 @@ class EngineConfig:
             raise ConfigError(f"--restart-stages must be >= 0, got {self.restart_stages}")
         if self.stage_timeout_s <= 0:
             raise ConfigError(f"--stage-timeout must be positive, got {self.stage_timeout_s}")
+        if self.weight_chunk is not None or self.weight_cache_max is not None:
+            from specpipe.cluster.weights import check_weight_options  # the rules live with the cache
+
+            check_weight_options(self.weight_chunk, self.weight_cache_max)
         if self.draft_quantization not in (None, "int8", "int4"):
             raise ConfigError(f"--draft-quantization must be int8 or int4, got {self.draft_quantization!r}")
         if self.mode not in SPECULATIVE_MODES and (self.draft_quantization or self.draft_vocab):

@@ -107,6 +107,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cluster", default="local", choices=["local", "ray"],
                    help="ray: the stages as actors on the Ray cluster this machine joined (at most --stages, planned)")
     p.add_argument("--ray-address", default="auto", help="--cluster ray: the cluster's address (default auto)")
+    p.add_argument("--weight-chunk", default=None,
+                   help="--cluster ray: streamed weight chunk size, e.g. 256KiB (default $SPECPIPE_WEIGHT_CHUNK, else 8MiB)")
+    p.add_argument("--weight-cache-max", default=None,
+                   help="--cluster ray: a node's weight cache cap, a size or a share of its disk space (default 50%%)")
     p.add_argument("--trace-dir", default=None, help="write one trace per run and stage count here")
     p.add_argument("--plots", default=None, help="write PNG pictures here (an --oracle timeline needs --profile)")
     p.add_argument("--profile", default=None,
@@ -230,7 +234,8 @@ def _config(args, S: int, runs: list[RunSpec], **extra):
                         max_num_seqs=max(1, args.concurrency), max_step_rows=args.max_step_rows,
                         stage_timeout_s=600, cost_profile=args.cost_profile,
                         **{"transport": args.transport, "stage_threads": args.stage_threads,
-                           "cluster": args.cluster, "ray_address": args.ray_address, **extra})
+                           "cluster": args.cluster, "ray_address": args.ray_address,
+                           "weight_chunk": args.weight_chunk, "weight_cache_max": args.weight_cache_max, **extra})
 
 
 def _core_args(args, run: RunSpec) -> tuple:

@@ -181,6 +181,13 @@ def _add_engine_args(g: argparse.ArgumentParser) -> None:
                         "the Ray cluster this machine joined, the split planned from each node's memory and speed")
     g.add_argument("--ray-address", default="auto",
                    help="--cluster ray: the cluster's address (default auto: the one `ray start` made or joined here)")
+    g.add_argument("--weight-chunk", default=None,
+                   help="--cluster ray: the size of the chunks a stage's weights are streamed to a node in, e.g. "
+                        "256KiB (4 KiB to 1 GiB; default $SPECPIPE_WEIGHT_CHUNK, else 8MiB)")
+    g.add_argument("--weight-cache-max", default=None,
+                   help="--cluster ray: a node's cache of streamed weights at most this big, a size (20GiB) or a "
+                        "share of the space it could have (its entries + the disk's free space; default 50%%): "
+                        "the least recently used entries not in use are removed before a new transfer")
     g.add_argument("--cluster-key-file", default=None,
                    help="a file holding the pipeline's secret (at least 16 bytes; required under torchrun, the same "
                         "file on every rank; local stages use it instead of a fresh key): the rendezvous admits "
@@ -217,6 +224,7 @@ def _engine_config(args: argparse.Namespace, **extra):
                           link_bandwidth_mbps=args.link_bandwidth_mbps, stage_timeout_s=args.stage_timeout,
                           link_encryption=args.link_encryption,
                           restart_stages=args.restart_stages, cluster=args.cluster, ray_address=args.ray_address,
+                          weight_chunk=args.weight_chunk, weight_cache_max=args.weight_cache_max,
                           cluster_key_file=args.cluster_key_file,
                           max_num_seqs=args.max_num_seqs, max_step_rows=args.max_step_rows, kv_memory=args.kv_memory,
                           kv_memory_fraction=args.kv_memory_fraction, block_size=args.block_size,
