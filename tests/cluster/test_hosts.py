@@ -2,7 +2,7 @@
 worker node in each (tests/netns_helpers.py), the driver (this process) beside a head node that
 offers no CPU. Every node has its own cache and ignores the driver's model path
 (SPECPIPE_USE_SHARED_PATH=0), so every stage's weights are streamed to it, in 256 KiB chunks
-(SPECPIPE_WEIGHT_CHUNK): the embedded SmolLM2's stages span dozens of chunks.
+(--weight-chunk): the embedded SmolLM2's stages span dozens of chunks.
 
   * S = 2 and 3 give one process's tokens in pp, specpipe and specpipe-db; the links between the
     hosts are measured and printed with the plan.
@@ -47,8 +47,6 @@ def hosts(tmp_path_factory):
         net = Hosts(3)
     except NamespacesUnavailable as e:
         pytest.skip(str(e))
-    saved = os.environ.get("SPECPIPE_WEIGHT_CHUNK")
-    os.environ["SPECPIPE_WEIGHT_CHUNK"] = str(CHUNK)
     rh = None
     try:
         rh = RayHosts(net, tmp_path_factory.mktemp("hosts"))
@@ -59,10 +57,6 @@ def hosts(tmp_path_factory):
         if rh is not None:
             rh.close()
         net.close()
-        if saved is None:
-            os.environ.pop("SPECPIPE_WEIGHT_CHUNK", None)
-        else:
-            os.environ["SPECPIPE_WEIGHT_CHUNK"] = saved
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +86,7 @@ def reference(model):
 
 
 def ray_engine(model, messages, **extra) -> Engine:
-    return Engine(config(model, cluster="ray", **extra), progress=messages.append)
+    return Engine(config(model, cluster="ray", weight_chunk="256KiB", **extra), progress=messages.append)
 
 
 def host_of(net: Hosts, node_name: str):

@@ -70,3 +70,51 @@ def test_the_kv_pool_is_a_share_of_free_memory_and_fewer_stages_are_said(smollm2
     kv = b.num_blocks * b.config.block_size * 2 * cfg.num_kv_heads * cfg.head_dim * 4 * cfg.num_layers
     assert len(b.plan.stages) == 1 and kv <= 0.25 * 8 * GiB, kv / GiB  # was 5.67 GiB
     assert any("planned 1 stage, not the 2 --stages allows" in m and "--stage-layers" in m for m in messages)
+
+
+def test_the_weight_chunk_option_wins_over_the_environment(monkeypatch):
+    """--weight-chunk sets the streamed chunk (through the engine config); $SPECPIPE_WEIGHT_CHUNK
+    is the fallback, then 8 MiB; a bad value is a ConfigError naming where it came from."""
+    from specpipe.cluster.ray_backend import CHUNK_ENV, stream_chunk_bytes
+    from specpipe.cluster.weights import CHUNK_BYTES
+    from specpipe.config import ConfigError
+
+    monkeypatch.delenv(CHUNK_ENV, raising=False)
+    assert stream_chunk_bytes(None) == CHUNK_BYTES
+    assert stream_chunk_bytes("256KiB") == 256 << 10
+    monkeypatch.setenv(CHUNK_ENV, "1MiB")
+    assert stream_chunk_bytes(None) == 1 << 20 and stream_chunk_bytes("64KiB") == 64 << 10
+    monkeypatch.setenv(CHUNK_ENV, "lots")
+    with pytest.raises(ConfigError, match=r"\$SPECPIPE_WEIGHT_CHUNK"):
+        stream_chunk_bytes(None)
+    assert stream_chunk_bytes("4KiB") == 4096  # the option is read first: a bad fallback is not looked at
+    for bad, why in [("1KiB", "between 4 KiB and 1 GiB"), ("2GiB", "between 4 KiB and 1 GiB"),
+                     ("fast", "cannot read 'fast'"), ("0", "cannot read '0'")]:
+        with pytest.raises(ConfigError, match="--weight-chunk") as info:
+            EngineConfig(cluster="ray", weight_chunk=bad).validate()
+        assert why in str(info.value)
+
+
+def test_the_backend_streams_in_the_configured_chunks(monkeypatch):
+    """The engine config's weight_chunk reaches the backend that streams (no cluster needed)."""
+    from specpipe.cluster.planner import NodeReport
+
+    monkeypatch.setenv("SPECPIPE_WEIGHT_CHUNK", "1MiB")
+    b = backend_on([NodeReport("n1", "node-1", 8 * 2**30, 1.0, 2)], monkeypatch, [], weight_chunk="256KiB")
+    assert b.chunk_bytes == 256 << 10
+    b = backend_on([NodeReport("n1", "node-1", 8 * 2**30, 1.0, 2)], monkeypatch, [])
+    assert b.chunk_bytes == 1 << 20
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["serve"], ["bench"]])
+def test_the_weight_options_are_on_every_command_that_takes_cluster_ray(command):
+    from specpipe.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args([*command, "--cluster", "ray", "--weight-chunk", "256KiB",
+                                      "--weight-cache-max", "40%"])
+    assert (args.weight_chunk, args.weight_cache_max) == ("256KiB", "40%")
+    if command[0] == "generate":
+        from specpipe.entrypoints.cli import _engine_config
+
+        config = _engine_config(args)
+        assert (config.weight_chunk, config.weight_cache_max) == ("256KiB", "40%")
