@@ -3,7 +3,8 @@ copy of each stage's weights (cluster/weights.py), before any stage starts there
 
     driver  --probe-->  free memory, cores, address
             --find(stage bytes, digest, the driver's path)-->  a local path, or None
-            --begin-->  the chunks it holds verified from an interrupted transfer (resume)
+            --begin-->  room made in the cache (least recently used entries evicted down to
+              --weight-cache-max), the chunks it holds verified from an interrupted transfer (resume)
             --write(chunk, its hash) ... / finish-->  the cache entry the driver streamed
               (cluster/streaming.py; suspend: keep what landed for the next attempt)
             --calibrate(path, layer)-->  ms of one layer's step at 1 and W rows
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -36,6 +38,7 @@ class NodeAgent:
 
         self.cache = WeightCache(Path(cache_root) if cache_root else None)
         self._writers: dict = {}
+        self._room = threading.Lock()
 
     def probe(self, device: str = "cpu") -> dict:
         import ray
@@ -55,13 +58,21 @@ class NodeAgent:
         found = self.cache.find(sb, digest, local if shared and local.exists() else None)
         return None if found is None else str(found)
 
-    def begin(self, sb, digest: str) -> list[tuple[str, int, int]]:
-        """A writer for `digest`; the chunks (path, offset, length) it already holds, verified:
-        what an earlier transfer left here before it was cut off."""
-        if digest in self._writers:
-            self._writers.pop(digest).suspend()
-        w = self._writers[digest] = self.cache.writer(sb, digest)
-        return w.held
+    def begin(self, sb, digest: str, cache_max: Optional[str] = None, keep: tuple = ()) -> dict:
+        """A writer for `digest`, after making room for it in the cache (--weight-cache-max
+        `cache_max`; the digests in `keep`, the stages being placed now, stay). Returns "held":
+        the chunks (path, offset, length) it already holds, verified (what an earlier transfer
+        left here before it was cut off), and "evicted": (name, bytes) of what was removed."""
+        with self._room:  # several transfers begin at once: each counts the others' bytes
+            if digest in self._writers:
+                self._writers.pop(digest).suspend()
+            part = self.cache.weights / f".part-{digest}"
+            have = sum(item.bytes for item in self.cache.items() if item.path == part)
+            coming = sum(w.sb.total for w in self._writers.values())  # transfers under way, not yet on disk
+            evicted = self.cache.make_room(max(0, sb.total - have), cache_max,
+                                           frozenset(keep) | {digest} | set(self._writers), pending=coming)
+            w = self._writers[digest] = self.cache.writer(sb, digest)
+        return {"held": w.held, "evicted": [(item.path.name, item.bytes) for item in evicted]}
 
     def write(self, digest: str, relpath: str, offset: int, data: bytes, chunk_digest: Optional[str] = None) -> None:
         self._writers[digest].write(relpath, offset, data, chunk_digest)
@@ -118,6 +129,9 @@ class NodeAgent:
 
         from specpipe.cluster.stage_actor import normal_priority
 
+        from specpipe.cluster.weights import hold_entry
+
+        held = hold_entry(path)  # not evicted while timed
         normal_priority()  # timed at the priority a stage runs at
         torch.set_num_threads(max(1, threads))
         torch_dtype = getattr(torch, dtype) if dtype else None
@@ -129,4 +143,6 @@ class NodeAgent:
         out = {n: timer.ms(n, CALIBRATION_CONTEXT, CALIBRATION_REPEATS) for n in rows}
         del timer, model
         gc.collect()
+        if held is not None:
+            held.close()
         return out

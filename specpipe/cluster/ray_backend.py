@@ -262,11 +262,15 @@ class RayBackend:
         found = ray.get([self.agents[nid].find.remote(*self._digests[spec], str(self.model_path))
                          for nid, spec, _ in items], timeout=LOAD_TIMEOUT_S)
         todo: dict[tuple[str, str], Transfer] = {}  # (node, digest): one transfer, whoever asks
+        keep: dict[str, set] = {}  # node -> the digests placed there now: room is made without them
+        for nid, spec, _ in items:
+            keep.setdefault(nid, set()).add(self._digests[spec][1])
         for (nid, spec, label), path in zip(items, found):
             sb, digest = self._digests[spec]
             if path is None and (nid, digest) not in todo:
                 todo[nid, digest] = Transfer(self._name(nid), label, self.agents[nid], sb, digest,
-                                             sb.root_of(self.model_path))
+                                             sb.root_of(self.model_path), self.config.weight_cache_max,
+                                             tuple(sorted(keep[nid])))
         got = dict(zip(todo, stream(list(todo.values()), self.chunk_bytes, progress=self.progress)))
         return [path if path is not None else got[nid, self._digests[spec][1]]
                 for (nid, spec, _), path in zip(items, found)]

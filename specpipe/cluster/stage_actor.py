@@ -42,11 +42,19 @@ class StageActor:
         from specpipe.distributed.transport import Transport
         from specpipe.worker.stage_main import serve_stage
 
-        normal_priority()
-        torch.set_num_threads(max(1, threads))
-        host, port = store_address
-        serve_stage(rank, lambda: Transport(rank, world_size, host, port, link, device, key=key, use_nccl=False,
-                                            store=StoreClient(host, port, key, rank),
-                                            address=ray.util.get_node_ip_address()),
-                    model_path, spec, num_blocks, block_size, device, getattr(torch, dtype) if dtype else None,
-                    quantization)
+        from specpipe.cluster.weights import hold_entry
+
+        # The cache entry stays in use while this stage serves: no transfer evicts it (weights.py).
+        held = hold_entry(model_path)
+        try:
+            normal_priority()
+            torch.set_num_threads(max(1, threads))
+            host, port = store_address
+            serve_stage(rank, lambda: Transport(rank, world_size, host, port, link, device, key=key, use_nccl=False,
+                                                store=StoreClient(host, port, key, rank),
+                                                address=ray.util.get_node_ip_address()),
+                        model_path, spec, num_blocks, block_size, device, getattr(torch, dtype) if dtype else None,
+                        quantization)
+        finally:
+            if held is not None:
+                held.close()

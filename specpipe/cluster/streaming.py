@@ -42,6 +42,8 @@ class Transfer:
     sb: StageBytes
     digest: str
     root: Path  # where the stage bytes' relative paths start on the driver
+    cache_max: Optional[str] = None  # --weight-cache-max: the node makes room before it begins
+    keep: tuple = ()  # digests the node must not evict for room: the stages being placed there now
 
 
 def missing(spans: list[tuple[str, int, int]], held: list[tuple[str, int, int]]) -> list[tuple[str, int, int]]:
@@ -108,9 +110,14 @@ def stream(transfers: list[Transfer], chunk_bytes: int = CHUNK_BYTES, window: in
     if not transfers:
         return []
     plans: list[tuple[list, int]] = []  # per transfer: the spans to send, bytes held already
-    begun = ray.get([t.agent.begin.remote(t.sb, t.digest) for t in transfers], timeout=FINISH_S)
-    for t, held in zip(transfers, begun):
-        todo = missing(chunk_spans(t.sb, chunk_bytes), [tuple(h) for h in held])
+    begun = ray.get([t.agent.begin.remote(t.sb, t.digest, t.cache_max, t.keep) for t in transfers],
+                    timeout=FINISH_S)
+    for t, got in zip(transfers, begun):
+        if got["evicted"]:
+            say(f"cache of node {t.node}: removed {len(got['evicted'])} least recently used "
+                f"entr{'ies' if len(got['evicted']) > 1 else 'y'}, {sum(n for _, n in got['evicted']) / 2**20:.1f} MiB, "
+                f"to fit --weight-cache-max {t.cache_max or 'default'}")
+        todo = missing(chunk_spans(t.sb, chunk_bytes), [tuple(h) for h in got["held"]])
         plans.append((todo, t.sb.total - sum(n for _, _, n in todo)))
     bars: dict[str, NodeBar] = {}
     for t, (todo, resumed) in zip(transfers, plans):

@@ -15,6 +15,12 @@ Glossary:
   part        -- <cache>/weights/.part-<digest>/: an entry being written, with a journal of the
                  chunks that landed (each checked against its chunk hash as it landed), kept when
                  a transfer is cut off so that the next one resumes from it (CacheWriter).
+  in use      -- <cache>/weights/.inuse/<digest>: a lock file a stage holds shared (flock)
+                 while it serves from the entry (hold_entry); eviction skips an entry whose lock
+                 it cannot take exclusively, and a part whose writer's lock is held.
+  last used   -- an entry directory's mtime: set when it is finished, found (find), held.
+  eviction    -- before a transfer, least recently used entries and parts are removed until
+                 what the cache holds plus the transfer fit --weight-cache-max (make_room).
 
 Why find() hashes an entry's bytes again every time, rather than trusting the digest cache: the
 entry may have been cut short by a full disk, damaged on disk, or edited; a wrong weight would
@@ -25,6 +31,7 @@ digest kept (keyed by path, sizes and mtimes), since the driver has to hash it f
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import hashlib
 import json
 import os
@@ -41,12 +48,15 @@ from specpipe.cache import cache_dir
 from specpipe.loader.checkpoint import StageBytes
 
 __all__ = ["StageBytes", "WeightCacheError", "cache_dir", "stage_digest", "iter_chunks", "chunk_spans",
-           "chunk_hash", "WeightCache", "CacheWriter"]
+           "chunk_hash", "WeightCache", "CacheWriter", "CacheItem", "hold_entry", "parse_weight_chunk",
+           "parse_cache_max", "check_weight_options"]
 
 CHUNK_BYTES = 8 << 20  # reads and streamed messages: large enough to be cheap, small enough to hold
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 STALE_S = 24 * 3600  # a temporary entry untouched this long belongs to a writer that died
 JOURNAL, LOCK = ".chunks", ".lock"  # in a part directory: the chunks written, the writer's lock
+INUSE = ".inuse"  # <cache>/weights/.inuse/<digest>: held (flock, shared) by a stage serving the entry
+RECENT_S = 120.0  # an entry found or finished this recently is about to be opened: not evicted
 
 
 class WeightCacheError(RuntimeError):
@@ -246,6 +256,48 @@ def _remove(path: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
+def _touch(path: Path) -> None:
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheItem:
+    """An entry or a part in a node's cache (WeightCache.items)."""
+
+    path: Path
+    kind: str  # "entry" | "part"
+    digest: Optional[str]  # None: a second writer's .tmp-* directory
+    bytes: int  # on disk (a sparse file's holes cost nothing)
+    used: float  # when last used (entry: its mtime; part: its newest file's)
+
+
+def hold_entry(path: str | Path) -> Optional[object]:
+    """Mark the cache entry that `path` (what a stage opens) lies in as in use while the returned
+    file stays open (a shared flock on <cache>/weights/.inuse/<digest>): a stage serving from it
+    keeps eviction away. None where `path` is not in a cache entry (the driver's own file);
+    WeightCacheError where the entry is gone (evicted between find and now: the stage fails to
+    start and is placed again, its bytes streamed again)."""
+    import fcntl
+
+    path = Path(path)
+    for entry in [path, *path.parents]:
+        if _DIGEST.fullmatch(entry.name) and entry.parent.name == "weights":
+            break
+    else:
+        return None
+    (entry.parent / INUSE).mkdir(exist_ok=True)
+    lock = open(entry.parent / INUSE / entry.name, "a")
+    fcntl.flock(lock.fileno(), fcntl.LOCK_SH)  # waits while an eviction of it is under way
+    if not entry.is_dir():
+        lock.close()
+        raise WeightCacheError(f"{entry}: the cache entry was removed before the stage opened it")
+    _touch(entry)
+    return lock
+
+
 class WeightCache:
     """A node's content-addressed store of stage copies, under <root>/weights/<digest>/."""
 
@@ -281,12 +333,105 @@ class WeightCache:
         if not _entry_good(entry, sb, digest):
             _remove(entry)
             return None
+        _touch(entry)  # used now: the last to be evicted
         return sb.checkpoint_path(_entry_root(entry, sb))
 
     def writer(self, sb: StageBytes, digest: str) -> "CacheWriter":
         """A new entry for `digest`, written by the caller (from iter_chunks' chunks)."""
         self._sweep()
         return CacheWriter(self, sb, digest)
+
+    # -- eviction ------------------------------------------------------------------------------
+    def cap_bytes(self, cache_max: Optional[str] = None) -> int:
+        """--weight-cache-max in bytes on this node: a size as given; a share (default 50%) of
+        what the cache holds plus the disk's free space where it lives."""
+        kind, value = parse_cache_max(cache_max if cache_max is not None else CACHE_MAX_DEFAULT)
+        if kind == "bytes":
+            return int(value)
+        self.weights.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.weights).free
+        return int(value * (free + sum(item.bytes for item in self.items())))
+
+    def items(self) -> list["CacheItem"]:
+        """Every entry and part in the cache, with its bytes on disk and when it was last used."""
+        out = []
+        if not self.weights.is_dir():
+            return out
+        for path in self.weights.iterdir():
+            name = path.name
+            if _DIGEST.fullmatch(name):
+                kind, digest = "entry", name
+            elif name.startswith(".part-") and _DIGEST.fullmatch(name[6:]):
+                kind, digest = "part", name[6:]
+            elif name.startswith(".tmp-"):
+                kind, digest = "part", None
+            else:
+                continue  # .inuse, .trash-* (being removed)
+            try:
+                used, size = path.stat().st_mtime, 0
+                for f in path.rglob("*"):
+                    st = f.stat()
+                    size += st.st_blocks * 512 if f.is_file() else 0  # sparse files: what the disk holds
+                    used = max(used, st.st_mtime) if kind == "part" else used
+            except OSError:
+                continue  # removed meanwhile
+            out.append(CacheItem(path, kind, digest, size, used))
+        return out
+
+    def make_room(self, need: int, cache_max: Optional[str] = None, keep: frozenset = frozenset(),
+                  pending: int = 0, now: Optional[float] = None) -> list["CacheItem"]:
+        """Remove least recently used entries and parts until what the cache holds plus `need`
+        bytes (a new transfer's) plus `pending` (transfers under way, not yet on disk) fit the
+        cap; returns what was removed. Never removed: the digests in `keep` (the
+        stages being placed now), an entry a stage holds (hold_entry) or found or finished in the
+        last RECENT_S (a stage about to open it), a part whose writer holds its lock. Where the
+        rest cannot make room, the new bytes go in all the same (the cap is exceeded by what is
+        in use) unless they alone exceed the cap: then WeightCacheError, naming the option."""
+        cap = self.cap_bytes(cache_max)
+        if need > cap:
+            raise WeightCacheError(f"a stage of {need / 2**20:.1f} MiB does not fit this node's weight cache "
+                                   f"({cap / 2**20:.1f} MiB by --weight-cache-max "
+                                   f"{cache_max or CACHE_MAX_DEFAULT}): raise --weight-cache-max")
+        now = time.time() if now is None else now
+        items = self.items()
+        held = sum(item.bytes for item in items)
+        removed: list[CacheItem] = []
+        for item in sorted(items, key=lambda i: i.used):
+            if held + need + pending <= cap:
+                break
+            if item.digest in keep or (item.kind == "entry" and now - item.used < RECENT_S):
+                continue
+            if self._evict(item):
+                held -= item.bytes
+                removed.append(item)
+        return removed
+
+    def _evict(self, item: "CacheItem") -> bool:
+        """Remove `item` unless it is in use (a stage holds the entry, a writer the part)."""
+        import fcntl
+
+        if item.kind == "entry":
+            (self.weights / INUSE).mkdir(exist_ok=True)
+            lock_path = self.weights / INUSE / item.digest
+        else:
+            lock_path = item.path / LOCK
+        try:
+            lock = open(lock_path, "a")
+        except OSError:
+            return False  # a part being removed, or not ours to touch
+        try:
+            try:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                return False  # in use
+            if item.kind == "entry":
+                _remove(item.path)
+                lock_path.unlink(missing_ok=True)  # a holder waiting on it finds the entry gone
+            else:
+                shutil.rmtree(item.path, ignore_errors=True)
+            return True
+        finally:
+            lock.close()
 
     def _sweep(self) -> None:
         """Remove what crashed processes left: temporary entries nobody has written to for a day
@@ -456,6 +601,7 @@ class CacheWriter:
                     break
                 _remove(self.final)
         self._unlock()
+        _touch(self.final)
         return self.sb.checkpoint_path(_entry_root(self.final, self.sb))
 
     def suspend(self) -> None:

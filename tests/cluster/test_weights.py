@@ -9,6 +9,7 @@ import os
 import re
 import shutil
 import struct
+import time
 from pathlib import Path
 
 import gguf
@@ -291,7 +292,7 @@ def random_stage(tmp_path: Path, size: int = 4 << 20):
     from specpipe.loader.checkpoint import StageBytes
 
     src = tmp_path / "src"
-    src.mkdir(exist_ok=True)
+    src.mkdir(parents=True, exist_ok=True)
     (src / "model.gguf").write_bytes(os.urandom(size))
     sb = StageBytes("model.gguf", False, [("model.gguf", size)], [("model.gguf", 4096, size - 4096)])
     return src, sb, stage_digest(src, sb)
@@ -365,3 +366,102 @@ def test_the_driver_sends_only_what_the_node_lacks():
     held = [("f", 0, 25), ("f", 25, 10), ("f", 60, 15), ("g", 0, 100)]
     assert missing(spans, held) == [("f", o, 10) for o in (30, 40, 50, 70, 80, 90)]
     assert missing(spans, []) == spans
+
+
+# -- eviction: --weight-cache-max --------------------------------------------------------------
+
+def cached_entries(tmp_path: Path, cache: WeightCache, n: int, size: int = 1 << 20) -> list:
+    """`n` entries of `size` bytes each (random stages), the first the least recently used."""
+    out = []
+    for i in range(n):
+        src, sb, digest = random_stage(tmp_path / f"m{i}", size)
+        path = stream(cache, src / "model.gguf", sb, digest, 64 << 10)
+        os.utime(cache.entry(digest), (1000.0 + i, 1000.0 + i))  # used long ago, in this order
+        out.append((sb, digest, path))
+    return out
+
+
+def test_eviction_removes_the_least_recently_used_entries_first(tmp_path):
+    cache = WeightCache(tmp_path / "node")
+    entries = cached_entries(tmp_path, cache, 4)
+    held = sum(i.bytes for i in cache.items())
+    assert held >= 4 * (1 << 20) - 4 * 4096  # sparse: the 4 KiB header holes cost nothing
+    one = held // 4
+    # Room for one more entry under a cap of four: the oldest one goes, the others stay.
+    removed = cache.make_room(one, f"{4 * one + 1}")
+    assert [r.digest for r in removed] == [entries[0][1]]
+    assert cache.find(entries[0][0], entries[0][1]) is None
+    assert cache.find(entries[1][0], entries[1][1]) == entries[1][2]  # found: used now, the newest
+    # A new stage of two entries' size (an hour later) evicts 2 and 3, not the entry just used.
+    removed = cache.make_room(2 * one, f"{3 * one + 1}", now=time.time() + 3600)
+    assert [r.digest for r in removed] == [entries[2][1], entries[3][1]]
+    assert cache.find(entries[1][0], entries[1][1]) == entries[1][2]
+    # Nothing to do under the cap.
+    assert cache.make_room(one, "1GiB") == []
+
+
+def test_eviction_spares_what_is_in_use_kept_recent_or_being_written(tmp_path):
+    from specpipe.cluster.weights import chunk_hash, hold_entry
+
+    cache = WeightCache(tmp_path / "node")
+    (a, da, pa), (b, db, pb), (c, dc, pc) = cached_entries(tmp_path, cache, 3)
+    one = max(i.bytes for i in cache.items())
+    lock = hold_entry(pa)  # a stage serving from entry a
+    assert lock is not None and hold_entry(tmp_path / "m0" / "src" / "model.gguf") is None  # not in a cache
+    # A transfer under way (its writer holds the part's lock), older than everything.
+    src, sd, dd = random_stage(tmp_path / "m9", 1 << 20)
+    w = cache.writer(sd, dd)
+    for rel, offset, data in list(iter_chunks(src, sd, 64 << 10))[:4]:
+        w.write(rel, offset, data, chunk_hash(data))
+    os.utime(w.tmp, (1.0, 1.0))
+    for f in w.tmp.iterdir():
+        os.utime(f, (1.0, 1.0))
+    removed = cache.make_room(10 * one, "1TiB", keep=frozenset({db}), pending=0)
+    assert removed == []  # under the cap: nothing
+    removed = cache.make_room(one, f"{one}", keep=frozenset({db}), now=time.time() + 3600)
+    # a in use, b kept, the part being written: only c may go (and the cap still is not met).
+    assert [r.digest for r in removed] == [dc]
+    assert cache.entry(da).is_dir() and cache.entry(db).is_dir() and w.tmp.is_dir()
+    # Found a moment ago: about to be opened by a stage, not evicted either.
+    lock.close()
+    assert cache.find(a, da) == pa
+    assert cache.make_room(one, f"{one}", keep=frozenset({db})) == []
+    # Released and old: a goes; a part nobody writes any more goes too (oldest first).
+    w.suspend()
+    removed = cache.make_room(one, f"{one}", keep=frozenset({db}), now=time.time() + 3600)
+    assert [r.kind for r in removed] == ["part", "entry"] and removed[1].digest == da
+    assert not w.tmp.exists() and not cache.entry(da).exists()
+    with pytest.raises(WeightCacheError, match="removed before the stage opened it"):
+        hold_entry(pa)  # a stage told to open an entry evicted meanwhile fails, to be placed again
+
+
+def test_a_stage_larger_than_the_cap_is_refused_naming_the_option(tmp_path, monkeypatch):
+    cache = WeightCache(tmp_path / "node")
+    with pytest.raises(WeightCacheError, match="raise --weight-cache-max"):
+        cache.make_room(2 << 20, "1MiB")
+    # A share: of what the cache holds plus the disk's free space.
+    cached_entries(tmp_path, cache, 1)
+    held = sum(i.bytes for i in cache.items())
+    monkeypatch.setattr(weights.shutil, "disk_usage", lambda _p: shutil._ntuple_diskusage(10 << 30, 0, 1 << 30))
+    assert cache.cap_bytes("50%") == (held + (1 << 30)) // 2 == cache.cap_bytes(None)
+    assert cache.cap_bytes("3MiB") == 3 << 20
+
+
+def test_the_node_agent_makes_room_before_a_transfer_begins(tmp_path):
+    """NodeAgent.begin (called directly, no Ray): the cap counts the transfers already under way,
+    the stages being placed (`keep`) stay, and it says what it removed."""
+    from specpipe.cluster.node_agent import NodeAgent
+
+    agent = NodeAgent(str(tmp_path / "node"))
+    entries = cached_entries(tmp_path, agent.cache, 3)
+    one = max(i.bytes for i in agent.cache.items())
+    src, sb, digest = random_stage(tmp_path / "new1", 1 << 20)
+    cap = f"{4 * one + 8192}"
+    got = agent.begin(sb, digest, cap, keep=(entries[0][1],))
+    assert got["held"] == [] and got["evicted"] == []  # three entries + one coming fit four
+    src2, sb2, digest2 = random_stage(tmp_path / "new2", 1 << 20)
+    got = agent.begin(sb2, digest2, cap, keep=(entries[0][1],))
+    # The first transfer has written nothing yet but counts: one entry goes, the oldest not kept.
+    assert [name for name, _ in got["evicted"]] == [entries[1][1]]
+    agent.abort(digest)
+    agent.abort(digest2)
