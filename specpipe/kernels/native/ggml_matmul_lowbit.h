@@ -272,6 +272,158 @@ SP_INLINE int unpack_lowbit(int type, const uint8_t *b, wtile *w, int r, uint8_t
   }
 }
 
+/* ------------------------------------------------------------------------------------------- */
+/* The grid types' unpacking on AVX2 (IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ1_M): each 32-value      */
+/* sub-block's grid entries come in one gather (4 eight-byte or 8 four-byte entries), its signs    */
+/* as one gather of 4 sign multipliers (sp_ksigns_mul below: +1 / -1 per byte, applied by          */
+/* vpsignb), and q = SP_LB_BIAS +- magnitude is stored 32 bytes at a time.  The same bytes as      */
+/* unpack_lowbit (+ apply_signs), which the other types still take.                              */
+
+/* sp_ksigns_mul[i]: byte j is -1 (0xff) where bit j of sp_ksigns_iq2xs[i] is set, +1 elsewhere;
+ * sp_ksigns_iq2xs[i] is i with its parity as bit 7 (gguf-py's / ggml's ksigns_iq2xs, checked
+ * against it in tests/kernels/test_lowbit_types.py). */
+#define SP_KPAR(i) ((((i) >> 0) ^ ((i) >> 1) ^ ((i) >> 2) ^ ((i) >> 3) ^ ((i) >> 4) ^ ((i) >> 5) ^ ((i) >> 6)) & 1)
+#define SP_KSG(i) ((unsigned)(i) | (unsigned)SP_KPAR(i) << 7)
+#define SP_KMB(i, j) ((((SP_KSG(i) >> (j)) & 1) ? 0xffull : 0x01ull) << (8 * (j)))
+#define SP_KM(i) (SP_KMB(i, 0) | SP_KMB(i, 1) | SP_KMB(i, 2) | SP_KMB(i, 3) | SP_KMB(i, 4) | SP_KMB(i, 5) | SP_KMB(i, 6) | SP_KMB(i, 7))
+#define SP_KM4(i) SP_KM(i), SP_KM((i) + 1), SP_KM((i) + 2), SP_KM((i) + 3)
+#define SP_KM16(i) SP_KM4(i), SP_KM4((i) + 4), SP_KM4((i) + 8), SP_KM4((i) + 12)
+static const uint64_t sp_ksigns_mul[128] __attribute__((aligned(64))) = {
+    SP_KM16(0), SP_KM16(16), SP_KM16(32), SP_KM16(48), SP_KM16(64), SP_KM16(80), SP_KM16(96), SP_KM16(112)};
+#undef SP_KM16
+#undef SP_KM4
+#undef SP_KM
+#undef SP_KMB
+#undef SP_KSG
+#undef SP_KPAR
+
+#ifdef SP_X86
+#define SP_LB_AVX2 __attribute__((target("avx2,fma")))
+/* 4 sign multipliers (32 bytes) for the 4 seven-bit sign indices of a1 at bits 0, 7, 14, 21 */
+SP_INLINE SP_LB_AVX2 __m256i ksigns4_avx2(uint32_t a1) {
+  const __m128i si = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)a1), _mm_setr_epi32(0, 7, 14, 21)),
+                                   _mm_set1_epi32(127));
+  return _mm256_i32gather_epi64((const long long *)sp_ksigns_mul, si, 8);
+}
+/* 4 bytes at p as 4 int32 */
+SP_INLINE SP_LB_AVX2 __m128i bytes4_epi32(const uint8_t *p) { return _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)load_u32(p))); }
+
+/* Returns 0 for the types it does not take (unpack_lowbit's then). */
+SP_INLINE SP_LB_AVX2 int unpack_grid_avx2(int type, const uint8_t *b, wtile *w, int r) {
+  uint8_t *restrict q = w->q[r];
+  int8_t *restrict sc = w->sc[r];
+  const __m256i bias = _mm256_set1_epi8(SP_LB_BIAS);
+  switch (type) {
+  case SP_IQ2_XXS: {
+    const uint8_t *qs = SP_FIELD(b, sp_block_iq2_xxs, qs);
+    w->d[0][r] = f16_to_f32(b) * 0.125f;
+    for (int ib = 0; ib < 8; ib++) { /* 4 index bytes, then a1: 4 sign indices and the scale */
+      const uint32_t a1 = load_u32(qs + 8 * ib + 4);
+      const __m256i g = _mm256_i32gather_epi64((const long long *)sp_iq2xxs_grid, bytes4_epi32(qs + 8 * ib), 8);
+      _mm256_storeu_si256((__m256i *)(q + 32 * ib), _mm256_add_epi8(bias, _mm256_sign_epi8(g, ksigns4_avx2(a1))));
+      const uint16_t s2 = (uint16_t)((2 * (a1 >> 28) + 1) * 0x0101u);
+      memcpy(sc + 2 * ib, &s2, 2);
+    }
+    return 1;
+  }
+  case SP_IQ3_XXS: {
+    const uint8_t *qs = SP_FIELD(b, sp_block_iq3_xxs, qs), *ss = SP_FIELD(b, sp_block_iq3_xxs, scales_signs);
+    w->d[0][r] = f16_to_f32(b) * 0.25f;
+    for (int ib = 0; ib < 8; ib++) {
+      const uint32_t a1 = load_u32(ss + 4 * ib);
+      const __m256i gi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * ib)));
+      const __m256i g = _mm256_i32gather_epi32((const int *)sp_iq3xxs_grid, gi, 4);
+      _mm256_storeu_si256((__m256i *)(q + 32 * ib), _mm256_add_epi8(bias, _mm256_sign_epi8(g, ksigns4_avx2(a1))));
+      const uint16_t s2 = (uint16_t)((2 * (a1 >> 28) + 1) * 0x0101u);
+      memcpy(sc + 2 * ib, &s2, 2);
+    }
+    return 1;
+  }
+  case SP_IQ2_XS: {
+    const uint8_t *qs = SP_FIELD(b, sp_block_iq2_xs, qs), *s = SP_FIELD(b, sp_block_iq2_xs, scales);
+    w->d[0][r] = f16_to_f32(b) * 0.125f;
+    /* sc[j] = 2 * nibble j + 1, the low nibble of s[j / 2] first */
+    const __m128i s8 = _mm_loadl_epi64((const __m128i *)s), m4 = _mm_set1_epi8(15);
+    const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(s8, m4), _mm_and_si128(_mm_srli_epi16(s8, 4), m4));
+    _mm_storeu_si128((__m128i *)sc, _mm_add_epi8(_mm_add_epi8(nib, nib), _mm_set1_epi8(1)));
+    for (int ib = 0; ib < 8; ib++) { /* 4 uint16: a 9-bit grid index, a 7-bit sign index */
+      const __m128i v = _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * ib)));
+      const __m256i g = _mm256_i32gather_epi64((const long long *)sp_iq2xs_grid, _mm_and_si128(v, _mm_set1_epi32(511)), 8);
+      const __m256i sg = _mm256_i32gather_epi64((const long long *)sp_ksigns_mul, _mm_srli_epi32(v, 9), 8);
+      _mm256_storeu_si256((__m256i *)(q + 32 * ib), _mm256_add_epi8(bias, _mm256_sign_epi8(g, sg)));
+    }
+    return 1;
+  }
+  case SP_IQ1_S: {
+    const uint8_t *qs = SP_FIELD(b, sp_block_iq1_s, qs), *qh = SP_FIELD(b, sp_block_iq1_s, qh);
+    w->d[0][r] = f16_to_f32(b) * 0.125f;
+    const __m256i eight = _mm256_set1_epi8(8);
+    for (int ib = 0; ib < 8; ib++) {
+      /* h: 3 high index bits per group, the scale (bits 12-14), the delta's sign (bit 15) */
+      const uint32_t h = qh[2 * ib] | (uint32_t)qh[2 * ib + 1] << 8;
+      const uint16_t s2 = (uint16_t)((2 * ((h >> 12) & 7) + 1) * 0x0101u);
+      memcpy(sc + 2 * ib, &s2, 2);
+      const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)h), _mm_setr_epi32(0, 3, 6, 9)), _mm_set1_epi32(7));
+      const __m128i gi = _mm_or_si128(bytes4_epi32(qs + 4 * ib), _mm_slli_epi32(hi, 8));
+      const __m256i g = _mm256_i32gather_epi64((const long long *)sp_iq1s_grid, gi, 8);
+      /* grid bytes -1, 0, 1: 8 g = vpsignb(8, g); q = SP_LB_BIAS + delta + 8 g */
+      const __m256i base = _mm256_set1_epi8((char)(h & 0x8000 ? SP_LB_BIAS - 1 : SP_LB_BIAS + 1));
+      _mm256_storeu_si256((__m256i *)(q + 32 * ib), _mm256_add_epi8(base, _mm256_sign_epi8(eight, g)));
+    }
+    return 1;
+  }
+  case SP_IQ1_M: {
+    const uint8_t *qs = SP_FIELD(b, sp_block_iq1_m, qs), *qh = SP_FIELD(b, sp_block_iq1_m, qh);
+    const uint8_t *s = SP_FIELD(b, sp_block_iq1_m, scales);
+    uint16_t u[4];
+    memcpy(u, s, 8);
+    const uint16_t dbits = (uint16_t)((u[0] >> 12) | ((u[1] >> 8) & 0xf0) | ((u[2] >> 4) & 0xf00) | (u[3] & 0xf000));
+    w->d[0][r] = f16_table[dbits] * 0.125f;
+    /* sc[j] = 2 * (3-bit field j % 4 of u[j / 4]) + 1: each u[j / 4] in int16 lane j, its field
+     * shifted to bits 13-15 by a multiply, then down */
+    const __m128i uv = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)s),
+                                        _mm_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3));
+    const __m128i mul = _mm_setr_epi16(1 << 13, 1 << 10, 1 << 7, 1 << 4, 1 << 13, 1 << 10, 1 << 7, 1 << 4);
+    const __m128i uv2 = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)s),
+                                         _mm_setr_epi8(4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7));
+    const __m128i f0 = _mm_srli_epi16(_mm_mullo_epi16(uv, mul), 13), f1 = _mm_srli_epi16(_mm_mullo_epi16(uv2, mul), 13);
+    const __m128i f = _mm_packus_epi16(f0, f1);
+    _mm_storeu_si128((__m128i *)sc, _mm_add_epi8(_mm_add_epi8(f, f), _mm_set1_epi8(1)));
+    const __m256i eight = _mm256_set1_epi8(8);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8,
+                                            0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
+    for (int ib = 0; ib < 8; ib++) {
+      /* group 4 ib + k: nibble k of h (3 high index bits, the delta's sign in bit 3) */
+      const uint32_t h = qh[2 * ib] | (uint32_t)qh[2 * ib + 1] << 8;
+      const __m128i nb = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)h), _mm_setr_epi32(0, 4, 8, 12)), _mm_set1_epi32(15));
+      const __m128i gi = _mm_or_si128(bytes4_epi32(qs + 4 * ib), _mm_slli_epi32(_mm_and_si128(nb, _mm_set1_epi32(7)), 8));
+      const __m256i g = _mm256_i32gather_epi64((const long long *)sp_iq1s_grid, gi, 8);
+      /* SP_LB_BIAS + delta = SP_LB_BIAS + 1 - 2 (bit 3), spread over each group's 8 bytes */
+      const __m128i base4 = _mm_sub_epi32(_mm_set1_epi32(SP_LB_BIAS + 1), _mm_and_si128(_mm_srli_epi32(nb, 2), _mm_set1_epi32(2)));
+      const __m256i base = _mm256_shuffle_epi8(_mm256_cvtepu32_epi64(base4), spread);
+      _mm256_storeu_si256((__m256i *)(q + 32 * ib), _mm256_add_epi8(base, _mm256_sign_epi8(eight, g)));
+    }
+    return 1;
+  }
+  default: return 0;
+  }
+}
+#endif
+
+/* unpack_lowbit_<isa>: block b (Q2_K or a biased type) into row r of the tile, signs applied */
+SP_INLINE void unpack_lowbit_portable(int type, const uint8_t *b, wtile *w, int r) {
+  uint8_t sg[32];
+  if (unpack_lowbit(type, b, w, r, sg)) apply_signs_portable(w->q[r], sg);
+}
+#define unpack_lowbit_neon unpack_lowbit_portable
+#ifdef SP_X86
+SP_INLINE SP_LB_AVX2 void unpack_lowbit_avx2(int type, const uint8_t *b, wtile *w, int r) {
+  uint8_t sg[32];
+  if (!unpack_grid_avx2(type, b, w, r) && unpack_lowbit(type, b, w, r, sg)) apply_signs_avx2(w->q[r], sg);
+}
+#define unpack_lowbit_vnni unpack_lowbit_avx2
+#endif
+
 /* Q2_K's mins: out[r] = sum_j mn16[r][j] * xsum16[j] (exact: the same integers on every path).
  * AVX2: |xsum16| <= 16 * 128 fits int16, so madd takes 16 products a row at once, and three
  * rounds of hadd sum each row's 8 lanes with the other rows' beside them. */

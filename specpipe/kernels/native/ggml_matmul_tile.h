@@ -19,7 +19,6 @@ SP_INLINE SP_ATTR void SP_K(tiles)(const job *jb, int64_t n0, int64_t n1, const 
   float acc[SP_TB][SP_NR];
   int32_t dots[8][SP_NR] __attribute__((aligned(32)));
   int32_t sumi[SP_NR] __attribute__((aligned(32))), offs[SP_NR] __attribute__((aligned(32)));
-  uint8_t signs[32]; /* the IQ2 / IQ3 types' signs of one block (unpack_lowbit) */
   memset(&wt, 0, sizeof wt); /* rows past a short tile's end stay zero (computed, never stored) */
 
   const tile_prefetch pf = tile_prefetch_start(jb, n0, n1);
@@ -37,7 +36,7 @@ SP_INLINE SP_ATTR void SP_K(tiles)(const job *jb, int64_t n0, int64_t n1, const 
           else if (type == SP_Q5_K) unpack_q5_k(row + g * sizeof(sp_block_q5_k), &wt, r);
           else if (type == SP_Q6_K) unpack_q6_k(row + g * sizeof(sp_block_q6_k), &wt, r);
           else if (type == SP_Q2_K || biased) {
-            if (unpack_lowbit(jb->type, row + g * gbytes, &wt, r, signs)) SP_K(apply_signs)(wt.q[r], signs);
+            SP_K(unpack_lowbit)(jb->type, row + g * gbytes, &wt, r);
           }
           else if (type == SP_KIND_LOWBIT_S8 && jb->type == SP_IQ4_XS) SP_K(unpack_iq4_xs)(row + g * gbytes, &wt, r);
           else if (type == SP_KIND_LOWBIT_S8) SP_K(unpack_group32_lowbit)(jb->type, row, g, jb->nblk32, &wt, r);
