@@ -1,8 +1,8 @@
 """Request and response bodies of the OpenAI-compatible API (the subset SpecPipe serves).
 
 Fields a client may send that change nothing here (user, metadata, ...) are ignored, as OpenAI's
-own server does; fields that would change the output but are not supported (best_of, suffix,
-...) are refused with a 400 naming the field, never silently dropped.
+own server does; fields that would change the output but are not supported (suffix, chat's
+best_of, ...) are refused with a 400 naming the field, never silently dropped.
 
 Logprobs (completions' `logprobs: k`, chat's `logprobs: true` + `top_logprobs: k`, k <= 20; echo's
 and `prompt_logprobs` for the prompt) are the target's raw log-probabilities, before temperature,
@@ -161,7 +161,7 @@ class SamplingFields(OpenAIModel):
     # {token id (as a string): bias in [-100, 100]}, as OpenAI's
     logit_bias: Optional[Annotated[dict[Annotated[str, Field(pattern=r"^[0-9]{1,18}$")], Num(float, ge=-100.0, le=100.0)],
                                    Field(max_length=MAX_LOGIT_BIAS, json_schema_extra={"additionalProperties": False})]] = None
-    best_of: Optional[Int] = Only(None, {"enum": [None, 1]})  # refused unless left at its no-op value
+    best_of: Optional[Int] = Only(None, {"enum": [None, 1]})  # chat: refused unless left at its no-op value
     # vLLM's: each prompt token's log-probability (the first null) and the top k at its place,
     # as choices[].prompt_logprobs (completions) or prompt_logprobs (chat): {token id: Logprob}
     prompt_logprobs: Optional[Num(int, ge=0, le=MAX_LOGPROBS)] = None
@@ -174,7 +174,7 @@ class SamplingFields(OpenAIModel):
     def unsupported(self) -> Optional[tuple[str, str]]:
         """(field, why) for the first field set to something this server cannot do."""
         if self.best_of not in (None, 1):
-            return "best_of", "best_of is not supported"
+            return "best_of", "best_of is served on /v1/completions only"
         return None
 
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
@@ -215,6 +215,14 @@ class CompletionRequest(SamplingFields):
     max_tokens: Optional[Num(int, ge=0, le=MAX_TOKENS)] = None  # 0: the prompt only (with echo)
     suffix: Optional[str] = Only(None, {"maxLength": 0})
     logprobs: Optional[Logprobs] = None  # the top k of each token's position (OpenAI's legacy shape)
+    # best_of samples (seeds as n's), of which the n with the highest cumulative log-probability
+    # are returned (vLLM's and OpenAI's); not streamed when over n (samples.py)
+    best_of: Optional[Num(int, ge=1, le=MAX_N)] = None
+
+    @property
+    def samples(self) -> int:
+        """How many samples each prompt gets in the engine: best_of (at least n)."""
+        return self.best_of or self.n
 
     def logprobs_asked(self) -> Optional[int]:
         return self.logprobs
@@ -229,6 +237,13 @@ class CompletionRequest(SamplingFields):
             return "max_tokens", "max_tokens 0 is allowed with echo only"
         if self.suffix:
             return "suffix", "suffix is not supported"
+        if self.best_of is not None:
+            if self.best_of < self.n:
+                return "best_of", f"best_of ({self.best_of}) must be at least n ({self.n})"
+            if self.stream and self.best_of > self.n:
+                return "best_of", (f"best_of ({self.best_of}) over n ({self.n}) is not streamed: the best are "
+                                   f"known only once every sample is done (ask for a whole response)")
+            return None
         return super().unsupported()
 
     def prompts(self) -> list[Union[str, list[int]]]:
@@ -237,9 +252,10 @@ class CompletionRequest(SamplingFields):
         prompts = list(p) if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
         if any(not q for q in prompts):
             raise ValueError("the prompt is empty")
-        if len(prompts) * self.n > MAX_CHOICES:
-            raise ValueError(f"{len(prompts)} prompts x n = {self.n} is {len(prompts) * self.n} choices, "
-                             f"over {MAX_CHOICES}")
+        if len(prompts) * self.samples > MAX_CHOICES:
+            what = f"best_of = {self.best_of} is {len(prompts) * self.samples} samples" if self.best_of \
+                else f"n = {self.n} is {len(prompts) * self.n} choices"
+            raise ValueError(f"{len(prompts)} prompts x {what}, over {MAX_CHOICES}")
         return prompts
 
 

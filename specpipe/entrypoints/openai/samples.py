@@ -9,6 +9,10 @@ prompt's full blocks have joined the prefix cache (engine/prefix_sharing.py), so
 samples read them instead of computing the prompt again (only its last, partial block is
 recomputed). Their usage reports them in `prompt_tokens_details.cached_tokens`.
 
+best_of (completions): best_of samples are made the same way (sample i with seed + i), each with
+its tokens' log-probabilities; the whole response keeps the n with the highest sum of them
+(serving._best). Over n it is not streamed.
+
 Responses: whole ones list the n choices with their `index`; streamed ones interleave the samples'
 chunks as they come, each choice with its `index`, then one usage chunk (when asked) and [DONE].
 """

@@ -162,15 +162,20 @@ class OpenAIServing:
         """One prompt's n samples (or its one stream)."""
         max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens
         echo = (prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(ids)) if body.echo else None
+        # best_of over n: the samples are ranked by their tokens' log-probabilities (_best), which
+        # the engine then computes whether the client asked for them or not (and shows them only if so)
+        ranked = body.samples > body.n
 
         async def add(i: int) -> RequestStream:
             # max_tokens 0 (with echo): the prompt alone; the engine still decodes one token, unshown
-            stream = await self._add(ids, body, max(1, max_tokens), client, structured, i)
+            stream = await self._add(ids, body, max(1, max_tokens), client, structured, i, rank=ranked)
             stream.echo, stream.hide_output, stream.show_prompt_logprobs = echo, max_tokens == 0, body.prompt_logprobs
             stream.prompt_index = prompt_index  # usage counts each prompt once (_usage)
+            stream.keep = body.n  # of the prompt's samples, the n best are returned (_best)
+            stream.hide_logprobs = body.logprobs is None
             return stream
 
-        return await self._samples(body, add)
+        return await self._samples(body, add, body.samples)
 
     async def chat_stream(self, body: p.ChatCompletionRequest, client: Optional[str] = None) -> RequestStream:
         self._check(body)
@@ -197,9 +202,10 @@ class OpenAIServing:
         return await self._samples(body, add)
 
     @staticmethod
-    async def _samples(body: p.SamplingFields, add) -> Union[RequestStream, Samples]:
-        """One stream, or for n > 1 the n samples' (samples.py)."""
-        return await add(0) if body.n == 1 else await add_samples(body.n, add)
+    async def _samples(body: p.SamplingFields, add, count: Optional[int] = None) -> Union[RequestStream, Samples]:
+        """One stream, or for n > 1 (or `count`, completions' best_of) the samples' (samples.py)."""
+        count = count or body.n
+        return await add(0) if count == 1 else await add_samples(count, add)
 
     async def _chat_prompt(self, body: p.ChatCompletionRequest, funcs: dict, choice: str) -> list[int]:
         """The prompt's ids: the template over the messages with chat_template_kwargs, and the
@@ -275,9 +281,10 @@ class OpenAIServing:
 
     async def _add(self, prompt_ids: list[int], body: p.SamplingFields, max_tokens: int,
                    client: Optional[str], structured: Optional[StructuredOutput] = None, sample: int = 0,
-                   keep_special: frozenset[int] = frozenset()) -> RequestStream:
+                   keep_special: frozenset[int] = frozenset(), rank: bool = False) -> RequestStream:
         """Sample `sample` of the body's n (its seed: samples.sample_seed). `keep_special`: special
-        tokens whose text stays in the output (tool-call and reasoning markup)."""
+        tokens whose text stays in the output (tool-call and reasoning markup). `rank`: the
+        tokens' own log-probabilities are computed even if the body did not ask (best_of)."""
         if self.aengine.dead is not None:
             raise ApiError(503, f"the engine cannot serve: {self.aengine.dead}", "server_error", code="engine_dead")
         context = self.engine.max_context
@@ -289,7 +296,8 @@ class OpenAIServing:
         try:
             sampling = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
                                       seed=sample_seed(body.seed, sample), max_tokens=max_tokens, stop=tuple(body.stop or ()),
-                                      structured=structured, logprobs=body.logprobs_asked(),
+                                      structured=structured,
+                                      logprobs=0 if rank and body.logprobs_asked() is None else body.logprobs_asked(),
                                       presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                                       repetition_penalty=body.repetition_penalty, min_p=body.min_p,
                                       logit_bias=body.logit_bias_pairs(), prompt_logprobs=body.prompt_logprobs_asked())
@@ -317,14 +325,15 @@ class OpenAIServing:
 
     # -- whole responses -----------------------------------------------------------------------------
     async def completion(self, stream: Union[RequestStream, Samples]) -> p.CompletionResponse:
-        done = await _drain_all(stream)
+        every = await _drain_all(stream)
+        done = _best(every)
         choices = []
         for i, s in enumerate(done):
             lps = Logprobs(self.engine.tokenizer, s, echo=s.echo is not None)
             choices.append(p.CompletionChoice(index=i, text=(s.echo or "") + ("" if s.hide_output else s.text),
                                               finish_reason=s.finish_reason, logprobs=lps.completion(_shown(s)),
                                               prompt_logprobs=lps.prompt(s.show_prompt_logprobs)))
-        return p.CompletionResponse(id=p.new_id("cmpl"), model=stream.model, usage=_usage(*done), choices=choices)
+        return p.CompletionResponse(id=p.new_id("cmpl"), model=stream.model, usage=_usage(*every), choices=choices)
 
     async def chat(self, stream: Union[RequestStream, Samples]) -> p.ChatCompletionResponse:
         done = await _drain_all(stream)
@@ -505,11 +514,13 @@ class Logprobs:
         self.tokenizer, self.req = tokenizer, stream.req
         self.done = 0  # tokens handed out so far
         self.offset = 0  # characters of their texts (completions' text_offset)
+        # computed for best_of's ranking alone (the client did not ask): not shown
+        self.asked = self.req.sampling.logprobs is not None and not getattr(stream, "hide_logprobs", False)
         # completions' echo with logprobs: the prompt's tokens come first (the first one's null)
-        self.echo = echo and self.req.sampling.logprobs is not None
+        self.echo = echo and self.asked
 
     def _next(self, upto: int) -> Optional[list]:
-        if self.req.sampling.logprobs is None:
+        if not self.asked:
             return None
         ids, lps = self.req.output_ids[self.done:upto], self.req.output_logprobs[self.done:upto]
         self.done = max(self.done, upto)
@@ -648,6 +659,25 @@ def _top(lp: TokenLogprobs, k: int) -> TokenLogprobs:
 def _shown(stream: RequestStream) -> int:
     """Output tokens a completion shows: none for max_tokens 0 (echo alone)."""
     return 0 if getattr(stream, "hide_output", False) else len(stream.token_ids)
+
+
+def cumulative_logprob(stream: RequestStream) -> float:
+    """The sum of the log-probabilities of the tokens a completion shows (best_of's ranking)."""
+    return sum(lp.logprob for lp in stream.req.output_logprobs[:_shown(stream)])
+
+
+def _best(streams: list[RequestStream]) -> list[RequestStream]:
+    """best_of: of each prompt's samples, the `keep` (its n) with the highest cumulative
+    log-probability, best first (vLLM's order; ties keep the sample order); the prompts in order.
+    Without best_of over n, every stream as it is."""
+    by_prompt: dict[int, list[RequestStream]] = {}
+    for s in streams:
+        by_prompt.setdefault(getattr(s, "prompt_index", 0), []).append(s)
+    out = []
+    for group in by_prompt.values():
+        keep = getattr(group[0], "keep", len(group))
+        out += sorted(group, key=cumulative_logprob, reverse=True)[:keep] if keep < len(group) else group
+    return out
 
 
 def _usage(*streams: RequestStream) -> p.UsageInfo:
