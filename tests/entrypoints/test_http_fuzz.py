@@ -44,7 +44,8 @@ def steer(case, context: int, vocab: int) -> None:
     can say. Output constraints and tools are taken out: whether a schema, regex or grammar
     compiles, or a tool_choice names one of the tools, is beyond JSON Schema too (their 400s are
     tests/entrypoints/test_structured_api.py's). So are /detokenize's ids within the model's
-    vocabulary and top_logprobs only with logprobs: true (their 400s are test_api_surface.py's).
+    vocabulary and top_logprobs only with logprobs: true (their 400s are test_api_surface.py's),
+    and completions' best_of at least n (and equal to it when streamed).
     Invalid bodies are left as they are."""
     body = case.body
     if not isinstance(body, dict) or case.meta is None or case.meta.generation.mode.name != "POSITIVE":
@@ -68,6 +69,10 @@ def steer(case, context: int, vocab: int) -> None:
         body["logit_bias"] = {str(int(k) % vocab) if k.isdigit() else k: v for k, v in body["logit_bias"].items()}
     if body.get("top_logprobs") is not None and "messages" in body:
         body["logprobs"] = True
+    n = body.get("n") if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool) else 1
+    if "prompt" in body and isinstance(body.get("best_of"), int) and not isinstance(body["best_of"], bool):
+        # best_of at least n, and not over n when streamed (their 400s are test_best_of.py's)
+        body["best_of"] = n if body.get("stream") is True else max(body["best_of"], n)
 
 
 STATUSES: Counter = Counter()  # (valid|invalid body, status) -> answers
