@@ -28,7 +28,8 @@ from specpipe.model.stage import build_stage
 from specpipe.request import Request
 from test_model_vs_hf import greedy_ours, hf_logits, max_diff, prefill_then_decode, random_tokens, whole_model
 from specpipe.sampling import SamplingParams
-from test_moe_families_lossless import PROMPT, assert_every_mode_equals_pp
+from test_moe_families_lossless import (PROMPT, assert_every_mode_equals_pp, assert_restart_equals_pp,
+                                        assert_structured_equal_in_every_mode)
 
 transformers = pytest.importorskip("transformers")
 
@@ -271,6 +272,22 @@ def test_every_mode_equals_pp(tmp_path_factory, sampling):
     a full layer, then one of each kind alone."""
     path, _ = layout("mxfp4", tmp_path_factory)
     assert_every_mode_equals_pp(open_checkpoint(path), sampling, "gpt-oss mxfp4")
+
+
+def test_every_mode_equals_pp_across_a_stage_restart(tmp_path_factory, monkeypatch):
+    """The stages die in the middle of a request and are started again (pp at S = 2, specpipe at
+    S = 3, specpipe-db at S = 2; seeded, prefix caching on): the sliding layers' and the full
+    layers' KV recomputed from prompt + output so far give an undisturbed pp's tokens
+    (test_moe_families_lossless.assert_restart_equals_pp)."""
+    path, _ = layout("mxfp4", tmp_path_factory)
+    assert_restart_equals_pp(open_checkpoint(path), SAMPLED, "gpt-oss mxfp4", monkeypatch)
+
+
+def test_structured_request_equal_in_every_mode(tmp_path_factory):
+    """Two JSON-schema requests (the tiny tokenizer, llguidance's masks) in every mode at S = 2:
+    constrained pp's tokens, valid JSON of the schema (test_moe_families_lossless)."""
+    path, _ = layout("mxfp4", tmp_path_factory)
+    assert_structured_equal_in_every_mode(open_checkpoint(path), path, "gpt-oss mxfp4")
 
 
 @pytest.mark.parametrize("kind", ["float", "mxfp4"])

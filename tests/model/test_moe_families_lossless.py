@@ -9,24 +9,36 @@ the stages and in the draft: a first request, then a chat turn that repeats it, 
 cached blocks. Tree rows read the (latent) cache under tree masks, pruned nodes free their slots
 and committed nodes move theirs; a tree row's experts and weights are those the row computed
 alone in pp (the router is batch invariant, model/moe.py): the tokens must not change.
+
+Then, per family, a stage restart and a structured request: the stages die in the middle of the
+second request and the engine's RestartingPipeline starts them again (pp and two speculative
+modes, seeded), and two JSON-schema requests in every mode; both give pp's tokens.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+from typing import Callable, Optional
 
 import pytest
 
 from specpipe.config import MODES, SPECULATIVE_MODES, StageSpec
+from specpipe.distributed.remote_pipeline import PipelineError
+from specpipe.engine import restart
 from specpipe.engine.core import EngineCore
+from specpipe.engine.restart import RestartingPipeline
+from specpipe.grammar.compiler import CompiledGrammar, GrammarCompiler
+from specpipe.grammar.matcher import RequestGrammar
 from specpipe.loader import open_checkpoint
 from specpipe.loader.partition import partition_layers
 from specpipe.model.stage import build_stage
 from specpipe.request import Request
-from specpipe.sampling import SamplingParams
+from specpipe.sampling import SamplingParams, StructuredOutput
 from specpipe.sched.prefix_cache import PrefixCache
 from specpipe.spec_decode.draft_model import DraftModelSource
 from specpipe.spec_decode.sources import MergedSource, NgramSource
+from specpipe.tokenizer.tokenizer import Tokenizer
 from specpipe.worker.local_pipeline import LocalPipeline
 from specpipe.worker.stage_worker import StageWorker
 
@@ -34,15 +46,50 @@ BLOCKS, BLOCK_SIZE = 96, 4
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=4321, max_tokens=12)
 PROMPT = [5, 17, 33, 90, 5, 17, 33, 90, 5, 17, 120, 7, 5, 17]  # repeats, so n-grams propose too
+# Structured output: a free string, a number and an enum, so the model chooses (json.dumps's layout,
+# no free whitespace: grammar/sandbox.py), at most ~45 byte tokens of the tiny tokenizer.
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "n", "color"], "properties": {
+    "name": {"type": "string", "maxLength": 6}, "n": {"type": "integer", "minimum": 0, "maximum": 999},
+    "color": {"enum": ["red", "green", "blue"]}}}
+STRUCTURED = SamplingParams(temperature=0.0, max_tokens=64)
 
 
-def serve(ckpt, mode: str, num_stages: int, sampling: SamplingParams, cached: bool) -> list[Request]:
+class DiesOnce(LocalPipeline):
+    """Stages that die at the first collect after `when()` holds: the PipelineError a killed stage
+    process gives the driver (distributed/remote_pipeline.py), here on in-process stages."""
+
+    def __init__(self, workers: list[StageWorker], when: Callable[[], bool]) -> None:
+        super().__init__(workers)
+        self.when: Optional[Callable[[], bool]] = when
+
+    def collect(self):
+        if self.when is not None and self.when():
+            self.when = None
+            raise PipelineError("stage 2 died (killed)")
+        return super().collect()
+
+
+def serve(ckpt, mode: str, num_stages: int, sampling: SamplingParams, cached: bool,
+          die_after: Optional[int] = None, grammar: Optional[CompiledGrammar] = None) -> list[Request]:
     """A first request, then a second turn whose prompt holds the first's prompt and output, on
-    fresh stages under one engine core; returns both."""
-    workers = [StageWorker(build_stage(ckpt, s), BLOCKS, BLOCK_SIZE)
-               for s in partition_layers(ckpt.config.num_layers, num_stages)]
+    fresh stages under one engine core; returns both. `die_after`: the stages die once the second
+    request has that many output tokens, and the engine's RestartingPipeline (engine/restart.py)
+    starts fresh ones, which recompute it from its prompt and output so far. `grammar`: both
+    requests constrained by it (structured output), each with its own matcher."""
+    def stages() -> list[StageWorker]:
+        return [StageWorker(build_stage(ckpt, s), BLOCKS, BLOCK_SIZE)
+                for s in partition_layers(ckpt.config.num_layers, num_stages)]
+
+    workers = stages()
     if ckpt.config.mla is not None:
         assert all(w.kv.v is None for w in workers)  # every stage keeps the latent only
+    dying: list[Request] = []  # the request whose progress kills the stages
+    if die_after is None:
+        pipe = LocalPipeline(workers)
+    else:
+        starts = iter([lambda: DiesOnce(workers, lambda: bool(dying) and len(dying[0].output_ids) >= die_after),
+                       lambda: LocalPipeline(stages())])
+        pipe = RestartingPipeline(lambda: next(starts)(), 1)
     source = None
     if mode in SPECULATIVE_MODES:
         draft = DraftModelSource(build_stage(ckpt, StageSpec(0, 2, first=True, last=True)), BLOCKS, BLOCK_SIZE,
@@ -50,13 +97,23 @@ def serve(ckpt, mode: str, num_stages: int, sampling: SamplingParams, cached: bo
         if cached:
             draft.enable_prefix_cache(PrefixCache(BLOCK_SIZE))
         source = MergedSource([draft, NgramSource()])
-    core = EngineCore(LocalPipeline(workers), mode, source, width=4, depth=3, kv_blocks=BLOCKS,
+    core = EngineCore(pipe, mode, source, width=4, depth=3, kv_blocks=BLOCKS,
                       block_size=BLOCK_SIZE, max_num_seqs=4, step_rows=8,
                       prefix_cache=PrefixCache(BLOCK_SIZE) if cached else None)
-    first = Request(0, list(PROMPT), sampling, frozenset())
+
+    def matcher() -> Optional[RequestGrammar]:
+        return None if grammar is None else RequestGrammar(grammar)
+
+    first = Request(0, list(PROMPT), sampling, frozenset(), grammar=matcher())
     core.run([first])
-    second = Request(1, PROMPT + first.output_ids + [200, 201, 202], sampling, frozenset())
+    second = Request(1, PROMPT + first.output_ids + [200, 201, 202], sampling, frozenset(), grammar=matcher())
+    dying.append(second)
     core.run([second])
+    if die_after is not None:  # it died mid-request, once, and the stages were started again
+        assert pipe.restarted == 1 and core.stage_restarts == 1, (mode, num_stages)
+        assert second.stats.stage_restarts == 1 and first.stats.stage_restarts == 0, (mode, num_stages)
+        assert die_after < len(second.output_ids), (mode, num_stages)
+        workers = pipe.inner.workers
     for w in workers:  # every request's KV released; only cached blocks may remain
         assert not w.slots.requests
     return [first, second]
@@ -73,7 +130,56 @@ def assert_every_mode_equals_pp(ckpt, sampling: SamplingParams, what: str) -> No
         assert second.stats.cached_tokens >= len(PROMPT) // BLOCK_SIZE * BLOCK_SIZE, (mode, num_stages)
 
 
+def assert_restart_equals_pp(ckpt, sampling: SamplingParams, what: str, monkeypatch) -> None:
+    """The stages die in the middle of the second request (its prompt partly read from the prefix
+    cache, which dies with them) and are started again; seeded sampling, pp at S = 2 and two
+    speculative modes at S = 2 and 3: the tokens of an undisturbed pp."""
+    monkeypatch.setattr(restart, "backoff_s", lambda in_a_row: 0.0)  # no wait before the restart
+    reference = [r.output_ids for r in serve(ckpt, "pp", 1, sampling, cached=False)]
+    for mode, num_stages in [("pp", 2), ("specpipe", 3), ("specpipe-db", 2)]:
+        got = serve(ckpt, mode, num_stages, sampling, cached=True, die_after=sampling.max_tokens // 2)
+        assert [r.output_ids for r in got] == reference, f"{what}: {mode} at S={num_stages} after a restart"
+
+
+def assert_structured_equal_in_every_mode(ckpt, model_dir, what: str) -> None:
+    """Two JSON-schema-constrained requests (the second reading the first from the prefix cache):
+    every mode at S = 2 gives plain constrained pp's tokens (S = 1), the draft's candidates
+    filtered by the grammar and the target masked on every tree row; each output is JSON of the
+    schema, ended by the grammar (the random model alone writes no JSON)."""
+    import jsonschema
+
+    tokenizer = Tokenizer.from_path(model_dir)
+    compiler = GrammarCompiler(tokenizer, ckpt.config.vocab_size)
+    try:
+        grammar = compiler.compile(StructuredOutput(json_schema=SCHEMA))
+        reference = serve(ckpt, "pp", 1, STRUCTURED, cached=False, grammar=grammar)
+        for r in reference:
+            assert r.finish_reason == "stop", (what, r.finish_reason, r.error, tokenizer.decode(r.output_ids))
+            jsonschema.validate(json.loads(tokenizer.decode(r.output_ids)), SCHEMA)
+        plain = serve(ckpt, "pp", 1, STRUCTURED, cached=False)[0]
+        assert plain.output_ids[:len(reference[0].output_ids)] != reference[0].output_ids  # the grammar steered
+        for mode in MODES:
+            got = serve(ckpt, mode, 2, STRUCTURED, cached=True, grammar=grammar)
+            assert [r.output_ids for r in got] == [r.output_ids for r in reference], f"{what}: {mode}"
+            assert all(r.finish_reason == "stop" and r.grammar.closed for r in got), mode
+            if mode in SPECULATIVE_MODES:
+                assert sum(r.stats.hits for r in got) > 0, mode  # grammar-filtered proposals were accepted
+    finally:
+        compiler.close()
+
+
 @pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2"])
 def test_every_mode_equals_pp(tiny_model_dir, family, sampling):
     assert_every_mode_equals_pp(open_checkpoint(tiny_model_dir(family)), sampling, family)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2"])
+def test_every_mode_equals_pp_across_a_stage_restart(tiny_model_dir, family, monkeypatch):
+    assert_restart_equals_pp(open_checkpoint(tiny_model_dir(family)), SAMPLED, family, monkeypatch)
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2"])
+def test_structured_request_equal_in_every_mode(tiny_model_dir, family):
+    path = tiny_model_dir(family)
+    assert_structured_equal_in_every_mode(open_checkpoint(path), path, family)
