@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
@@ -30,6 +31,8 @@ from specpipe.loader.checkpoint import Checkpoint
 
 Progress = Optional[Callable[[str], None]]
 PING_S = 5.0  # a node agent that does not answer within this is taken for lost
+RESTART_PING_S = 2.0  # at a restart, one deadline for every agent: a silent node sits this pipeline out
+STANDBY_AFTER_S = 5.0  # standby stage actors are started this long after a pipeline is up (not during its first steps)
 AGENT_START_S = 60.0  # ... or, for an agent just started, within this
 LOAD_TIMEOUT_S = 600.0
 CHUNK_ENV = "SPECPIPE_WEIGHT_CHUNK"  # the streamed chunk's size on the driver, e.g. 1MiB (default 8 MiB)
@@ -69,6 +72,13 @@ class RayBackend:
         self.chunk_bytes = stream_chunk_bytes(config.weight_chunk)
         self.restarts = 0
         self.state = "starting"
+        self.silent: set[str] = set()  # nodes whose agent missed the last restart's ping: planned around, kept
+        self._gone: dict[tuple, tuple[float, str]] = {}  # (ip, host, cores) of a node gone -> (its ms, its id)
+        # A standby stage actor per node, its imports done (StageActor.warm): a restart takes it
+        # instead of waiting for a new Ray worker process to start and import torch and SpecPipe.
+        self._standby: dict[str, tuple] = {}  # node id -> (actor, its warm() ref)
+        self._lock = threading.Lock()  # the standbys, between the engine's thread and the timer's
+        self._timer: Optional[threading.Timer] = None
         self._refresh_nodes()
         S_max = config.stages or len(self.reports)
         L = ckpt.config.num_layers
@@ -77,6 +87,7 @@ class RayBackend:
                                                   for r in self.reports.values()])
         self.model = model_bytes(ckpt, config, self.num_blocks, weight_bytes)
         counts = config.stage_layers if isinstance(config.stage_layers, list) else None
+        self._counts = counts  # --stage-layers: a re-plan after a node is lost keeps them
         self.plan = self._plan(max_stages=config.stages or None, counts=counts)
         S = len(self.plan.stages)
         self.num_blocks = min([self.num_blocks, blocks(S)] + [
@@ -109,44 +120,92 @@ class RayBackend:
             self.progress(msg)
 
     def _refresh_nodes(self) -> None:
-        """Agents on every live node; nodes whose agent does not answer are dropped; new nodes are
-        probed and calibrated."""
+        """Agents on every live node; nodes whose agent does not answer are dropped (at a restart,
+        one that is merely silent sits this pipeline out: `silent`); new nodes are probed and
+        calibrated, unless a node on the same host with the same cores, now gone, was (a node
+        started again after its host was lost): its figures and links are taken over."""
         import ray
 
         from specpipe.cluster.node_agent import NodeAgent
         from specpipe.cluster.placement import live_nodes, on_node
 
+        restart = self.state != "starting"
         # Concurrency: a window of chunk writes for each stage streamed to the node, plus the link probes.
         agent_cls = ray.remote(num_cpus=0, max_concurrency=8)(NodeAgent)
+        live = {n["NodeID"] for n in live_nodes()}
+        for nid in [nid for nid in self.agents if nid not in live]:  # Ray has declared its node dead
+            self._forget(nid)
         started = set()
-        for n in live_nodes():
-            if n["NodeID"] not in self.agents:
-                self.agents[n["NodeID"]] = agent_cls.options(**on_node(n["NodeID"])).remote()
-                started.add(n["NodeID"])
+        for nid in sorted(live):
+            if nid not in self.agents:
+                self.agents[nid] = agent_cls.options(**on_node(nid)).remote()
+                started.add(nid)
         probes = {nid: a.probe.remote(self.config.device) for nid, a in self.agents.items()}
         t0 = time.monotonic()
         for nid, ref in probes.items():
             # A new agent's first answer waits for a worker process to start on its node (Python,
             # Ray, our imports: over 5 s on a busy machine, which dropped healthy nodes at the
             # first start); an agent that is running answers at once or its node is taken for
-            # lost. In a restart nobody waits that long: a node whose new agent is not up yet is
-            # left out this time and asked again at the next start.
-            wait = AGENT_START_S if nid in started and self.state == "starting" else PING_S
+            # lost. In a restart nobody waits that long: every agent is asked at once and given
+            # one short deadline; a known node that misses it (frozen, cut off, or just slow)
+            # sits this pipeline out but is asked again at the next start, its figures kept; a
+            # new agent not up yet is left out and started again at the next start.
+            wait = AGENT_START_S if nid in started and not restart else RESTART_PING_S if restart else PING_S
             try:
                 self.nodes[nid] = ray.get(ref, timeout=max(0.1, wait - (time.monotonic() - t0)))
-            except Exception:  # dead, or unreachable: a lost node
-                try:
-                    ray.kill(self.agents.pop(nid), no_restart=True)
-                except Exception:  # noqa: BLE001 (its node is gone: nothing to end)
-                    pass
-                self.nodes.pop(nid, None)
-                self.reports.pop(nid, None)
-        if not self.agents:
+                self.silent.discard(nid)
+            except ray.exceptions.GetTimeoutError:
+                if restart and nid in self.reports:
+                    self.silent.add(nid)
+                else:
+                    self._forget(nid)
+            except Exception:  # noqa: BLE001 (dead, or unreachable: a lost node)
+                self._forget(nid)
+        if not [nid for nid in self.agents if nid not in self.silent]:
             raise PlanError("the Ray cluster has no live node to run a stage on")
         new = [nid for nid in self.agents if nid not in self.reports]
+        for nid in list(new):
+            key = (*self._host(nid), self.nodes[nid]["cores"])
+            for old in [o for o in self.silent if (*self._host(o), self.nodes[o]["cores"]) == key]:
+                self._forget(old)  # its host has a new node: the silent one is gone
+            if key in self._gone:
+                ms, old = self._gone.pop(key)
+                probe = self.nodes[nid]
+                self.reports[nid] = NodeReport(nid, self._name(nid), probe["free_bytes"] // self._hosts_sharing(nid),
+                                               ms, probe["cores"])
+                for (a, b), link in list(self.links.items()):
+                    if old in (a, b):
+                        self.links[nid if a == old else a, nid if b == old else b] = link
+                new.remove(nid)
+                self._say(f"node {self._name(nid)}: started again on the host of {old[:6]}, {probe['cores']} cores: "
+                          f"its calibration ({ms:.2f} ms a layer) and links taken over, not measured again")
         if new:
             self._calibrate(new)
             self._measure_links(new)
+
+    def _forget(self, nid: str) -> None:
+        """A node lost: its agent ended, its standby dropped; its figures remembered by its host
+        for a node started again there."""
+        import ray
+
+        agent = self.agents.pop(nid, None)
+        if agent is not None:
+            try:
+                ray.kill(agent, no_restart=True)
+            except Exception:  # noqa: BLE001 (its node is gone: nothing to end)
+                pass
+        with self._lock:
+            standby = self._standby.pop(nid, None)
+        if standby is not None:
+            _kill(standby[0])
+        report, probe = self.reports.pop(nid, None), self.nodes.pop(nid, None)
+        self.silent.discard(nid)
+        if report is not None and probe is not None:
+            self._gone[probe["ip"], probe["host"], probe["cores"]] = (report.layer_ms, nid)
+
+    def _available(self) -> dict[str, NodeReport]:
+        """The calibrated nodes a plan may use now: all but the silent."""
+        return {nid: r for nid, r in self.reports.items() if nid not in self.silent}
 
     def _measure_links(self, new: list[str]) -> None:
         """Round trip and rate of every link that touches a new node, each direction, the driver
@@ -160,7 +219,8 @@ class RayBackend:
         mine = ProbeServer(self.driver_ip)
         servers = {DRIVER: (mine.address, mine.port, mine.token)}
         try:
-            opened = {nid: a.probe_open.remote() for nid, a in self.agents.items()}
+            # Not the silent: a frozen node's agent would hold each call to the timeout.
+            opened = {nid: a.probe_open.remote() for nid, a in self.agents.items() if nid not in self.silent}
             for nid, ref in opened.items():
                 try:
                     servers[nid] = tuple(ray.get(ref, timeout=30.0))
@@ -182,8 +242,9 @@ class RayBackend:
                               f"{8 * rate / 1e6:.1f} Mbit/s")
         finally:
             mine.close()
-            for a in self.agents.values():
-                a.probe_close.remote()
+            for nid, a in self.agents.items():
+                if nid in servers:
+                    a.probe_close.remote()
         self._say(f"measured {sum(1 for k in self.links if k[0] in new or k[1] in new)} links in "
                   f"{time.perf_counter() - t0:.1f} s")
 
@@ -237,7 +298,7 @@ class RayBackend:
 
     def _plan(self, max_stages: Optional[int] = None, stages: Optional[int] = None,
               counts: Optional[list[int]] = None) -> Plan:
-        plan = plan_split(list(self.reports.values()), self.model, objective_for(self.config.mode),
+        plan = plan_split(list(self._available().values()), self.model, objective_for(self.config.mode),
                           max_stages=max_stages, stages=stages, stage_layers=counts, links=self.links or None,
                           rows=self._rows(), link_ms=self.config.link_delay_ms)
         for line in plan.describe():
@@ -298,31 +359,44 @@ class RayBackend:
         import ray
 
         from specpipe.cluster.placement import on_node
-        from specpipe.cluster.stage_actor import StageActor
         from specpipe.distributed.ranks import stage_failure, wait_ready
         from specpipe.distributed.store import open_store
         from specpipe.distributed.transport import Transport
 
+        phases: list[tuple[str, float]] = []  # (what, seconds): where a start's time goes, said at the end
+        t = time.perf_counter()
+
+        def phase(what: str) -> None:
+            nonlocal t
+            now = time.perf_counter()
+            phases.append((what, now - t))
+            t = now
+
         if self.state != "starting":  # a restart: who is still there
             self.restarts += 1
             self._refresh_nodes()
-            if any(s.node.node_id not in self.reports for s in self.plan.stages):
-                self._say("a node of the pipeline is gone: planning the split again on the nodes left")
-                self.plan = self._plan(stages=len(self.plan.stages))
+            phase("nodes")
+            if any(s.node.node_id not in self._available() for s in self.plan.stages):
+                self._say("a node of the pipeline is gone or silent: planning the split again on the nodes left")
+                self.plan = self._plan(stages=len(self.plan.stages), counts=self._counts)
+                phase("plan")
         c, plan = self.config, self.plan
         S, specs = len(plan.stages), plan.specs()
         paths = self._provision_all([(s.node.node_id, spec, f"stage {i + 1}")
                                      for i, (s, spec) in enumerate(zip(plan.stages, specs))])
+        phase("weights")
         per_node = {nid: sum(s.node.node_id == nid for s in plan.stages) for nid in {s.node.node_id for s in plan.stages}}
         key = secrets.token_bytes(32)  # fresh for every pipeline, handed over through Ray only
         # The rendezvous: a keyed store on the driver's address, a new one for every pipeline.
         store = open_store(0, S + 1, self.driver_ip, 0, key)
-        actor_cls = ray.remote(num_cpus=0, max_concurrency=2, max_restarts=0)(StageActor)
-        actors, refs = [], []
+        actors, refs, warm = [], [], 0
         for rank, (s, spec, path) in enumerate(zip(plan.stages, specs, paths), start=1):
             nid = s.node.node_id
             threads = max(1, self.nodes[nid]["cores"] // per_node[nid])
-            actor = actor_cls.options(**on_node(nid)).remote()
+            actor = self._take_standby(nid)
+            warm += actor is not None
+            if actor is None:
+                actor = _stage_actor_cls().options(**on_node(nid)).remote()
             actors.append(actor)
             refs.append(actor.serve.remote(rank, S + 1, (self.driver_ip, store.port), key, path, spec, self.num_blocks,
                                            c.block_size, c.device, _dtype_name(c), c.link(), threads, c.quantization))
@@ -341,27 +415,80 @@ class RayBackend:
                     pass
             store.close()
 
-        t = Transport(0, S + 1, self.driver_ip, store.port, c.link(), c.device, key=key, use_nccl=False, store=store,
-                      address=self.driver_ip)
+        phase(f"actors ({warm} standby)" if warm else "actors")
+        tr = Transport(0, S + 1, self.driver_ip, store.port, c.link(), c.device, key=key, use_nccl=False, store=store,
+                       address=self.driver_ip)
         try:
             ready = wait_ready(store, S, exits, LOAD_TIMEOUT_S, self.progress)
-            t.init_groups(abort=lambda: stage_failure(store, S, exits))
+            phase("stages ready")
+            tr.init_groups(abort=lambda: stage_failure(store, S, exits))
+            phase("links")
         except BaseException as e:
             stop(broken=True)
-            t.close()
+            tr.close()
             if isinstance(e, RuntimeError):
                 raise PipelineError(str(e)) from None
             raise
+        self._say(f"{'restart ' + str(self.restarts) if self.state != 'starting' else 'start'}: stages up in "
+                  f"{sum(s for _, s in phases):.1f} s (" + ", ".join(f"{w} {s:.1f} s" for w, s in phases) + ")")
         self.state = "running"
         self._actors = actors
-        pipe = RemotePipeline(t, S, exits, on_close=stop)
+        self._warm_later()
+        pipe = RemotePipeline(tr, S, exits, on_close=stop)
         pipe.ready = ready  # type: ignore[attr-defined]
         return pipe
 
-    def close(self) -> None:
-        """The node agents go too (the stage actors went with the pipeline)."""
+    # -- standby stage actors ------------------------------------------------------------------
+    def _warm_later(self) -> None:
+        """A standby on every node that lacks one, STANDBY_AFTER_S from now: not during the new
+        pipeline's first steps (a restart's recomputation), whose CPU a worker's start would take."""
+        with self._lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = threading.Timer(STANDBY_AFTER_S, self._warm_standbys)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _warm_standbys(self) -> None:
+        from specpipe.cluster.placement import on_node
+
+        with self._lock:
+            if self.state == "closed":
+                return
+            for nid in list(self.agents):
+                if nid not in self._standby and nid not in self.silent:
+                    actor = _stage_actor_cls().options(**on_node(nid)).remote()
+                    self._standby[nid] = (actor, actor.warm.remote())
+
+    def _take_standby(self, nid: str):
+        """The standby stage actor of node `nid` (None: there is none, or it died)."""
         import ray
 
+        with self._lock:
+            got = self._standby.pop(nid, None)
+        if got is None:
+            return None
+        actor, ref = got
+        done, _ = ray.wait([ref], timeout=0)
+        if done:
+            try:
+                ray.get(done[0], timeout=1.0)
+            except Exception:  # noqa: BLE001 (it died: a fresh actor instead)
+                _kill(actor)
+                return None
+        return actor  # warmed, or still importing: either way sooner than a new worker process
+
+    def close(self) -> None:
+        """The node agents and standbys go too (the stage actors went with the pipeline)."""
+        import ray
+
+        with self._lock:
+            self.state = "closed"
+            if self._timer is not None:
+                self._timer.cancel()
+            standby, self._standby = list(self._standby.values()), {}
+        for actor, _ in standby:
+            _kill(actor)
         for agent in self.agents.values():
             try:
                 ray.kill(agent)
@@ -379,6 +506,23 @@ class RayBackend:
         """Each stage's node and layers (Engine.placement adds state and restarts)."""
         return [{"stage": i + 1, "node": s.node.name, "node_id": s.node.node_id, "layers": [s.start, s.end]}
                 for i, s in enumerate(self.plan.stages)]
+
+
+def _stage_actor_cls():
+    import ray
+
+    from specpipe.cluster.stage_actor import StageActor
+
+    return ray.remote(num_cpus=0, max_concurrency=2, max_restarts=0)(StageActor)
+
+
+def _kill(actor) -> None:
+    import ray
+
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 (gone already)
+        pass
 
 
 def _ended(ref) -> str:

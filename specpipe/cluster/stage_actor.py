@@ -30,11 +30,28 @@ class StageActor:
 
         return os.getpid()
 
+    def warm(self) -> int:
+        """A standby's preparation (cluster/ray_backend.py): import what `serve` needs (torch,
+        the stage's model, loader and transport: seconds of a restart otherwise), at the niceness
+        Ray gave the worker, so it takes CPU only that running stages leave."""
+        import os
+
+        import torch  # noqa: F401
+
+        import specpipe.distributed.store  # noqa: F401
+        import specpipe.distributed.transport  # noqa: F401
+        import specpipe.loader  # noqa: F401
+        import specpipe.model.stage  # noqa: F401
+        import specpipe.worker.stage_main  # noqa: F401
+
+        return os.getpid()
+
     def serve(self, rank: int, world_size: int, store_address: tuple[str, int], key: bytes, model_path: str, spec, num_blocks: int,
               block_size: int, device: str, dtype: Optional[str], link, threads: int,
               quantization: Optional[str] = None) -> None:
         """Serve stage `rank` until the driver shuts the pipeline down (returns) or a link fails
         (raises; the driver names the stage from the notes in the rendezvous)."""
+        normal_priority()  # first: a standby still importing goes on at a stage's priority
         import ray
         import torch
 
@@ -47,7 +64,6 @@ class StageActor:
         # The cache entry stays in use while this stage serves: no transfer evicts it (weights.py).
         held = hold_entry(model_path)
         try:
-            normal_priority()
             torch.set_num_threads(max(1, threads))
             host, port = store_address
             serve_stage(rank, lambda: Transport(rank, world_size, host, port, link, device, key=key, use_nccl=False,

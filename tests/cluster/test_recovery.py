@@ -1,0 +1,163 @@
+"""Faster recovery of a `--cluster ray` pipeline, without a cluster: a restart asks every node
+agent at once with one short deadline and plans around the silent ones without forgetting them,
+a node started again on a lost node's host takes over its calibration and links instead of being
+measured in the restart, standby stage actors are taken before new ones are spawned, and a
+pipeline that served a while restarts with the shortest back-off. (On real hosts, with faults:
+tests/cluster/test_hosts.py.)"""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from specpipe.cluster.planner import Link, NodeReport  # noqa: E402
+
+
+class FakeAgent:
+    """A node agent whose probe answers `answer` (a probe dict) or "timeout" / "dead"."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.probe = SimpleNamespace(remote=lambda device: self.answer)
+
+
+def probe(ip: str, cores: int = 2) -> dict:
+    return {"node_id": ip, "ip": ip, "host": f"host-{ip}", "free_bytes": 8 << 30, "cores": cores}
+
+
+@pytest.fixture
+def backend(monkeypatch):
+    """A RayBackend after its first start over nodes a, b, c (calibrated, links measured), its Ray
+    calls replaced: ray.get answers a fake agent's probe or raises as told."""
+    from specpipe.cluster import placement
+    from specpipe.cluster import ray_backend as rb
+
+    b = object.__new__(rb.RayBackend)
+    b.config = SimpleNamespace(device="cpu")
+    b.progress, b.said = None, []
+    b.progress = b.said.append
+    b.state, b.restarts = "running", 1
+    b.silent, b._gone, b._standby = set(), {}, {}
+    b._lock, b._timer = threading.Lock(), None
+    b.agents = {n: FakeAgent(probe(n)) for n in "abc"}
+    b.nodes = {n: probe(n) for n in "abc"}
+    b.reports = {n: NodeReport(n, n, 8 << 30, 1.0 + i, 2) for i, n in enumerate("abc")}
+    b.links = {(x, y): Link(0.1, 1e9) for x in "abc" for y in "abc" if x != y}
+    b.live = set("abc")
+    b.calibrated = []
+
+    def get(ref, timeout=None):
+        if ref == "timeout":
+            raise ray.exceptions.GetTimeoutError()
+        if ref == "dead":
+            raise ray.exceptions.RayActorError()
+        return ref
+
+    monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "kill", lambda actor, no_restart=True: None)
+    monkeypatch.setattr(placement, "live_nodes", lambda: [{"NodeID": n} for n in sorted(b.live)])
+    monkeypatch.setattr(placement, "on_node", lambda nid: {})
+    monkeypatch.setattr(rb.RayBackend, "_calibrate", lambda self, new: self.calibrated.extend(new))
+    monkeypatch.setattr(rb.RayBackend, "_measure_links", lambda self, new: None)
+    return b
+
+
+def test_a_silent_node_sits_the_restart_out_and_comes_back_without_measuring(backend):
+    """A frozen host's agent misses the restart's deadline: planned around (not available), its
+    agent and figures kept; once it answers again it is available, nothing measured again."""
+    backend.agents["b"].answer = "timeout"
+    backend._refresh_nodes()
+    assert backend.silent == {"b"} and "b" in backend.agents and "b" in backend.reports
+    assert set(backend._available()) == {"a", "c"} and backend.calibrated == []
+    backend.agents["b"].answer = probe("b")
+    backend._refresh_nodes()
+    assert backend.silent == set() and set(backend._available()) == {"a", "b", "c"}
+    assert backend.calibrated == []
+
+
+def test_a_node_started_again_on_a_lost_hosts_address_takes_over_its_figures(backend, monkeypatch):
+    """A host lost (its agent dead) and its Ray node started again (a new node id, the same
+    address, host name and cores): the restart takes over the old node's calibration and links
+    instead of timing a layer and measuring links while every request waits."""
+    from specpipe.cluster import ray_backend as rb
+
+    backend.agents["c"].answer = "dead"
+    backend._refresh_nodes()
+    assert "c" not in backend.agents and "c" not in backend.reports and set(backend._available()) == {"a", "b"}
+    # Its node is back, as c2; Ray starts it an agent.
+    backend.live = {"a", "b", "c2"}
+    monkeypatch.setattr(ray, "remote", lambda **kw: (lambda cls: SimpleNamespace(
+        options=lambda **o: SimpleNamespace(remote=lambda: FakeAgent(dict(probe("c"), node_id="c2"))))))
+    monkeypatch.setattr(rb, "NodeReport", NodeReport)
+    backend._refresh_nodes()
+    assert backend.calibrated == []  # not timed again
+    assert backend.reports["c2"].layer_ms == 3.0 and backend.links["a", "c2"] == backend.links["a", "c"]
+    assert backend.links["c2", "b"] == backend.links["c", "b"]
+    assert any("taken over, not measured again" in m for m in backend.said)
+    # A node on a host never seen is calibrated as before.
+    backend.live = {"a", "b", "c2", "d"}
+    monkeypatch.setattr(ray, "remote", lambda **kw: (lambda cls: SimpleNamespace(
+        options=lambda **o: SimpleNamespace(remote=lambda: FakeAgent(probe("d"))))))
+    backend._refresh_nodes()
+    assert backend.calibrated == ["d"]
+
+
+def test_a_silent_node_whose_host_has_a_new_node_is_replaced(backend, monkeypatch):
+    """A lost host's old node is still listed live (Ray has not noticed yet) and silent when its
+    new node appears: the new one takes its place and figures."""
+    backend.agents["c"].answer = "timeout"
+    backend._refresh_nodes()
+    assert backend.silent == {"c"}
+    backend.live = {"a", "b", "c", "c2"}
+    monkeypatch.setattr(ray, "remote", lambda **kw: (lambda cls: SimpleNamespace(
+        options=lambda **o: SimpleNamespace(remote=lambda: FakeAgent(dict(probe("c"), node_id="c2"))))))
+    backend._refresh_nodes()
+    assert "c" not in backend.agents and backend.silent == set() and backend.calibrated == []
+    assert set(backend._available()) == {"a", "b", "c2"}
+
+
+def test_a_restart_takes_the_nodes_standby_actor(backend, monkeypatch):
+    """The standby of a node is handed out once; a standby that died is not."""
+    waited = {}
+    monkeypatch.setattr(ray, "wait", lambda refs, timeout=0: (refs, []) if waited.get(refs[0]) else ([], refs))
+    backend._standby = {"a": ("actor-a", "warming"), "b": ("actor-b", "dead")}
+    assert backend._take_standby("a") == "actor-a" and backend._take_standby("a") is None
+    waited["dead"] = True
+    assert backend._take_standby("b") is None and backend._standby == {}
+
+
+def test_a_pipeline_that_served_a_while_restarts_with_the_first_back_off(monkeypatch):
+    """Faults minutes apart are each a first restart (0.5 s), not a doubling series, even when
+    the pipeline took fewer than HEALTHY_STEPS steps meanwhile; faults in quick succession still
+    double."""
+    from specpipe.distributed.remote_pipeline import PipelineError
+    from specpipe.engine import restart
+    from specpipe.messages import StagesRestarted
+
+    clock = [0.0]
+    waits = []
+    monkeypatch.setattr(restart.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(restart.time, "sleep", waits.append)
+
+    class Broken:
+        num_stages, concurrent, reported, steps = 2, True, None, 3
+
+        def submit(self, control, rows):
+            pass
+
+        def collect(self):
+            raise PipelineError("stage 2 died")
+
+        def close(self):
+            pass
+
+    pipe = restart.RestartingPipeline(Broken, 5, lambda _m: None)
+    for at in (1.0, 60.0, 120.0, 121.0):  # failures at these times
+        clock[0] = at
+        with pytest.raises(StagesRestarted):
+            pipe.collect()
+    assert waits == [0.5, 0.5, 0.5, 1.0]
