@@ -19,7 +19,8 @@ from typing import Callable, Optional
 from specpipe.distributed.remote_pipeline import PipelineError
 from specpipe.messages import Control, Pipeline, Results, Rows, StagesRestarted
 
-HEALTHY_STEPS = 100  # steps after a restart that make the next failure count as a first one again
+HEALTHY_STEPS = 100  # steps after a restart that make the next failure count as a first one again ...
+HEALTHY_S = 10.0  # ... or seconds up (one request at a time takes few steps: a fault a minute is not a loop)
 BACKOFF_S = 0.5  # the first wait before starting again; doubled on each restart in a row ...
 BACKOFF_MAX_S = 4.0  # ... up to this: a stage killed again and again must not wait minutes
 
@@ -32,6 +33,7 @@ class RestartingPipeline:
                  progress: Optional[Callable[[str], None]] = None) -> None:
         self._start, self.restarts, self._progress = start, restarts, progress
         self.inner = start()
+        self._up_since = time.monotonic()
         self.restarted = 0  # over the engine's life
         self._in_a_row = 0
         self._healthy = 0
@@ -91,6 +93,8 @@ class RestartingPipeline:
     def _restart(self, cause: PipelineError) -> None:
         self.inner.close()  # broken: what is left of the old stages ends at once
         self._steps_before += self.inner.steps
+        if time.monotonic() - self._up_since >= HEALTHY_S:
+            self._in_a_row = 0  # it served a while: a first failure again, with the shortest back-off
         why = str(cause)
         while self._in_a_row < self.restarts:
             self._in_a_row += 1
@@ -108,6 +112,7 @@ class RestartingPipeline:
                 continue
             self.restarted += 1
             self._healthy = 0
+            self._up_since = time.monotonic()
             raise StagesRestarted(f"{cause}; the stages were started again") from None
         self._dead = PipelineError(f"{why}; gave up after {self.restarts} restarts in a row" if self.restarts else why)
         raise self._dead from None
