@@ -155,7 +155,8 @@ def faults(args) -> dict:
             cfg = base(args, mode=mode, cluster="ray", stages=2, stage_layers=[L - L // 2, L // 2],
                        stage_timeout_s=args.stage_timeout, draft="ngram" if mode != "pp" else None,
                        restart_stages=per_mode + 2)
-            engine = Engine(cfg, progress=lambda _m: None)
+            log: list[tuple[float, str]] = []  # the engine's progress lines, timed: where a restart's time goes
+            engine = Engine(cfg, progress=lambda m: log.append((time.perf_counter(), m)))
             try:
                 want = engine.generate(PROMPT, SamplingParams(max_tokens=args.tokens), chat=True).token_ids
                 for t in range(per_mode):
@@ -163,7 +164,8 @@ def faults(args) -> dict:
                     restored = every_host_up(net, rh)
                     if restored:
                         print(f"  started again (Ray had ended them): {restored}", file=sys.stderr)
-                    trials.append(one_fault(engine, net, rh, kind, mode, want, args))
+                    log.clear()
+                    trials.append(one_fault(engine, net, rh, kind, mode, want, args, log))
                     print(f"faults {mode} {kind}: {trials[-1]}", file=sys.stderr, flush=True)
                     # Each trial kept as it ends: a run of 30 takes long enough to be cut short.
                     Path(args.out).with_suffix(".trials.json").write_text(json.dumps(trials, indent=1))
@@ -198,7 +200,8 @@ def every_host_up(net: Hosts, rh: RayHosts) -> list[str]:
     return [h.address for h in gone]
 
 
-def one_fault(engine: Engine, net: Hosts, rh: RayHosts, kind: str, mode: str, want: list[int], args) -> dict:
+def one_fault(engine: Engine, net: Hosts, rh: RayHosts, kind: str, mode: str, want: list[int], args,
+              log: list = ()) -> dict:
     """One request with `kind` applied to the host of the last stage after 8 tokens; the host
     brought back once the pipeline has restarted without it (frozen: resumed; partitioned:
     healed; lost: its node started again)."""
@@ -245,7 +248,10 @@ def one_fault(engine: Engine, net: Hosts, rh: RayHosts, kind: str, mode: str, wa
     after = [s for s in stamps if s > state.get("at", float("inf"))]
     return {"mode": mode, "kind": kind, "host": host.address, "same_tokens": got == want, "lost": lost,
             "fault_to_next_token_s": (after[0] - state["at"]) if after else None,
-            "restarts": engine.core().stage_restarts - restarts}
+            "restarts": engine.core().stage_restarts - restarts,
+            # The progress lines from the fault on, seconds after it: the restart's phases.
+            "log": [f"{t - state['at']:+.1f} s {m}" for t, m in log if "at" in state and t >= state["at"]]
+            + ([f"{after[0] - state['at']:+.1f} s next token"] if after else [])}
 
 
 def stream(args) -> dict:
@@ -309,9 +315,13 @@ def main() -> None:
         from specpipe.loader.default_model import default_model_path
 
         args.model = str(default_model_path())
-    result = {"model": args.model, "cpu": _cpu(), "tokens": args.tokens, "method": "real run"}
+    import os
+
+    result = {"model": args.model, "cpu": _cpu(), "tokens": args.tokens, "method": "real run",
+              "load_average_at_start": os.getloadavg()}
     for part in args.only:
         result[part] = {"links": links, "faults": faults, "stream": stream}[part](args)
+        result["load_average_at_end"] = os.getloadavg()
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v if k != "faults" else {m: n for m, n in v.items() if m != "trials"}
                       for k, v in result.items()}, indent=1))
