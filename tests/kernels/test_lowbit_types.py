@@ -162,6 +162,25 @@ def test_extreme_blocks_every_path(qtype):
         assert np.array_equal(got.numpy().view(np.uint32), want.numpy().view(np.uint32)), isa  # NaN/inf too
 
 
+GRID_TYPES = [Q.IQ2_XXS, Q.IQ2_XS, Q.IQ3_XXS, Q.IQ1_S, Q.IQ1_M, Q.IQ2_S, Q.IQ3_S]
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", GRID_TYPES, ids=lambda q: q.name)
+def test_every_grid_entry_and_sign_pattern_every_path(qtype):
+    """The SIMD unpackings of the grid types (grid entries loaded a sub-block at a time, the
+    signs made from their bits in registers) give the portable bits on 1024 random blocks: 32768
+    groups, so that every grid index (IQ1's 2048 too), every 7-bit sign index and every scale
+    and delta occur, for one activation row and for eight."""
+    k = 4096
+    packed = torch.from_numpy(random_rows(qtype, 64, k, seed=23))
+    x = torch.randn(8, k, generator=torch.Generator().manual_seed(6))
+    for t in (1, 8):
+        want = native.matmul(x[:t], packed, qtype, isa="portable")
+        for isa in native.supported_isas():
+            assert torch.equal(native.matmul(x[:t], packed, qtype, isa=isa), want), (isa, t)
+
+
 @needs_native
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda q: q.name)
 def test_odd_shapes_are_refused(qtype):

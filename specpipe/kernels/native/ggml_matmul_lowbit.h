@@ -273,40 +273,70 @@ SP_INLINE int unpack_lowbit(int type, const uint8_t *b, wtile *w, int r, uint8_t
 }
 
 /* ------------------------------------------------------------------------------------------- */
-/* The grid types' unpacking on AVX2 (IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ1_M): each 32-value      */
-/* sub-block's grid entries come in one gather (4 eight-byte or 8 four-byte entries), its signs    */
-/* as one gather of 4 sign multipliers (sp_ksigns_mul below: +1 / -1 per byte, applied by          */
-/* vpsignb), and q = SP_LB_BIAS +- magnitude is stored 32 bytes at a time.  The same bytes as      */
-/* unpack_lowbit (+ apply_signs), which the other types still take.                              */
-
-/* sp_ksigns_mul[i]: byte j is -1 (0xff) where bit j of sp_ksigns_iq2xs[i] is set, +1 elsewhere;
- * sp_ksigns_iq2xs[i] is i with its parity as bit 7 (gguf-py's / ggml's ksigns_iq2xs, checked
- * against it in tests/kernels/test_lowbit_types.py). */
-#define SP_KPAR(i) ((((i) >> 0) ^ ((i) >> 1) ^ ((i) >> 2) ^ ((i) >> 3) ^ ((i) >> 4) ^ ((i) >> 5) ^ ((i) >> 6)) & 1)
-#define SP_KSG(i) ((unsigned)(i) | (unsigned)SP_KPAR(i) << 7)
-#define SP_KMB(i, j) ((((SP_KSG(i) >> (j)) & 1) ? 0xffull : 0x01ull) << (8 * (j)))
-#define SP_KM(i) (SP_KMB(i, 0) | SP_KMB(i, 1) | SP_KMB(i, 2) | SP_KMB(i, 3) | SP_KMB(i, 4) | SP_KMB(i, 5) | SP_KMB(i, 6) | SP_KMB(i, 7))
-#define SP_KM4(i) SP_KM(i), SP_KM((i) + 1), SP_KM((i) + 2), SP_KM((i) + 3)
-#define SP_KM16(i) SP_KM4(i), SP_KM4((i) + 4), SP_KM4((i) + 8), SP_KM4((i) + 12)
-static const uint64_t sp_ksigns_mul[128] __attribute__((aligned(64))) = {
-    SP_KM16(0), SP_KM16(16), SP_KM16(32), SP_KM16(48), SP_KM16(64), SP_KM16(80), SP_KM16(96), SP_KM16(112)};
-#undef SP_KM16
-#undef SP_KM4
-#undef SP_KM
-#undef SP_KMB
-#undef SP_KSG
-#undef SP_KPAR
+/* The grid types' unpacking on AVX2 (IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ1_M), a 32-value          */
+/* sub-block per step: its 4 (IQ3_XXS: 8) grid entries loaded into one vector, its signs made as   */
+/* 32 multipliers +1 / -1 from the sign bits in registers (ksigns4_avx2, no table) and applied by  */
+/* vpsignb, q = SP_LB_BIAS +- magnitude stored 32 bytes at a time; indices that take several bit   */
+/* fields (IQ2_XS, IQ1_S, IQ1_M) are computed for the whole block on vectors first.  The grid      */
+/* entries are not gathered (vpgatherdq / vpgatherdd): on the development EPYC the gathers took    */
+/* fewer instructions but more time than the scalar loads (docs/benchmarks.md section 15).  The    */
+/* same bytes as unpack_lowbit (+ apply_signs), which the other types still take.                 */
 
 #ifdef SP_X86
 #define SP_LB_AVX2 __attribute__((target("avx2,fma")))
-/* 4 sign multipliers (32 bytes) for the 4 seven-bit sign indices of a1 at bits 0, 7, 14, 21 */
-SP_INLINE SP_LB_AVX2 __m256i ksigns4_avx2(uint32_t a1) {
-  const __m128i si = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)a1), _mm_setr_epi32(0, 7, 14, 21)),
-                                   _mm_set1_epi32(127));
-  return _mm256_i32gather_epi64((const long long *)sp_ksigns_mul, si, 8);
+/* Sign multipliers (+1 / -1 per byte, for vpsignb) of 4 groups of 8 from the bits of src (the
+ * same 16 bytes in both halves): byte j < 7 of group k is -1 where bit bit[] of byte idx[] of src
+ * is set, byte 7 where the group's 7 bits have odd parity (ksigns_iq2xs: a sign byte's bit 7
+ * makes its parity even).  vpsadbw sums each group's 8 "clear" bytes (255 each; byte 7's bit[]
+ * is 0, so it is always clear): the sum is odd iff the 7 bits' parity is. */
+SP_INLINE SP_LB_AVX2 __m256i ksigns4_avx2(__m256i src, __m256i idx, __m256i bit) {
+  const __m256i zero = _mm256_setzero_si256();
+  const __m256i clear = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(src, idx), bit), zero);
+  const __m256i par = _mm256_slli_epi64(_mm256_sad_epu8(clear, zero), 63); /* 0x80 in byte 7 where odd */
+  return _mm256_or_si256(_mm256_andnot_si256(clear, _mm256_set1_epi8(-1)), _mm256_or_si256(par, _mm256_set1_epi8(1)));
 }
-/* 4 bytes at p as 4 int32 */
-SP_INLINE SP_LB_AVX2 __m128i bytes4_epi32(const uint8_t *p) { return _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)load_u32(p))); }
+/* ksigns4_avx2's idx and bit for 4 seven-bit fields at bits 0, 7, 14, 21 of a uint32 (IQ2_XXS,
+ * IQ3_XXS): bit 7 k + j is bit (7 k + j) % 8 of byte (7 k + j) / 8 */
+#define SP_A1B(k, j) (((7 * (k) + (j)) >> 3) & 3)
+#define SP_A1M(k, j) ((j) == 7 ? 0 : (char)(1 << ((7 * (k) + (j)) & 7)))
+#define SP_A1_8(f, k) f(k, 0), f(k, 1), f(k, 2), f(k, 3), f(k, 4), f(k, 5), f(k, 6), f(k, 7)
+#define SP_A1_32(f) SP_A1_8(f, 0), SP_A1_8(f, 1), SP_A1_8(f, 2), SP_A1_8(f, 3)
+
+/* 4 eight-byte grid entries (one sub-block) */
+#define SP_GRID4(grid, ix) \
+  _mm256_setr_epi64x((long long)(grid)[(ix)[0]], (long long)(grid)[(ix)[1]], (long long)(grid)[(ix)[2]], (long long)(grid)[(ix)[3]])
+
+/* IQ1_S / IQ1_M: 32 group indices qs[g] | hi3[g] << 8 (hi3: 32 bytes of 0..7) as uint16 */
+SP_INLINE SP_LB_AVX2 void iq1_index32(const uint8_t *qs, __m256i hi3, uint16_t *ix) {
+  const __m256i lo = _mm256_loadu_si256((const __m256i *)qs);
+  /* bytes interleaved (qs[g], hi3[g]) = uint16 qs[g] | hi3[g] << 8; the halves put in order */
+  const __m256i a = _mm256_unpacklo_epi8(lo, hi3), c = _mm256_unpackhi_epi8(lo, hi3);
+  _mm256_storeu_si256((__m256i *)ix, _mm256_permute2x128_si256(a, c, 0x20));
+  _mm256_storeu_si256((__m256i *)(ix + 16), _mm256_permute2x128_si256(a, c, 0x31));
+}
+
+/* IQ2_XXS (iq2 = 1) or IQ3_XXS (0), a compile-time constant where inlined */
+SP_INLINE SP_LB_AVX2 void unpack_xxs_avx2(const uint8_t *b, wtile *w, int r, const int iq2) {
+  uint8_t *restrict q = w->q[r];
+  int8_t *restrict sc = w->sc[r];
+  const __m256i bias = _mm256_set1_epi8(SP_LB_BIAS);
+  const __m256i a1idx = _mm256_setr_epi8(SP_A1_32(SP_A1B)), a1bit = _mm256_setr_epi8(SP_A1_32(SP_A1M));
+  const uint8_t *qs = iq2 ? SP_FIELD(b, sp_block_iq2_xxs, qs) : SP_FIELD(b, sp_block_iq3_xxs, qs);
+  w->d[0][r] = f16_to_f32(b) * (iq2 ? 0.125f : 0.25f);
+  for (int ib = 0; ib < 8; ib++) {
+    /* IQ2: 4 index bytes, then a1 (4 sign indices of 7 bits, the scale); IQ3: 8 index bytes */
+    const uint8_t *ix = qs + 8 * ib;
+    const uint32_t a1 = iq2 ? load_u32(qs + 8 * ib + 4) : load_u32(SP_FIELD(b, sp_block_iq3_xxs, scales_signs) + 4 * ib);
+    const __m256i g = iq2 ? SP_GRID4(sp_iq2xxs_grid, ix)
+                          : _mm256_setr_epi32((int)sp_iq3xxs_grid[ix[0]], (int)sp_iq3xxs_grid[ix[1]], (int)sp_iq3xxs_grid[ix[2]],
+                                              (int)sp_iq3xxs_grid[ix[3]], (int)sp_iq3xxs_grid[ix[4]], (int)sp_iq3xxs_grid[ix[5]],
+                                              (int)sp_iq3xxs_grid[ix[6]], (int)sp_iq3xxs_grid[ix[7]]);
+    const __m256i sg = ksigns4_avx2(_mm256_set1_epi32((int)a1), a1idx, a1bit);
+    _mm256_storeu_si256((__m256i *)(q + 32 * ib), _mm256_add_epi8(bias, _mm256_sign_epi8(g, sg)));
+    const uint16_t s2 = (uint16_t)((2 * (a1 >> 28) + 1) * 0x0101u);
+    memcpy(sc + 2 * ib, &s2, 2);
+  }
+}
 
 /* Returns 0 for the types it does not take (unpack_lowbit's then). */
 SP_INLINE SP_LB_AVX2 int unpack_grid_avx2(int type, const uint8_t *b, wtile *w, int r) {
@@ -314,31 +344,8 @@ SP_INLINE SP_LB_AVX2 int unpack_grid_avx2(int type, const uint8_t *b, wtile *w, 
   int8_t *restrict sc = w->sc[r];
   const __m256i bias = _mm256_set1_epi8(SP_LB_BIAS);
   switch (type) {
-  case SP_IQ2_XXS: {
-    const uint8_t *qs = SP_FIELD(b, sp_block_iq2_xxs, qs);
-    w->d[0][r] = f16_to_f32(b) * 0.125f;
-    for (int ib = 0; ib < 8; ib++) { /* 4 index bytes, then a1: 4 sign indices and the scale */
-      const uint32_t a1 = load_u32(qs + 8 * ib + 4);
-      const __m256i g = _mm256_i32gather_epi64((const long long *)sp_iq2xxs_grid, bytes4_epi32(qs + 8 * ib), 8);
-      _mm256_storeu_si256((__m256i *)(q + 32 * ib), _mm256_add_epi8(bias, _mm256_sign_epi8(g, ksigns4_avx2(a1))));
-      const uint16_t s2 = (uint16_t)((2 * (a1 >> 28) + 1) * 0x0101u);
-      memcpy(sc + 2 * ib, &s2, 2);
-    }
-    return 1;
-  }
-  case SP_IQ3_XXS: {
-    const uint8_t *qs = SP_FIELD(b, sp_block_iq3_xxs, qs), *ss = SP_FIELD(b, sp_block_iq3_xxs, scales_signs);
-    w->d[0][r] = f16_to_f32(b) * 0.25f;
-    for (int ib = 0; ib < 8; ib++) {
-      const uint32_t a1 = load_u32(ss + 4 * ib);
-      const __m256i gi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * ib)));
-      const __m256i g = _mm256_i32gather_epi32((const int *)sp_iq3xxs_grid, gi, 4);
-      _mm256_storeu_si256((__m256i *)(q + 32 * ib), _mm256_add_epi8(bias, _mm256_sign_epi8(g, ksigns4_avx2(a1))));
-      const uint16_t s2 = (uint16_t)((2 * (a1 >> 28) + 1) * 0x0101u);
-      memcpy(sc + 2 * ib, &s2, 2);
-    }
-    return 1;
-  }
+  case SP_IQ2_XXS: unpack_xxs_avx2(b, w, r, 1); return 1;
+  case SP_IQ3_XXS: unpack_xxs_avx2(b, w, r, 0); return 1;
   case SP_IQ2_XS: {
     const uint8_t *qs = SP_FIELD(b, sp_block_iq2_xs, qs), *s = SP_FIELD(b, sp_block_iq2_xs, scales);
     w->d[0][r] = f16_to_f32(b) * 0.125f;
@@ -346,10 +353,17 @@ SP_INLINE SP_LB_AVX2 int unpack_grid_avx2(int type, const uint8_t *b, wtile *w, 
     const __m128i s8 = _mm_loadl_epi64((const __m128i *)s), m4 = _mm_set1_epi8(15);
     const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(s8, m4), _mm_and_si128(_mm_srli_epi16(s8, 4), m4));
     _mm_storeu_si128((__m128i *)sc, _mm_add_epi8(_mm_add_epi8(nib, nib), _mm_set1_epi8(1)));
-    for (int ib = 0; ib < 8; ib++) { /* 4 uint16: a 9-bit grid index, a 7-bit sign index */
-      const __m128i v = _mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8 * ib)));
-      const __m256i g = _mm256_i32gather_epi64((const long long *)sp_iq2xs_grid, _mm_and_si128(v, _mm_set1_epi32(511)), 8);
-      const __m256i sg = _mm256_i32gather_epi64((const long long *)sp_ksigns_mul, _mm_srli_epi32(v, 9), 8);
+    /* 32 uint16: a 9-bit grid index, a 7-bit sign index (bits 1-7 of the high byte) */
+    uint16_t ix[32] __attribute__((aligned(32)));
+    const __m256i m9 = _mm256_set1_epi16(511);
+    _mm256_store_si256((__m256i *)ix, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)qs), m9));
+    _mm256_store_si256((__m256i *)(ix + 16), _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(qs + 32)), m9));
+    const __m256i xsidx = _mm256_setr_epi8(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3,
+                                           5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7);
+    const __m256i xsbit = _mm256_set1_epi64x(0x0080402010080402ll);
+    for (int ib = 0; ib < 8; ib++) {
+      const __m256i g = SP_GRID4(sp_iq2xs_grid, ix + 4 * ib);
+      const __m256i sg = ksigns4_avx2(_mm256_set1_epi64x((long long)load_u64(qs + 8 * ib)), xsidx, xsbit);
       _mm256_storeu_si256((__m256i *)(q + 32 * ib), _mm256_add_epi8(bias, _mm256_sign_epi8(g, sg)));
     }
     return 1;
@@ -357,16 +371,29 @@ SP_INLINE SP_LB_AVX2 int unpack_grid_avx2(int type, const uint8_t *b, wtile *w, 
   case SP_IQ1_S: {
     const uint8_t *qs = SP_FIELD(b, sp_block_iq1_s, qs), *qh = SP_FIELD(b, sp_block_iq1_s, qh);
     w->d[0][r] = f16_to_f32(b) * 0.125f;
+    /* qh: a uint16 h per sub-block: 3 high index bits per group (bits 3 k), the scale (bits
+     * 12-14), the delta's sign (bit 15).  Group 4 ib + k's 3 bits: h_ib in int16 lane 4 ib + k,
+     * multiplied to bring bits 3 k .. 3 k + 2 to 13-15, shifted down */
+    const __m256i hv = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qh));
+    const __m256i mul = _mm256_setr_epi16(1 << 13, 1 << 10, 1 << 7, 1 << 4, 1 << 13, 1 << 10, 1 << 7, 1 << 4,
+                                          1 << 13, 1 << 10, 1 << 7, 1 << 4, 1 << 13, 1 << 10, 1 << 7, 1 << 4);
+    /* int16 lanes: h_0 x4, h_1 x4 | h_2 x4, h_3 x4 (sel0); h_4 .. h_7 likewise (sel1) */
+    const __m256i sel0 = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3,
+                                          4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7);
+    const __m256i sel1 = _mm256_add_epi8(sel0, _mm256_set1_epi8(8));
+    const __m256i f0 = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(hv, sel0), mul), 13);
+    const __m256i f1 = _mm256_srli_epi16(_mm256_mullo_epi16(_mm256_shuffle_epi8(hv, sel1), mul), 13);
+    /* f0: groups 0-7 | 8-15, f1: 16-23 | 24-31 as int16 -> 32 bytes in group order */
+    const __m256i hi3 = _mm256_permute4x64_epi64(_mm256_packus_epi16(f0, f1), 0xd8);
+    uint16_t ix[32] __attribute__((aligned(32)));
+    iq1_index32(qs, hi3, ix);
     const __m256i eight = _mm256_set1_epi8(8);
     for (int ib = 0; ib < 8; ib++) {
-      /* h: 3 high index bits per group, the scale (bits 12-14), the delta's sign (bit 15) */
       const uint32_t h = qh[2 * ib] | (uint32_t)qh[2 * ib + 1] << 8;
       const uint16_t s2 = (uint16_t)((2 * ((h >> 12) & 7) + 1) * 0x0101u);
       memcpy(sc + 2 * ib, &s2, 2);
-      const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)h), _mm_setr_epi32(0, 3, 6, 9)), _mm_set1_epi32(7));
-      const __m128i gi = _mm_or_si128(bytes4_epi32(qs + 4 * ib), _mm_slli_epi32(hi, 8));
-      const __m256i g = _mm256_i32gather_epi64((const long long *)sp_iq1s_grid, gi, 8);
       /* grid bytes -1, 0, 1: 8 g = vpsignb(8, g); q = SP_LB_BIAS + delta + 8 g */
+      const __m256i g = SP_GRID4(sp_iq1s_grid, ix + 4 * ib);
       const __m256i base = _mm256_set1_epi8((char)(h & 0x8000 ? SP_LB_BIAS - 1 : SP_LB_BIAS + 1));
       _mm256_storeu_si256((__m256i *)(q + 32 * ib), _mm256_add_epi8(base, _mm256_sign_epi8(eight, g)));
     }
@@ -379,28 +406,30 @@ SP_INLINE SP_LB_AVX2 int unpack_grid_avx2(int type, const uint8_t *b, wtile *w, 
     memcpy(u, s, 8);
     const uint16_t dbits = (uint16_t)((u[0] >> 12) | ((u[1] >> 8) & 0xf0) | ((u[2] >> 4) & 0xf00) | (u[3] & 0xf000));
     w->d[0][r] = f16_table[dbits] * 0.125f;
-    /* sc[j] = 2 * (3-bit field j % 4 of u[j / 4]) + 1: each u[j / 4] in int16 lane j, its field
-     * shifted to bits 13-15 by a multiply, then down */
-    const __m128i uv = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)s),
-                                        _mm_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3));
+    /* sc[j] = 2 * (3-bit field j % 4 of u[j / 4]) + 1: u[j / 4] in int16 lane j, its field
+     * brought to bits 13-15 by a multiply, then down */
+    const __m128i sv = _mm_loadl_epi64((const __m128i *)s);
     const __m128i mul = _mm_setr_epi16(1 << 13, 1 << 10, 1 << 7, 1 << 4, 1 << 13, 1 << 10, 1 << 7, 1 << 4);
-    const __m128i uv2 = _mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *)s),
-                                         _mm_setr_epi8(4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7));
-    const __m128i f0 = _mm_srli_epi16(_mm_mullo_epi16(uv, mul), 13), f1 = _mm_srli_epi16(_mm_mullo_epi16(uv2, mul), 13);
-    const __m128i f = _mm_packus_epi16(f0, f1);
+    const __m128i u01 = _mm_shuffle_epi8(sv, _mm_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3));
+    const __m128i u23 = _mm_shuffle_epi8(sv, _mm_setr_epi8(4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7, 6, 7));
+    const __m128i f = _mm_packus_epi16(_mm_srli_epi16(_mm_mullo_epi16(u01, mul), 13), _mm_srli_epi16(_mm_mullo_epi16(u23, mul), 13));
     _mm_storeu_si128((__m128i *)sc, _mm_add_epi8(_mm_add_epi8(f, f), _mm_set1_epi8(1)));
+    /* group g's nibble (qh[g / 2], low first): 3 high index bits, the delta's sign in bit 3 */
+    const __m128i hb = _mm_loadu_si128((const __m128i *)qh), m4 = _mm_set1_epi8(15);
+    const __m128i nlo = _mm_and_si128(hb, m4), nhi = _mm_and_si128(_mm_srli_epi16(hb, 4), m4);
+    const __m256i nib = _mm256_set_m128i(_mm_unpackhi_epi8(nlo, nhi), _mm_unpacklo_epi8(nlo, nhi));
+    uint16_t ix[32] __attribute__((aligned(32)));
+    iq1_index32(qs, _mm256_and_si256(nib, _mm256_set1_epi8(7)), ix);
+    /* SP_LB_BIAS + delta per group = SP_LB_BIAS + 1 - 2 (bit 3) */
+    uint8_t base32[32] __attribute__((aligned(32)));
+    _mm256_store_si256((__m256i *)base32, _mm256_sub_epi8(_mm256_set1_epi8(SP_LB_BIAS + 1),
+                                                          _mm256_and_si256(_mm256_srli_epi16(nib, 2), _mm256_set1_epi8(2))));
     const __m256i eight = _mm256_set1_epi8(8);
-    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8,
-                                            0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8, 8, 8, 8, 8, 8);
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
     for (int ib = 0; ib < 8; ib++) {
-      /* group 4 ib + k: nibble k of h (3 high index bits, the delta's sign in bit 3) */
-      const uint32_t h = qh[2 * ib] | (uint32_t)qh[2 * ib + 1] << 8;
-      const __m128i nb = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)h), _mm_setr_epi32(0, 4, 8, 12)), _mm_set1_epi32(15));
-      const __m128i gi = _mm_or_si128(bytes4_epi32(qs + 4 * ib), _mm_slli_epi32(_mm_and_si128(nb, _mm_set1_epi32(7)), 8));
-      const __m256i g = _mm256_i32gather_epi64((const long long *)sp_iq1s_grid, gi, 8);
-      /* SP_LB_BIAS + delta = SP_LB_BIAS + 1 - 2 (bit 3), spread over each group's 8 bytes */
-      const __m128i base4 = _mm_sub_epi32(_mm_set1_epi32(SP_LB_BIAS + 1), _mm_and_si128(_mm_srli_epi32(nb, 2), _mm_set1_epi32(2)));
-      const __m256i base = _mm256_shuffle_epi8(_mm256_cvtepu32_epi64(base4), spread);
+      const __m256i g = SP_GRID4(sp_iq1s_grid, ix + 4 * ib);
+      const __m256i base = _mm256_shuffle_epi8(_mm256_set1_epi32((int)load_u32(base32 + 4 * ib)), spread);
       _mm256_storeu_si256((__m256i *)(q + 32 * ib), _mm256_add_epi8(base, _mm256_sign_epi8(eight, g)));
     }
     return 1;
@@ -408,6 +437,11 @@ SP_INLINE SP_LB_AVX2 int unpack_grid_avx2(int type, const uint8_t *b, wtile *w, 
   default: return 0;
   }
 }
+#undef SP_GRID4
+#undef SP_A1_32
+#undef SP_A1_8
+#undef SP_A1M
+#undef SP_A1B
 #endif
 
 /* unpack_lowbit_<isa>: block b (Q2_K or a biased type) into row r of the tile, signs applied */
