@@ -209,21 +209,30 @@ def serve_with_fault(engine: Engine, fault, after=None, at_step: int = 4):
     return reqs
 
 
-def fault_run(hosts, model, reference, mode, fault, after=None) -> Engine:
+def fault_run(hosts, model, reference, mode, fault, after=None, standby: bool = False) -> Engine:
     """A two-stage pipeline over two hosts, the fault applied to the host of stage 2; the tokens
-    equal one process's, the pipeline restarted without that host."""
+    equal one process's, the pipeline restarted without that host, with the same layer counts.
+    standby: first wait for every node's standby stage actor, and check the restart took them."""
     net, rh = hosts
     messages: list[str] = []
     engine = ray_engine(model, messages, mode=mode, stages=2, stage_layers=[15, 15],
                         stage_timeout_s=STAGE_TIMEOUT_S)
     try:
         victim = host_of(net, engine.cluster.plan.stages[1].node.name)
+        if standby:
+            deadline = time.monotonic() + 60
+            while len(engine.cluster._standby) < len(net.hosts) and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert len(engine.cluster._standby) == len(net.hosts)
         t0 = time.monotonic()
         reqs = serve_with_fault(engine, lambda: fault(victim), after and (lambda: after(victim)))
         assert [r.output_ids for r in reqs] == reference[mode], messages
         assert engine.core().stage_restarts >= 1
         assert all(host_of(net, s.node.name) is not victim for s in engine.cluster.plan.stages)
+        assert [s.layers for s in engine.cluster.plan.stages] == [15, 15]  # --stage-layers kept
         assert time.monotonic() - t0 < 120
+        if standby:  # the new stages came from the standbys (no new Ray worker process to wait for)
+            assert any(m.startswith("restart 1: stages up in ") and "(2 standby)" in m for m in messages), messages
         return engine
     finally:
         engine.close()
@@ -265,4 +274,4 @@ def test_a_partitioned_host_is_planned_around(hosts, model, reference):
 def test_a_lost_host_is_planned_around(hosts, model, reference):
     """Last: a stage's host lost for good (every process of its Ray node killed)."""
     _, rh = hosts
-    fault_run(hosts, model, reference, "pp", rh.kill)
+    fault_run(hosts, model, reference, "pp", rh.kill, standby=True)
