@@ -5,7 +5,7 @@
  *
  *   cc -O2 -fopenmp -I GGML_INCLUDE -o /tmp/lvg benchmarks/lowbit_vs_ggml.c \
  *      -L GGML_LIB -lggml -lggml-base -lggml-cpu -Wl,-rpath,GGML_LIB -ldl -lm
- *   /tmp/lvg OUR_LIB TYPE N K ROWS,.. THREADS,.. REPS FLUSH_MB SEED [PAUSE_US]
+ *   /tmp/lvg OUR_LIB TYPE N K ROWS,.. THREADS,.. REPS FLUSH_MB SEED [PAUSE_US [ISA]]
  *
  * For one ggml type and one weight shape (N output rows of K values):
  *   1. W (N, K): Gaussian floats quantized by ggml's own quantizer (ggml_quantize_chunk), with a
@@ -18,8 +18,9 @@
  *      where ggml's CPU_REPACK extra buffer type takes the tensor on this CPU (llama.cpp puts
  *      weights there by default; Q4_0, Q4_K, IQ4_NL, MXFP4 with AVX2, Q2_K with AVX-512), with W
  *      in that buffer too ("ggml_repack"); and sp_matmul(type, x, T, K, W, N, ...) on the same
- *      bytes at the library's best ISA.  One warm-up each, then REPS rounds, each calling every
- *      path once, the order rotating from round to round; before every timed call a FLUSH_MB
+ *      bytes at the library's best ISA (or ISA: 0 portable, 1 avx2, 2 avx512vnni).  One warm-up
+ *      each, then REPS rounds, each calling every path once, the order rotating from round to
+ *      round; before every timed call a FLUSH_MB
  *      buffer is read so that W comes from memory as it does in decode (0: no flush), then the
  *      driver sleeps PAUSE_US microseconds (default 0), so that on a machine other processes load
  *      the call tends to start on a fresh time slice rather than be cut by the scheduler (the
@@ -113,7 +114,7 @@ static void mm_graph_free(mm_graph *g) {
 
 int main(int argc, char **argv) {
   if (argc < 10) {
-    fprintf(stderr, "usage: %s OUR_LIB TYPE N K ROWS,.. THREADS,.. REPS FLUSH_MB SEED [PAUSE_US]\n",
+    fprintf(stderr, "usage: %s OUR_LIB TYPE N K ROWS,.. THREADS,.. REPS FLUSH_MB SEED [PAUSE_US [ISA]]\n",
             argv[0]);
     return 2;
   }
@@ -140,7 +141,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "%s lacks the sp_ functions\n", argv[1]);
     return 1;
   }
-  const int isa = sp_best_isa();
+  const int isa = argc > 11 && atoi(argv[11]) >= 0 ? atoi(argv[11]) : sp_best_isa();
   const size_t rb = ggml_row_size(type, k);
   int64_t our_rb = -1;
   if (!sp_type_supported(type) || sp_row_bytes(type, k, &our_rb) || (size_t)our_rb != rb) {

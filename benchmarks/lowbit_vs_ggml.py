@@ -8,7 +8,7 @@ For each type, for each weight shape (default: Qwen2.5-1.5B's MLP, gate/up 8960 
 (ggml_quantize_chunk; a random positive importance matrix for the types ggml requires one for,
 IQ2_XXS, IQ2_XS, IQ1_S, and for IQ1_M); then for 1 and 8 activation rows at 1 and 2 threads, the
 C driver benchmarks/lowbit_vs_ggml.c times, round after round with the order rotating:
-  * ours: sp_matmul (the library's best ISA path) on the bytes;
+  * ours: sp_matmul (the library's best ISA path, or --isa) on the bytes;
   * ggml: a ggml graph of one ggml_mul_mat(W, x), x f32, computed by ggml's CPU backend with W in
     a CPU buffer over the same bytes (ggml's vec_dot kernels, llamafile's sgemm where it applies);
   * ggml_repack: the same with W in ggml's CPU_REPACK extra buffer type, where ggml takes the
@@ -204,6 +204,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--flush-mb", type=int, default=64, help="read this many MB before each timed call (0: off)")
     ap.add_argument("--pause-us", type=int, default=3000, help="sleep before each timed call (0: none)")
+    ap.add_argument("--isa", type=int, default=-1, help="our path: 0 portable, 1 avx2, 2 avx512vnni (default: best)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--commit", default="HEAD", help="build our library from this commit's sources")
     ap.add_argument("--library", help="our library as built (instead of --commit)")
@@ -234,7 +235,7 @@ def main() -> None:
                 load = os.getloadavg()[0]
                 run = subprocess.run([str(exe), str(ours), str(TYPES[name]), str(n), str(k),
                                       ",".join(map(str, args.rows)), ",".join(map(str, args.threads)), str(args.reps),
-                                      str(args.flush_mb), str(args.seed), str(args.pause_us)],
+                                      str(args.flush_mb), str(args.seed), str(args.pause_us), str(args.isa)],
                                      capture_output=True, text=True)
                 if run.returncode != 0:
                     print(f"{name} {shape}: driver failed ({run.returncode}): {run.stderr[-800:]}", flush=True)
