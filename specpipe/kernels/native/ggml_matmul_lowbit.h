@@ -287,18 +287,17 @@ SP_INLINE int unpack_lowbit(int type, const uint8_t *b, wtile *w, int r, uint8_t
 /* Sign multipliers (+1 / -1 per byte, for vpsignb) of 4 groups of 8 from the bits of src (the
  * same 16 bytes in both halves): byte j < 7 of group k is -1 where bit bit[] of byte idx[] of src
  * is set, byte 7 where the group's 7 bits have odd parity (ksigns_iq2xs: a sign byte's bit 7
- * makes its parity even).  vpsadbw sums each group's 8 "clear" bytes (255 each; byte 7's bit[]
- * is 0, so it is always clear): the sum is odd iff the 7 bits' parity is. */
+ * makes its parity even).  Byte 7's idx[] is 0x80 (vpshufb gives 0), so it is never "set", and
+ * vpsadbw's sum of each group's 8 "set" bytes (255 each) is odd iff the 7 bits' parity is. */
 SP_INLINE SP_LB_AVX2 __m256i ksigns4_avx2(__m256i src, __m256i idx, __m256i bit) {
-  const __m256i zero = _mm256_setzero_si256();
-  const __m256i clear = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(src, idx), bit), zero);
-  const __m256i par = _mm256_slli_epi64(_mm256_sad_epu8(clear, zero), 63); /* 0x80 in byte 7 where odd */
-  return _mm256_or_si256(_mm256_andnot_si256(clear, _mm256_set1_epi8(-1)), _mm256_or_si256(par, _mm256_set1_epi8(1)));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(src, idx), bit), bit);
+  const __m256i par = _mm256_slli_epi64(_mm256_sad_epu8(set, _mm256_setzero_si256()), 63); /* 0x80 in byte 7 where odd */
+  return _mm256_or_si256(set, _mm256_or_si256(par, _mm256_set1_epi8(1)));
 }
 /* ksigns4_avx2's idx and bit for 4 seven-bit fields at bits 0, 7, 14, 21 of a uint32 (IQ2_XXS,
  * IQ3_XXS): bit 7 k + j is bit (7 k + j) % 8 of byte (7 k + j) / 8 */
-#define SP_A1B(k, j) (((7 * (k) + (j)) >> 3) & 3)
-#define SP_A1M(k, j) ((j) == 7 ? 0 : (char)(1 << ((7 * (k) + (j)) & 7)))
+#define SP_A1B(k, j) ((j) == 7 ? (char)0x80 : ((7 * (k) + (j)) >> 3) & 3)
+#define SP_A1M(k, j) ((j) == 7 ? 1 : (char)(1 << ((7 * (k) + (j)) & 7)))
 #define SP_A1_8(f, k) f(k, 0), f(k, 1), f(k, 2), f(k, 3), f(k, 4), f(k, 5), f(k, 6), f(k, 7)
 #define SP_A1_32(f) SP_A1_8(f, 0), SP_A1_8(f, 1), SP_A1_8(f, 2), SP_A1_8(f, 3)
 
@@ -323,6 +322,26 @@ SP_INLINE SP_LB_AVX2 void unpack_xxs_avx2(const uint8_t *b, wtile *w, int r, con
   const __m256i a1idx = _mm256_setr_epi8(SP_A1_32(SP_A1B)), a1bit = _mm256_setr_epi8(SP_A1_32(SP_A1M));
   const uint8_t *qs = iq2 ? SP_FIELD(b, sp_block_iq2_xxs, qs) : SP_FIELD(b, sp_block_iq3_xxs, qs);
   w->d[0][r] = f16_to_f32(b) * (iq2 ? 0.125f : 0.25f);
+  /* sc[2 ib] = sc[2 ib + 1] = 2 (a1_ib >> 28) + 1 = (a1_ib >> 27) | 1, the low byte of each a1's
+   * int32 lane spread by a shuffle (IQ2: the a1 are every other uint32 of qs, IQ3: 8 in a row) */
+  if (iq2) {
+    const __m256i one = _mm256_set1_epi32(1);
+    const __m256i v0 = _mm256_or_si256(_mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)qs), 27), one);
+    const __m256i v1 = _mm256_or_si256(_mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)(qs + 32)), 27), one);
+    const __m256i p0 = _mm256_setr_epi8(4, 4, 12, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        4, 4, 12, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i p1 = _mm256_setr_epi8(-1, -1, -1, -1, 4, 4, 12, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        -1, -1, -1, -1, 4, 4, 12, 12, -1, -1, -1, -1, -1, -1, -1, -1);
+    /* int32 lanes: sc 0-3, sc 8-11, -, - | sc 4-7, sc 12-15, -, - */
+    const __m256i u = _mm256_or_si256(_mm256_shuffle_epi8(v0, p0), _mm256_shuffle_epi8(v1, p1));
+    _mm_storeu_si128((__m128i *)sc, _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(u, _mm256_setr_epi32(0, 4, 1, 5, 0, 0, 0, 0))));
+  } else {
+    const __m256i v = _mm256_or_si256(_mm256_srli_epi32(_mm256_loadu_si256((const __m256i *)SP_FIELD(b, sp_block_iq3_xxs, scales_signs)), 27),
+                                      _mm256_set1_epi32(1));
+    const __m256i u = _mm256_shuffle_epi8(v, _mm256_setr_epi8(0, 0, 4, 4, 8, 8, 12, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                              0, 0, 4, 4, 8, 8, 12, 12, -1, -1, -1, -1, -1, -1, -1, -1));
+    _mm_storeu_si128((__m128i *)sc, _mm256_castsi256_si128(_mm256_permute4x64_epi64(u, 0x08)));
+  }
   for (int ib = 0; ib < 8; ib++) {
     /* IQ2: 4 index bytes, then a1 (4 sign indices of 7 bits, the scale); IQ3: 8 index bytes */
     const uint8_t *ix = qs + 8 * ib;
@@ -333,8 +352,6 @@ SP_INLINE SP_LB_AVX2 void unpack_xxs_avx2(const uint8_t *b, wtile *w, int r, con
                                               (int)sp_iq3xxs_grid[ix[6]], (int)sp_iq3xxs_grid[ix[7]]);
     const __m256i sg = ksigns4_avx2(_mm256_set1_epi32((int)a1), a1idx, a1bit);
     _mm256_storeu_si256((__m256i *)(q + 32 * ib), _mm256_add_epi8(bias, _mm256_sign_epi8(g, sg)));
-    const uint16_t s2 = (uint16_t)((2 * (a1 >> 28) + 1) * 0x0101u);
-    memcpy(sc + 2 * ib, &s2, 2);
   }
 }
 
@@ -358,9 +375,9 @@ SP_INLINE SP_LB_AVX2 int unpack_grid_avx2(int type, const uint8_t *b, wtile *w, 
     const __m256i m9 = _mm256_set1_epi16(511);
     _mm256_store_si256((__m256i *)ix, _mm256_and_si256(_mm256_loadu_si256((const __m256i *)qs), m9));
     _mm256_store_si256((__m256i *)(ix + 16), _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(qs + 32)), m9));
-    const __m256i xsidx = _mm256_setr_epi8(1, 1, 1, 1, 1, 1, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3,
-                                           5, 5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7, 7, 7, 7, 7);
-    const __m256i xsbit = _mm256_set1_epi64x(0x0080402010080402ll);
+    const __m256i xsidx = _mm256_setr_epi8(1, 1, 1, 1, 1, 1, 1, -128, 3, 3, 3, 3, 3, 3, 3, -128,
+                                           5, 5, 5, 5, 5, 5, 5, -128, 7, 7, 7, 7, 7, 7, 7, -128);
+    const __m256i xsbit = _mm256_set1_epi64x(0x0180402010080402ll);
     for (int ib = 0; ib < 8; ib++) {
       const __m256i g = SP_GRID4(sp_iq2xs_grid, ix + 4 * ib);
       const __m256i sg = ksigns4_avx2(_mm256_set1_epi64x((long long)load_u64(qs + 8 * ib)), xsidx, xsbit);
@@ -387,14 +404,19 @@ SP_INLINE SP_LB_AVX2 int unpack_grid_avx2(int type, const uint8_t *b, wtile *w, 
     const __m256i hi3 = _mm256_permute4x64_epi64(_mm256_packus_epi16(f0, f1), 0xd8);
     uint16_t ix[32] __attribute__((aligned(32)));
     iq1_index32(qs, hi3, ix);
+    /* int16 lane ib: sc pair 2 ((h >> 12) & 7) + 1 = ((h >> 11) & 14) | 1 in the low byte,
+     * SP_LB_BIAS + delta = SP_LB_BIAS + 1 - 2 (h >> 15) in the high byte */
+    const __m128i h8 = _mm256_castsi256_si128(hv);
+    const __m128i scl = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(h8, 11), _mm_set1_epi16(14)), _mm_set1_epi16(1));
+    const __m128i bs = _mm_sub_epi16(_mm_set1_epi16((SP_LB_BIAS + 1) << 8), _mm_slli_epi16(_mm_srli_epi16(h8, 15), 9));
+    _mm_storeu_si128((__m128i *)sc, _mm_shuffle_epi8(scl, _mm_setr_epi8(0, 0, 2, 2, 4, 4, 6, 6, 8, 8, 10, 10, 12, 12, 14, 14)));
+    uint8_t base8[16] __attribute__((aligned(16)));
+    _mm_store_si128((__m128i *)base8, bs); /* base8[2 ib + 1] */
     const __m256i eight = _mm256_set1_epi8(8);
     for (int ib = 0; ib < 8; ib++) {
-      const uint32_t h = qh[2 * ib] | (uint32_t)qh[2 * ib + 1] << 8;
-      const uint16_t s2 = (uint16_t)((2 * ((h >> 12) & 7) + 1) * 0x0101u);
-      memcpy(sc + 2 * ib, &s2, 2);
       /* grid bytes -1, 0, 1: 8 g = vpsignb(8, g); q = SP_LB_BIAS + delta + 8 g */
       const __m256i g = SP_GRID4(sp_iq1s_grid, ix + 4 * ib);
-      const __m256i base = _mm256_set1_epi8((char)(h & 0x8000 ? SP_LB_BIAS - 1 : SP_LB_BIAS + 1));
+      const __m256i base = _mm256_set1_epi8((char)base8[2 * ib + 1]);
       _mm256_storeu_si256((__m256i *)(q + 32 * ib), _mm256_add_epi8(base, _mm256_sign_epi8(eight, g)));
     }
     return 1;
