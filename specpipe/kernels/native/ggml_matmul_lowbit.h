@@ -273,11 +273,12 @@ SP_INLINE int unpack_lowbit(int type, const uint8_t *b, wtile *w, int r, uint8_t
 }
 
 /* ------------------------------------------------------------------------------------------- */
-/* The grid types' unpacking on AVX2 (IQ2_XXS, IQ2_XS, IQ3_XXS, IQ1_S, IQ1_M), a 32-value          */
-/* sub-block per step: its 4 (IQ3_XXS: 8) grid entries loaded into one vector, its signs made as   */
-/* 32 multipliers +1 / -1 from the sign bits in registers (ksigns4_avx2, no table) and applied by  */
-/* vpsignb, q = SP_LB_BIAS +- magnitude stored 32 bytes at a time; indices that take several bit   */
-/* fields (IQ2_XS, IQ1_S, IQ1_M) are computed for the whole block on vectors first.  The grid      */
+/* The grid types' unpacking on AVX2 (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M), a    */
+/* 32-value sub-block per step: its 4 (IQ3: 8) grid entries loaded into one vector, its signs made */
+/* as 32 multipliers +1 / -1 from the sign bits or bytes in registers (ksigns4_avx2,                */
+/* signs4_bytes_avx2, no table) and applied by vpsignb, q = SP_LB_BIAS +- magnitude stored 32      */
+/* bytes at a time; indices that take several bit fields (IQ2_XS, IQ2_S, IQ3_S, IQ1_S, IQ1_M) and */
+/* the sub-block scales are computed for the whole block on vectors first.  The grid               */
 /* entries are not gathered (vpgatherdq / vpgatherdd): on the development EPYC the gathers took    */
 /* fewer instructions but more time than the scalar loads (docs/benchmarks.md section 15).  The    */
 /* same bytes as unpack_lowbit (+ apply_signs), which the other types still take.                 */
@@ -305,13 +306,87 @@ SP_INLINE SP_LB_AVX2 __m256i ksigns4_avx2(__m256i src, __m256i idx, __m256i bit)
 #define SP_GRID4(grid, ix) \
   _mm256_setr_epi64x((long long)(grid)[(ix)[0]], (long long)(grid)[(ix)[1]], (long long)(grid)[(ix)[2]], (long long)(grid)[(ix)[3]])
 
-/* IQ1_S / IQ1_M: 32 group indices qs[g] | hi3[g] << 8 (hi3: 32 bytes of 0..7) as uint16 */
-SP_INLINE SP_LB_AVX2 void iq1_index32(const uint8_t *qs, __m256i hi3, uint16_t *ix) {
-  const __m256i lo = _mm256_loadu_si256((const __m256i *)qs);
-  /* bytes interleaved (qs[g], hi3[g]) = uint16 qs[g] | hi3[g] << 8; the halves put in order */
-  const __m256i a = _mm256_unpacklo_epi8(lo, hi3), c = _mm256_unpackhi_epi8(lo, hi3);
+/* Sign multipliers (+1 / -1 per byte) of 4 groups of 8 from their 4 sign bytes (IQ2_S, IQ3_S):
+ * byte j of group k is -1 where bit j of byte k of s4 is set */
+SP_INLINE SP_LB_AVX2 __m256i signs4_bytes_avx2(uint32_t s4) {
+  const __m256i which = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)s4), which), bit), bit);
+  return _mm256_or_si256(set, _mm256_set1_epi8(1));
+}
+/* IQ2_XS / IQ2_S: sc[j] = 2 * nibble j of s[0..7] + 1, the low nibble of s[j / 2] first */
+SP_INLINE SP_LB_AVX2 void scales_nib16_avx2(const uint8_t *s, int8_t *sc) {
+  const __m128i s8 = _mm_loadl_epi64((const __m128i *)s), m4 = _mm_set1_epi8(15);
+  const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(s8, m4), _mm_and_si128(_mm_srli_epi16(s8, 4), m4));
+  _mm_storeu_si128((__m128i *)sc, _mm_add_epi8(_mm_add_epi8(nib, nib), _mm_set1_epi8(1)));
+}
+/* 32 group indices lo[g] | hi[g] << 8 (32 bytes each) as uint16 */
+SP_INLINE SP_LB_AVX2 void index32_avx2(__m256i lo, __m256i hi, uint16_t *ix) {
+  /* bytes interleaved (lo[g], hi[g]) = uint16 lo[g] | hi[g] << 8; the halves put in order */
+  const __m256i a = _mm256_unpacklo_epi8(lo, hi), c = _mm256_unpackhi_epi8(lo, hi);
   _mm256_storeu_si256((__m256i *)ix, _mm256_permute2x128_si256(a, c, 0x20));
   _mm256_storeu_si256((__m256i *)(ix + 16), _mm256_permute2x128_si256(a, c, 0x31));
+}
+#define iq1_index32(qs, hi3, ix) index32_avx2(_mm256_loadu_si256((const __m256i *)(qs)), hi3, ix)
+/* 8 four-byte grid entries (one sub-block) */
+#define SP_GRID8(grid, ix)                                                                                    \
+  _mm256_setr_epi32((int)(grid)[(ix)[0]], (int)(grid)[(ix)[1]], (int)(grid)[(ix)[2]], (int)(grid)[(ix)[3]], \
+                    (int)(grid)[(ix)[4]], (int)(grid)[(ix)[5]], (int)(grid)[(ix)[6]], (int)(grid)[(ix)[7]])
+
+/* IQ3_S: 8 grid entries of 4 bytes per sub-block, 9-bit indices (qh: the ninth bits, a byte per
+ * sub-block), the signs as bytes, sc[j] = 2 * nibble j / 2 of the 4 scale bytes + 1 */
+SP_INLINE SP_LB_AVX2 void unpack_iq3_s_avx2(const uint8_t *b, wtile *w, int r) {
+  uint8_t *restrict q = w->q[r];
+  const uint8_t *qs = SP_FIELD(b, sp_block_iq3_s, qs), *qh = SP_FIELD(b, sp_block_iq3_s, qh);
+  const uint8_t *sgn = SP_FIELD(b, sp_block_iq3_s, signs), *s = SP_FIELD(b, sp_block_iq3_s, scales);
+  w->d[0][r] = f16_to_f32(b);
+  const __m128i s4 = _mm_cvtsi32_si128((int)load_u32(s)), m4 = _mm_set1_epi8(15);
+  const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(s4, m4), _mm_and_si128(_mm_srli_epi16(s4, 4), m4));
+  const __m128i nib2 = _mm_unpacklo_epi8(nib, nib); /* each nibble twice */
+  _mm_storeu_si128((__m128i *)w->sc[r], _mm_add_epi8(_mm_add_epi8(nib2, nib2), _mm_set1_epi8(1)));
+  /* index 8 g + i's ninth bit: bit i of qh[g] */
+  const __m256i hq = _mm256_set1_epi64x((long long)load_u64(qh)), one = _mm256_set1_epi8(1);
+  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+  const __m256i sel = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                       2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  uint16_t ix[64] __attribute__((aligned(32)));
+  for (int h = 0; h < 2; h++) {
+    const __m256i hb = _mm256_shuffle_epi8(hq, _mm256_add_epi8(sel, _mm256_set1_epi8((char)(4 * h))));
+    const __m256i hi = _mm256_min_epu8(_mm256_and_si256(hb, bit), one);
+    index32_avx2(_mm256_loadu_si256((const __m256i *)(qs + 32 * h)), hi, ix + 32 * h);
+  }
+  const __m256i bias = _mm256_set1_epi8(SP_LB_BIAS);
+  for (int ib = 0; ib < 8; ib++) {
+    const __m256i g = SP_GRID8(sp_iq3s_grid, ix + 8 * ib);
+    _mm256_storeu_si256((__m256i *)(q + 32 * ib), _mm256_add_epi8(bias, _mm256_sign_epi8(g, signs4_bytes_avx2(load_u32(sgn + 4 * ib)))));
+  }
+}
+/* IQ2_S: 4 grid entries of 8 bytes per sub-block, 10-bit indices (qh[g4]: 2 high bits for each
+ * of sub-block g4's 4 entries), the signs as bytes, scales as IQ2_XS */
+SP_INLINE SP_LB_AVX2 void unpack_iq2_s_avx2(const uint8_t *b, wtile *w, int r) {
+  uint8_t *restrict q = w->q[r];
+  const uint8_t *qs = SP_FIELD(b, sp_block_iq2_s, qs), *qh = SP_FIELD(b, sp_block_iq2_s, qh);
+  const uint8_t *sgn = SP_FIELD(b, sp_block_iq2_s, signs);
+  w->d[0][r] = f16_to_f32(b) * 0.125f;
+  scales_nib16_avx2(SP_FIELD(b, sp_block_iq2_s, scales), w->sc[r]);
+  /* uint16 lane e = 4 g4 + i: qh[g4] << (8 - 2 i) (a multiply), & 768, | qs[e] */
+  const __m256i hq = _mm256_set1_epi64x((long long)load_u64(qh));
+  const __m256i mul = _mm256_setr_epi16(256, 64, 16, 4, 256, 64, 16, 4, 256, 64, 16, 4, 256, 64, 16, 4);
+  const __m256i sel = _mm256_setr_epi8(0, -1, 0, -1, 0, -1, 0, -1, 1, -1, 1, -1, 1, -1, 1, -1,
+                                       2, -1, 2, -1, 2, -1, 2, -1, 3, -1, 3, -1, 3, -1, 3, -1);
+  uint16_t ix[32] __attribute__((aligned(32)));
+  for (int h = 0; h < 2; h++) {
+    const __m256i x = _mm256_shuffle_epi8(hq, _mm256_add_epi8(sel, _mm256_set1_epi16(4 * h)));
+    const __m256i hi = _mm256_and_si256(_mm256_mullo_epi16(x, mul), _mm256_set1_epi16(768));
+    const __m256i lo = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + 16 * h)));
+    _mm256_store_si256((__m256i *)(ix + 16 * h), _mm256_or_si256(hi, lo));
+  }
+  const __m256i bias = _mm256_set1_epi8(SP_LB_BIAS);
+  for (int ib = 0; ib < 8; ib++) {
+    const __m256i g = SP_GRID4(sp_iq2s_grid, ix + 4 * ib);
+    _mm256_storeu_si256((__m256i *)(q + 32 * ib), _mm256_add_epi8(bias, _mm256_sign_epi8(g, signs4_bytes_avx2(load_u32(sgn + 4 * ib)))));
+  }
 }
 
 /* IQ2_XXS (iq2 = 1) or IQ3_XXS (0), a compile-time constant where inlined */
@@ -363,13 +438,12 @@ SP_INLINE SP_LB_AVX2 int unpack_grid_avx2(int type, const uint8_t *b, wtile *w, 
   switch (type) {
   case SP_IQ2_XXS: unpack_xxs_avx2(b, w, r, 1); return 1;
   case SP_IQ3_XXS: unpack_xxs_avx2(b, w, r, 0); return 1;
+  case SP_IQ3_S: unpack_iq3_s_avx2(b, w, r); return 1;
+  case SP_IQ2_S: unpack_iq2_s_avx2(b, w, r); return 1;
   case SP_IQ2_XS: {
     const uint8_t *qs = SP_FIELD(b, sp_block_iq2_xs, qs), *s = SP_FIELD(b, sp_block_iq2_xs, scales);
     w->d[0][r] = f16_to_f32(b) * 0.125f;
-    /* sc[j] = 2 * nibble j + 1, the low nibble of s[j / 2] first */
-    const __m128i s8 = _mm_loadl_epi64((const __m128i *)s), m4 = _mm_set1_epi8(15);
-    const __m128i nib = _mm_unpacklo_epi8(_mm_and_si128(s8, m4), _mm_and_si128(_mm_srli_epi16(s8, 4), m4));
-    _mm_storeu_si128((__m128i *)sc, _mm_add_epi8(_mm_add_epi8(nib, nib), _mm_set1_epi8(1)));
+    scales_nib16_avx2(s, sc);
     /* 32 uint16: a 9-bit grid index, a 7-bit sign index (bits 1-7 of the high byte) */
     uint16_t ix[32] __attribute__((aligned(32)));
     const __m256i m9 = _mm256_set1_epi16(511);
@@ -460,6 +534,8 @@ SP_INLINE SP_LB_AVX2 int unpack_grid_avx2(int type, const uint8_t *b, wtile *w, 
   }
 }
 #undef SP_GRID4
+#undef SP_GRID8
+#undef iq1_index32
 #undef SP_A1_32
 #undef SP_A1_8
 #undef SP_A1M
