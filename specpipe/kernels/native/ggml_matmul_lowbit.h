@@ -52,10 +52,10 @@ SP_INLINE uint64_t signed_bytes8(uint64_t grid, uint32_t signs) {
   const uint64_t neg = (((bits + 0x7f7f7f7f7f7f7f7full) & 0x8080808080808080ull) >> 7) * 0xffu;
   return ((bias + grid) & ~neg) | ((bias - grid) & neg);
 }
-/* The signed IQ2/IQ3 types are unpacked in two steps: unpack_lowbit writes each group's grid
- * bytes (magnitudes) to q and its sign byte to signs[group]; apply_signs_<isa> then makes
- * q = SP_LB_BIAS +- magnitude, 8 bytes a step (portable) or 32 (AVX2: a shuffle spreads each
- * sign byte over its 8 bytes).  The same bytes either way. */
+/* The signed IQ2/IQ3 types are unpacked by the portable path in two steps: unpack_lowbit writes
+ * each group's grid bytes (magnitudes) to q and its sign byte to signs[group]; apply_signs_portable
+ * then makes q = SP_LB_BIAS +- magnitude, 8 bytes a step.  (The x86 paths do it in registers:
+ * unpack_grid_avx2 below; the same bytes.) */
 SP_INLINE void apply_signs_portable(uint8_t *q, const uint8_t *signs) {
   for (int g = 0; g < 32; g++) {
     uint64_t v;
@@ -64,25 +64,6 @@ SP_INLINE void apply_signs_portable(uint8_t *q, const uint8_t *signs) {
     memcpy(q + 8 * g, &v, 8);
   }
 }
-#define apply_signs_neon apply_signs_portable
-#ifdef SP_X86
-SP_INLINE __attribute__((target("avx2,fma"))) void apply_signs_avx2(uint8_t *q, const uint8_t *signs) {
-  const __m256i which = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                         2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
-  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL), bias = _mm256_set1_epi8(SP_LB_BIAS);
-  for (int c = 0; c < 8; c++) {
-    uint32_t s4;
-    memcpy(&s4, signs + 4 * c, 4);
-    const __m256i sb = _mm256_shuffle_epi8(_mm256_set1_epi32((int)s4), which);
-    const __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(sb, bit), bit); /* 0xff where negative */
-    const __m256i g = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
-    /* bias + (g ^ neg) - neg = bias - g where neg, bias + g elsewhere */
-    const __m256i v = _mm256_sub_epi8(_mm256_add_epi8(bias, _mm256_xor_si256(g, neg)), neg);
-    _mm256_storeu_si256((__m256i *)(q + 32 * c), v);
-  }
-}
-#define apply_signs_vnni apply_signs_avx2
-#endif
 /* IQ1: grid bytes are int8 -1, 0, 1; v = 8 g + delta (delta = +-1): with t = g + 1 (0, 1, 2,
  * added byte by byte without carries), q = SP_LB_BIAS - 8 + delta + 8 t in every byte. */
 SP_INLINE void put8_iq1(uint8_t *q, uint64_t grid, int delta) {
@@ -94,16 +75,18 @@ SP_INLINE void put8_iq1(uint8_t *q, uint64_t grid, int delta) {
 
 /* 32 bytes of 2-bit values ("crumbs", value l + 32 k at bits 2k of byte l) -> 128 bytes q, on
  * 32-byte vectors (the compiler leaves the byte loop nearly scalar).  Without hm: q = the crumb
- * (Q2_K).  With hm (Q3_K): q = SP_LB_BIAS - 4 + crumb + 4 * (bit hbit0 + k of hm[l]). */
+ * + add (Q2_K: add 0, TQ2_0: SP_LB_BIAS - 1).  With hm (Q3_K, add 0): q = SP_LB_BIAS - 4 +
+ * crumb + 4 * (bit hbit0 + k of hm[l]). */
 typedef uint8_t v32u8 __attribute__((vector_size(32)));
 typedef uint8_t v4u8 __attribute__((vector_size(4)));
-SP_INLINE void unpack_crumbs32(const uint8_t *qs, uint8_t *q, const uint8_t *hm, int hbit0) {
+SP_INLINE void unpack_crumbs32(const uint8_t *qs, uint8_t *q, const uint8_t *hm, int hbit0, uint8_t add) {
   v32u8 v, m = {0};
   memcpy(&v, qs, 32);
   if (hm) memcpy(&m, hm, 32);
   for (int k = 0; k < 4; k++) {
     v32u8 o = (v >> (2 * k)) & 3;
     if (hm) o += (((m >> (hbit0 + k)) & 1) << 2) + (uint8_t)(SP_LB_BIAS - 4);
+    o += add;
     memcpy(q + 32 * k, &o, 32);
   }
 }
@@ -139,7 +122,7 @@ SP_INLINE int unpack_lowbit(int type, const uint8_t *b, wtile *w, int r, uint8_t
     const v16u8 lo = sv & 15, hi = sv >> 4;
     memcpy(sc, &lo, 16);
     memcpy(w->mn16[r], &hi, 16);
-    for (int h = 0; h < 2; h++) unpack_crumbs32(qs + 32 * h, q + 128 * h, 0, 0);
+    for (int h = 0; h < 2; h++) unpack_crumbs32(qs + 32 * h, q + 128 * h, 0, 0, 0);
     return 0;
   }
   case SP_Q3_K: {
@@ -148,7 +131,7 @@ SP_INLINE int unpack_lowbit(int type, const uint8_t *b, wtile *w, int r, uint8_t
     w->d[0][r] = f16_to_f32(SP_FIELD(b, sp_block_q3_k, d));
     q3_k_scales(s, sc);
     /* q3 = low 2 bits - 4 where the hmask bit is clear: q = SP_LB_BIAS - 4 + crumb + 4 hbit */
-    for (int h = 0; h < 2; h++) unpack_crumbs32(qs + 32 * h, q + 128 * h, hm, 4 * h);
+    for (int h = 0; h < 2; h++) unpack_crumbs32(qs + 32 * h, q + 128 * h, hm, 4 * h, 0);
     return 0;
   }
   case SP_IQ2_XXS: case SP_IQ3_XXS: {
@@ -239,9 +222,7 @@ SP_INLINE int unpack_lowbit(int type, const uint8_t *b, wtile *w, int r, uint8_t
     const uint8_t *qs = SP_FIELD(b, sp_block_tq2_0, qs);
     w->d[0][r] = f16_to_f32(SP_FIELD(b, sp_block_tq2_0, d));
     memset(sc, 1, 16);
-    for (int h = 0; h < 2; h++)
-      for (int k = 0; k < 4; k++)
-        for (int l = 0; l < 32; l++) q[128 * h + 32 * k + l] = (uint8_t)(SP_LB_BIAS - 1 + ((qs[32 * h + l] >> (2 * k)) & 3));
+    for (int h = 0; h < 2; h++) unpack_crumbs32(qs + 32 * h, q + 128 * h, 0, 0, SP_LB_BIAS - 1);
     return 0;
   }
   case SP_TQ1_0: {
@@ -430,7 +411,8 @@ SP_INLINE SP_LB_AVX2 void unpack_xxs_avx2(const uint8_t *b, wtile *w, int r, con
   }
 }
 
-/* Returns 0 for the types it does not take (unpack_lowbit's then). */
+/* Block b of type Q2_K or a biased type into row r of the tile (one switch); returns 0 for any
+ * other type. */
 SP_INLINE SP_LB_AVX2 int unpack_grid_avx2(int type, const uint8_t *b, wtile *w, int r) {
   uint8_t *restrict q = w->q[r];
   int8_t *restrict sc = w->sc[r];
@@ -440,6 +422,11 @@ SP_INLINE SP_LB_AVX2 int unpack_grid_avx2(int type, const uint8_t *b, wtile *w, 
   case SP_IQ3_XXS: unpack_xxs_avx2(b, w, r, 0); return 1;
   case SP_IQ3_S: unpack_iq3_s_avx2(b, w, r); return 1;
   case SP_IQ2_S: unpack_iq2_s_avx2(b, w, r); return 1;
+  /* the types without signs: unpack_lowbit's code (a constant type: its switch folds away) */
+  case SP_Q2_K: (void)unpack_lowbit(SP_Q2_K, b, w, r, 0); return 1;
+  case SP_Q3_K: (void)unpack_lowbit(SP_Q3_K, b, w, r, 0); return 1;
+  case SP_TQ1_0: (void)unpack_lowbit(SP_TQ1_0, b, w, r, 0); return 1;
+  case SP_TQ2_0: (void)unpack_lowbit(SP_TQ2_0, b, w, r, 0); return 1;
   case SP_IQ2_XS: {
     const uint8_t *qs = SP_FIELD(b, sp_block_iq2_xs, qs), *s = SP_FIELD(b, sp_block_iq2_xs, scales);
     w->d[0][r] = f16_to_f32(b) * 0.125f;
@@ -550,8 +537,7 @@ SP_INLINE void unpack_lowbit_portable(int type, const uint8_t *b, wtile *w, int 
 #define unpack_lowbit_neon unpack_lowbit_portable
 #ifdef SP_X86
 SP_INLINE SP_LB_AVX2 void unpack_lowbit_avx2(int type, const uint8_t *b, wtile *w, int r) {
-  uint8_t sg[32];
-  if (!unpack_grid_avx2(type, b, w, r) && unpack_lowbit(type, b, w, r, sg)) apply_signs_avx2(w->q[r], sg);
+  (void)unpack_grid_avx2(type, b, w, r);
 }
 #define unpack_lowbit_vnni unpack_lowbit_avx2
 #endif
