@@ -5,7 +5,7 @@
  *
  *   cc -O2 -fopenmp -I GGML_INCLUDE -o /tmp/lvg benchmarks/lowbit_vs_ggml.c \
  *      -L GGML_LIB -lggml -lggml-base -lggml-cpu -Wl,-rpath,GGML_LIB -ldl -lm
- *   /tmp/lvg OUR_LIB TYPE N K ROWS,.. THREADS,.. REPS FLUSH_MB SEED [PAUSE_US [ISA]]
+ *   /tmp/lvg OUR_LIB TYPE N K ROWS,.. THREADS,.. REPS FLUSH_MB SEED [PAUSE_US [ISA [ISA2]]]
  *
  * For one ggml type and one weight shape (N output rows of K values):
  *   1. W (N, K): Gaussian floats quantized by ggml's own quantizer (ggml_quantize_chunk), with a
@@ -18,13 +18,13 @@
  *      where ggml's CPU_REPACK extra buffer type takes the tensor on this CPU (llama.cpp puts
  *      weights there by default; Q4_0, Q4_K, IQ4_NL, MXFP4 with AVX2, Q2_K with AVX-512), with W
  *      in that buffer too ("ggml_repack"); and sp_matmul(type, x, T, K, W, N, ...) on the same
- *      bytes at the library's best ISA (or ISA: 0 portable, 1 avx2, 2 avx512vnni).  One warm-up
- *      each, then REPS rounds, each calling every path once, the order rotating from round to
- *      round; before every timed call a FLUSH_MB
- *      buffer is read so that W comes from memory as it does in decode (0: no flush), then the
- *      driver sleeps PAUSE_US microseconds (default 0), so that on a machine other processes load
- *      the call tends to start on a fresh time slice rather than be cut by the scheduler (the
- *      same for every path).
+ *      bytes at the library's best ISA (or ISA: 0 portable, 1 avx2, 2 avx512vnni), and, given
+ *      ISA2 >= 0, sp_matmul at that path as well ("ours_isa2").  One warm-up each, then REPS
+ *      rounds, each calling every path once, the order rotating from round to round; before
+ *      every timed call a FLUSH_MB buffer is read so that W comes from memory as it does in
+ *      decode (0: no flush), then the driver sleeps PAUSE_US microseconds (default 0), so that
+ *      on a machine other processes load the call tends to start on a fresh time slice rather
+ *      than be cut by the scheduler (the same for every path).
  *   4. One JSON line per (T, threads): the times (ms) of every round, and each path's max abs
  *      error against the float reference over max |reference| (and ours against ggml's).
  */
@@ -114,7 +114,7 @@ static void mm_graph_free(mm_graph *g) {
 
 int main(int argc, char **argv) {
   if (argc < 10) {
-    fprintf(stderr, "usage: %s OUR_LIB TYPE N K ROWS,.. THREADS,.. REPS FLUSH_MB SEED [PAUSE_US [ISA]]\n",
+    fprintf(stderr, "usage: %s OUR_LIB TYPE N K ROWS,.. THREADS,.. REPS FLUSH_MB SEED [PAUSE_US [ISA [ISA2]]]\n",
             argv[0]);
     return 2;
   }
@@ -142,6 +142,7 @@ int main(int argc, char **argv) {
     return 1;
   }
   const int isa = argc > 11 && atoi(argv[11]) >= 0 ? atoi(argv[11]) : sp_best_isa();
+  const int isa2 = argc > 12 ? atoi(argv[12]) : -1;
   const size_t rb = ggml_row_size(type, k);
   int64_t our_rb = -1;
   if (!sp_type_supported(type) || sp_row_bytes(type, k, &our_rb) || (size_t)our_rb != rb) {
@@ -227,10 +228,15 @@ int main(int argc, char **argv) {
     ggml_backend_tensor_set(wr, wq, 0, n * rb); /* repacks */
   }
 
+  float *yo2 = malloc(sizeof(float) * tmax * n);
   float *yo = malloc(sizeof(float) * tmax * n), *yg = malloc(sizeof(float) * tmax * n),
         *yr = malloc(sizeof(float) * tmax * n);
-  const int npath = wr ? 3 : 2;
-  double *times = malloc(sizeof(double) * reps * 3);
+  /* the paths timed: 0 ours, 1 ggml, 2 ggml_repack (where taken), 3 ours at ISA2 (if given) */
+  int active[4], npath = 0;
+  active[npath++] = 0, active[npath++] = 1;
+  if (wr) active[npath++] = 2;
+  if (isa2 >= 0) active[npath++] = 3;
+  double *times = malloc(sizeof(double) * reps * 4);
   for (int ri = 0; ri < nrows; ri++)
     for (int ti = 0; ti < nthreads; ti++) {
       const int t = rows[ri], nth = threads[ti];
@@ -244,7 +250,7 @@ int main(int argc, char **argv) {
       ggml_backend_cpu_set_n_threads(be, nth);
       for (int rep = -1; rep < reps; rep++)
         for (int j = 0; j < npath; j++) {
-          const int path = (j + (rep < 0 ? 0 : rep)) % npath; /* rotate the order */
+          const int path = active[(j + (rep < 0 ? 0 : rep)) % npath]; /* rotate the order */
           if (rep >= 0) flush();
           if (rep >= 0 && pause_us) { /* start the call on a fresh time slice (see the top) */
             struct timespec ts = {0, pause_us * 1000L};
@@ -252,8 +258,8 @@ int main(int argc, char **argv) {
           }
           const double t0 = now_ms();
           int rc = 0;
-          if (path == 0)
-            rc = sp_matmul(type, x, t, k, wq, n, rb, yo, nth, isa);
+          if (path == 0 || path == 3)
+            rc = sp_matmul(type, x, t, k, wq, n, rb, path ? yo2 : yo, nth, path ? isa2 : isa);
           else
             rc = ggml_backend_graph_compute(be, path == 1 ? g.gf : gr.gf) != GGML_STATUS_SUCCESS;
           const double dt = now_ms() - t0;
@@ -261,7 +267,7 @@ int main(int argc, char **argv) {
             fprintf(stderr, "path %d failed: %d\n", path, rc);
             return 1;
           }
-          if (rep >= 0) times[rep * 3 + path] = dt;
+          if (rep >= 0) times[rep * 4 + path] = dt;
         }
       ggml_backend_tensor_get(g.y, yg, 0, sizeof(float) * t * n);
       if (wr) ggml_backend_tensor_get(gr.y, yr, 0, sizeof(float) * t * n);
@@ -276,10 +282,14 @@ int main(int argc, char **argv) {
       if (wr)
         printf("\"err_repack_ref\": %.3e, \"err_ours_repack\": %.3e, ", max_err(yr, NULL, ref, m),
                max_err(yo, yr, NULL, m));
-      const char *names[3] = {"ours", "ggml", "ggml_repack"};
-      for (int p = 0; p < npath; p++) {
-        printf("%s\"ms_%s\": [", p ? ", " : "", names[p]);
-        for (int rep = 0; rep < reps; rep++) printf("%s%.4f", rep ? ", " : "", times[rep * 3 + p]);
+      if (isa2 >= 0)
+        printf("\"isa2\": %d, \"err_ours2_ref\": %.3e, \"err_ours_ours2\": %.3e, ", isa2,
+               max_err(yo2, NULL, ref, m), max_err(yo, yo2, NULL, m));
+      const char *names[4] = {"ours", "ggml", "ggml_repack", "ours_isa2"};
+      for (int j = 0; j < npath; j++) {
+        const int p = active[j];
+        printf("%s\"ms_%s\": [", j ? ", " : "", names[p]);
+        for (int rep = 0; rep < reps; rep++) printf("%s%.4f", rep ? ", " : "", times[rep * 4 + p]);
         printf("]");
       }
       printf("}\n");

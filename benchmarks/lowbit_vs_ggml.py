@@ -8,7 +8,8 @@ For each type, for each weight shape (default: Qwen2.5-1.5B's MLP, gate/up 8960 
 (ggml_quantize_chunk; a random positive importance matrix for the types ggml requires one for,
 IQ2_XXS, IQ2_XS, IQ1_S, and for IQ1_M); then for 1 and 8 activation rows at 1 and 2 threads, the
 C driver benchmarks/lowbit_vs_ggml.c times, round after round with the order rotating:
-  * ours: sp_matmul (the library's best ISA path, or --isa) on the bytes;
+  * ours: sp_matmul (the library's best ISA path, or --isa) on the bytes, and with --also-isa at
+    a second path too (e.g. avx2 beside avx512vnni; its output must be bitwise ours);
   * ggml: a ggml graph of one ggml_mul_mat(W, x), x f32, computed by ggml's CPU backend with W in
     a CPU buffer over the same bytes (ggml's vec_dot kernels, llamafile's sgemm where it applies);
   * ggml_repack: the same with W in ggml's CPU_REPACK extra buffer type, where ggml takes the
@@ -36,7 +37,7 @@ directory, so the measured kernels are a commit's, whatever the working tree hol
 
     PYTHONPATH=. python benchmarks/lowbit_vs_ggml.py [--types Q2_K Q3_K ...] [--rows 1 8]
         [--threads 1 2] [--reps 15] [--shapes 8960x1536 1536x8960] [--flush-mb 64] [--pause-us 3000]
-        [--commit HEAD | --library PATH] [--out benchmarks/results/lowbit_vs_ggml.json]
+        [--also-isa 1] [--commit HEAD | --library PATH] [--out benchmarks/results/lowbit_vs_ggml.json]
 """
 
 from __future__ import annotations
@@ -159,15 +160,19 @@ def cpu_info() -> dict:
 
 
 def summarize(rec: dict) -> dict:
-    med = {p: statistics.median(rec[f"ms_{p}"]) for p in ("ours", "ggml", "ggml_repack") if f"ms_{p}" in rec}
-    best = min(v for p, v in med.items() if p != "ours")
+    paths = ("ours", "ggml", "ggml_repack", "ours_isa2")
+    med = {p: statistics.median(rec[f"ms_{p}"]) for p in paths if f"ms_{p}" in rec}
+    best = min(v for p, v in med.items() if p.startswith("ggml"))
     low = {p: min(rec[f"ms_{p}"]) for p in med}
     err_ggml = rec["err_ggml_ref"]
     return {
         "type": rec["type_name"].upper(), "n": rec["n"], "k": rec["k"], "rows": rec["rows"],
         "threads": rec["threads"], "ms": med, "ratio": best / med["ours"],
         "ratio_vs_plain": med["ggml"] / med["ours"], "ms_min": low,
-        "ratio_min": min(v for p, v in low.items() if p != "ours") / low["ours"],
+        "ratio_min": min(v for p, v in low.items() if p.startswith("ggml")) / low["ours"],
+        **({"isa2": ISA_NAMES.get(rec["isa2"], rec["isa2"]), "ratio_isa2": best / med["ours_isa2"],
+            "err_ours2_ref": rec["err_ours2_ref"], "bitwise_ours_ours2": rec["err_ours_ours2"] == 0}
+           if "ms_ours_isa2" in rec else {}),
         "err_ours_ref": rec["err_ours_ref"], "err_ggml_ref": err_ggml, "err_ours_ggml": rec["err_ours_ggml"],
         "agree": rec["err_ours_ref"] <= 2 * err_ggml + 1e-5,
     }
@@ -176,14 +181,15 @@ def summarize(rec: dict) -> dict:
 def type_table(rows: list[dict]) -> str:
     """One line per type: per (rows, threads) the shapes' medians summed (a gate/up plus a down
     projection with the defaults), ours / ggml's faster path, ggml / ours, and in brackets the
-    same ratio of the summed minimum times; the largest errors."""
+    same ratio of the summed minimum times (and of our --also-isa path's medians); the largest
+    errors."""
     cells = sorted({(s["rows"], s["threads"]) for s in rows}, key=lambda c: (c[1], c[0]))
     head = [f"{r} row{'s' if r > 1 else ''}, {t} thr: ours / ggml ms, ggml/ours (min)" for r, t in cells]
     out = ["| type | ggml paths | " + " | ".join(head) + " | max rel err ours / ggml | goal |",
            "|---|---|" + "---|" * len(cells) + "---|---|"]
 
     def ggml_best(s: dict, key: str) -> float:
-        return min(v for p, v in s[key].items() if p != "ours")
+        return min(v for p, v in s[key].items() if p.startswith("ggml"))
 
     for name in dict.fromkeys(s["type"] for s in rows):
         mine = [s for s in rows if s["type"] == name]
@@ -192,7 +198,10 @@ def type_table(rows: list[dict]) -> str:
             sel = [s for s in mine if (s["rows"], s["threads"]) == (r, t)]
             ours, ggml = sum(s["ms"]["ours"] for s in sel), sum(ggml_best(s, "ms") for s in sel)
             low = sum(ggml_best(s, "ms_min") for s in sel) / sum(s["ms_min"]["ours"] for s in sel)
-            line += f" {ours:.3g} / {ggml:.3g}, **{ggml / ours:.2f}** ({low:.2f}) |"
+            other = ""
+            if all("ours_isa2" in s["ms"] for s in sel):
+                other = f"; {sel[0]['isa2']} {ggml / sum(s['ms']['ours_isa2'] for s in sel):.2f}"
+            line += f" {ours:.3g} / {ggml:.3g}, **{ggml / ours:.2f}** ({low:.2f}{other}) |"
         line += (f" {max(s['err_ours_ref'] for s in mine):.1e} / {max(s['err_ggml_ref'] for s in mine):.1e}"
                  f"{'' if all(s['agree'] for s in mine) else ' (!)'} | ≥ {GOAL.get(name, 0.8)} |")
         out.append(line)
@@ -210,6 +219,8 @@ def main() -> None:
     ap.add_argument("--flush-mb", type=int, default=64, help="read this many MB before each timed call (0: off)")
     ap.add_argument("--pause-us", type=int, default=3000, help="sleep before each timed call (0: none)")
     ap.add_argument("--isa", type=int, default=-1, help="our path: 0 portable, 1 avx2, 2 avx512vnni (default: best)")
+    ap.add_argument("--also-isa", type=int, default=-1,
+                    help="time our kernels at this path too (e.g. 1: avx2 beside the best), interleaved")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--commit", default="HEAD", help="build our library from this commit's sources")
     ap.add_argument("--library", help="our library as built (instead of --commit)")
@@ -240,7 +251,8 @@ def main() -> None:
                 load = os.getloadavg()[0]
                 run = subprocess.run([str(exe), str(ours), str(TYPES[name]), str(n), str(k),
                                       ",".join(map(str, args.rows)), ",".join(map(str, args.threads)), str(args.reps),
-                                      str(args.flush_mb), str(args.seed), str(args.pause_us), str(args.isa)],
+                                      str(args.flush_mb), str(args.seed), str(args.pause_us), str(args.isa),
+                                      str(args.also_isa)],
                                      capture_output=True, text=True)
                 if run.returncode != 0:
                     print(f"{name} {shape}: driver failed ({run.returncode}): {run.stderr[-800:]}", flush=True)
@@ -258,7 +270,9 @@ def main() -> None:
                     print(f"{s['type']:8} {n}x{k} rows {s['rows']} thr {s['threads']}: ours {ms['ours']:.3f} "
                           f"ggml {ms['ggml']:.3f} repack {ms.get('ggml_repack', float('nan')):.3f} ms, "
                           f"ratio {s['ratio']:.2f}, err ours {s['err_ours_ref']:.2e} ggml {s['err_ggml_ref']:.2e}"
-                          f" ours-ggml {s['err_ours_ggml']:.2e} load {load:.1f}", flush=True)
+                          f" ours-ggml {s['err_ours_ggml']:.2e} load {load:.1f}"
+                          + (f"; {s['isa2']} {ms['ours_isa2']:.3f} ms, ratio {s['ratio_isa2']:.2f}, bitwise "
+                             f"{s['bitwise_ours_ours2']}" if "isa2" in s else ""), flush=True)
         meta["loadavg_end"] = os.getloadavg()
         print("\n| type | N x K | rows | threads | ours ms | ggml ms | ggml repack ms | ggml/ours | goal | "
               "max rel err ours / ggml (vs float) | ours vs ggml |")
