@@ -509,12 +509,12 @@ static SP_AVX2 void offsets_avx2(const wtile *w, const xgroup *x, int sub, int32
     for (int r = 0; r < SP_NR; r++)
       p[r] = _mm256_mullo_epi32(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)w->mn[r])), s);
   } else {
-    const __m256i s0 = LD(x->s16), s1 = LD(x->s16 + 8);
-    for (int r = 0; r < SP_NR; r++) {
-      const __m128i c = _mm_loadu_si128((const __m128i *)w->sc[r]);
-      p[r] = _mm256_add_epi32(_mm256_mullo_epi32(_mm256_cvtepi8_epi32(c), s0),
-                              _mm256_mullo_epi32(_mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)), s1));
-    }
+    /* |xsum16| <= 16 * 127 fits int16: madd takes a row's 16 products sc * xsum16 at once (each
+     * pair's sum, |2 * 128 * 2032|, exact in int32); packs interleaves the halves, the permute
+     * puts them back in order */
+    const __m256i s = _mm256_permute4x64_epi64(_mm256_packs_epi32(LD(x->s16), LD(x->s16 + 8)), 0xd8);
+    for (int r = 0; r < SP_NR; r++)
+      p[r] = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w->sc[r])), s);
   }
   ST(out, hsum8x8_avx2(p));
 }
