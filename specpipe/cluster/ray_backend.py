@@ -31,7 +31,8 @@ from specpipe.loader.checkpoint import Checkpoint
 
 Progress = Optional[Callable[[str], None]]
 PING_S = 5.0  # a node agent that does not answer within this is taken for lost
-RESTART_PING_S = 2.0  # at a restart, one deadline for every agent: a silent node sits this pipeline out
+RESTART_PING_S = 2.0  # at a restart, one deadline for every agent: a silent node sits this pipeline out ...
+RESTART_GRACE_S = 0.5  # ... or this, once as many nodes as stages have answered
 STANDBY_AFTER_S = 5.0  # standby stage actors are started this long after a pipeline is up (not during its first steps)
 AGENT_START_S = 60.0  # ... or, for an agent just started, within this
 LOAD_TIMEOUT_S = 600.0
@@ -141,24 +142,16 @@ class RayBackend:
                 self.agents[nid] = agent_cls.options(**on_node(nid)).remote()
                 started.add(nid)
         probes = {nid: a.probe.remote(self.config.device) for nid, a in self.agents.items()}
+        if restart:
+            self._ping_at_restart(probes)
         t0 = time.monotonic()
-        for nid, ref in probes.items():
+        for nid, ref in probes.items() if not restart else ():
             # A new agent's first answer waits for a worker process to start on its node (Python,
             # Ray, our imports: over 5 s on a busy machine, which dropped healthy nodes at the
-            # first start); an agent that is running answers at once or its node is taken for
-            # lost. In a restart nobody waits that long: every agent is asked at once and given
-            # one short deadline; a known node that misses it (frozen, cut off, or just slow)
-            # sits this pipeline out but is asked again at the next start, its figures kept; a
-            # new agent not up yet is left out and started again at the next start.
-            wait = AGENT_START_S if nid in started and not restart else RESTART_PING_S if restart else PING_S
+            # first start); an agent that is running answers at once or its node is taken for lost.
+            wait = AGENT_START_S if nid in started else PING_S
             try:
                 self.nodes[nid] = ray.get(ref, timeout=max(0.1, wait - (time.monotonic() - t0)))
-                self.silent.discard(nid)
-            except ray.exceptions.GetTimeoutError:
-                if restart and nid in self.reports:
-                    self.silent.add(nid)
-                else:
-                    self._forget(nid)
             except Exception:  # noqa: BLE001 (dead, or unreachable: a lost node)
                 self._forget(nid)
         if not [nid for nid in self.agents if nid not in self.silent]:
@@ -182,6 +175,37 @@ class RayBackend:
         if new:
             self._calibrate(new)
             self._measure_links(new)
+
+    def _ping_at_restart(self, probes: dict) -> None:
+        """Every agent asked at once, one short deadline for all (RESTART_PING_S): a known node
+        that misses it (frozen, cut off, or just slow) sits this pipeline out but is asked again
+        at the next start, its figures kept; a new agent not up yet is left out (started again
+        at the next start); one that fails is a lost node. Once RESTART_GRACE_S has passed and
+        as many nodes have answered as the pipeline has stages, nobody waits for the rest: a
+        frozen host would otherwise hold every restart for the whole deadline."""
+        import ray
+
+        pending = {ref: nid for nid, ref in probes.items()}
+        t0, answered = time.monotonic(), 0
+        need = len(self.plan.stages) if getattr(self, "plan", None) is not None else len(probes)
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0.05)
+            for ref in ready:
+                nid = pending.pop(ref)
+                try:
+                    self.nodes[nid] = ray.get(ref, timeout=1.0)
+                    self.silent.discard(nid)
+                    answered += 1
+                except Exception:  # noqa: BLE001 (dead, or unreachable: a lost node)
+                    self._forget(nid)
+            waited = time.monotonic() - t0
+            if waited >= RESTART_PING_S or (waited >= RESTART_GRACE_S and answered >= need):
+                break
+        for nid in pending.values():
+            if nid in self.reports:
+                self.silent.add(nid)
+            else:
+                self._forget(nid)
 
     def _forget(self, nid: str) -> None:
         """A node lost: its agent ended, its standby dropped; its figures remembered by its host

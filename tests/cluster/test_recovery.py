@@ -17,12 +17,19 @@ ray = pytest.importorskip("ray")
 from specpipe.cluster.planner import Link, NodeReport  # noqa: E402
 
 
-class FakeAgent:
-    """A node agent whose probe answers `answer` (a probe dict) or "timeout" / "dead"."""
+class Ref:
+    """An object ref to a probe's answer: a probe dict, or "timeout" (never ready) / "dead"."""
 
     def __init__(self, answer):
         self.answer = answer
-        self.probe = SimpleNamespace(remote=lambda device: self.answer)
+
+
+class FakeAgent:
+    """A node agent whose probe answers `answer`."""
+
+    def __init__(self, answer):
+        self.answer = answer
+        self.probe = SimpleNamespace(remote=lambda device: Ref(self.answer))
 
 
 def probe(ip: str, cores: int = 2) -> dict:
@@ -49,15 +56,23 @@ def backend(monkeypatch):
     b.links = {(x, y): Link(0.1, 1e9) for x in "abc" for y in "abc" if x != y}
     b.live = set("abc")
     b.calibrated = []
+    b.plan = SimpleNamespace(stages=[1, 2])  # a two-stage pipeline
+    b.clock = [0.0]  # the backend's monotonic clock, advanced by ray.wait's timeouts
 
     def get(ref, timeout=None):
-        if ref == "timeout":
+        if ref.answer == "timeout":
             raise ray.exceptions.GetTimeoutError()
-        if ref == "dead":
+        if ref.answer == "dead":
             raise ray.exceptions.RayActorError()
-        return ref
+        return ref.answer
+
+    def wait(refs, num_returns=1, timeout=None):
+        b.clock[0] += timeout or 0.0
+        return [r for r in refs if r.answer != "timeout"], [r for r in refs if r.answer == "timeout"]
 
     monkeypatch.setattr(ray, "get", get)
+    monkeypatch.setattr(ray, "wait", wait)
+    monkeypatch.setattr(rb, "time", SimpleNamespace(monotonic=lambda: b.clock[0], perf_counter=lambda: b.clock[0]))
     monkeypatch.setattr(ray, "kill", lambda actor, no_restart=True: None)
     monkeypatch.setattr(placement, "live_nodes", lambda: [{"NodeID": n} for n in sorted(b.live)])
     monkeypatch.setattr(placement, "on_node", lambda nid: {})
@@ -77,6 +92,22 @@ def test_a_silent_node_sits_the_restart_out_and_comes_back_without_measuring(bac
     backend._refresh_nodes()
     assert backend.silent == set() and set(backend._available()) == {"a", "b", "c"}
     assert backend.calibrated == []
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_a_restart_waits_for_a_silent_agent_only_while_it_needs_the_node(backend, stages):
+    """Three nodes, one frozen: a two-stage pipeline goes on once the other two have answered
+    and the grace has passed; a three-stage one waits the whole deadline for the third."""
+    from specpipe.cluster.ray_backend import RESTART_GRACE_S, RESTART_PING_S
+
+    backend.plan = SimpleNamespace(stages=list(range(stages)))
+    backend.agents["c"].answer = "timeout"
+    backend._refresh_nodes()
+    assert backend.silent == {"c"} and "c" in backend.agents
+    if stages == 2:
+        assert RESTART_GRACE_S <= backend.clock[0] < RESTART_GRACE_S + 0.1 < RESTART_PING_S
+    else:
+        assert RESTART_PING_S <= backend.clock[0] < RESTART_PING_S + 0.1
 
 
 def test_a_node_started_again_on_a_lost_hosts_address_takes_over_its_figures(backend, monkeypatch):
@@ -123,6 +154,7 @@ def test_a_silent_node_whose_host_has_a_new_node_is_replaced(backend, monkeypatc
 def test_a_restart_takes_the_nodes_standby_actor(backend, monkeypatch):
     """The standby of a node is handed out once; a standby that died is not."""
     waited = {}
+    monkeypatch.setattr(ray, "get", lambda ref, timeout=None: (_ for _ in ()).throw(RuntimeError("died")))
     monkeypatch.setattr(ray, "wait", lambda refs, timeout=0: (refs, []) if waited.get(refs[0]) else ([], refs))
     backend._standby = {"a": ("actor-a", "warming"), "b": ("actor-b", "dead")}
     assert backend._take_standby("a") == "actor-a" and backend._take_standby("a") is None
