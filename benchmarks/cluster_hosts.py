@@ -68,7 +68,8 @@ def close(net, rh) -> None:
 
 
 def base(args, **extra) -> EngineConfig:
-    return EngineConfig(model=args.model, max_context=512, max_num_seqs=4, kv_memory="64MiB", **extra)
+    return EngineConfig(model=args.model, max_context=512, max_num_seqs=4, kv_memory="64MiB",
+                        weight_chunk=args.weight_chunk, **extra)
 
 
 def decode_ms(engine: Engine, tokens: int, repeats: int) -> tuple[float, list[int]]:
@@ -282,7 +283,7 @@ def stream(args) -> dict:
         out["bound_s"] = max(stage_bytes) / slowest + out["second"]["engine_to_first_token_s"]
         out["first_vs_bound"] = out["first"]["engine_to_first_token_s"] / out["bound_s"]
         out["cache_dirs"] = {ns: str(p) for ns, p in rh.caches.items()}
-        out["env"] = os.environ.get("SPECPIPE_WEIGHT_CHUNK", "")
+        out["weight_chunk"] = args.weight_chunk or os.environ.get("SPECPIPE_WEIGHT_CHUNK", "") or "8MiB (default)"
     finally:
         close(net, rh)
     return out
@@ -298,6 +299,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF or HF directory (default: the embedded model)")
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--weight-chunk", default=None,
+                   help="the streamed weight chunk (as the CLI's --weight-chunk; default $SPECPIPE_WEIGHT_CHUNK, else 8MiB)")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--rounds", type=int, default=1, help="links: every order once a round (medians)")
     p.add_argument("--rate", default="10mbit", help="links: the slow pair's tbf rate")
