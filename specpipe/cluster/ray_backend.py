@@ -34,6 +34,7 @@ PING_S = 5.0  # a node agent that does not answer within this is taken for lost
 RESTART_PING_S = 2.0  # at a restart, one deadline for every agent: a silent node sits this pipeline out ...
 RESTART_GRACE_S = 0.5  # ... or this, once as many nodes as stages have answered
 STANDBY_AFTER_S = 5.0  # standby stage actors are started this long after a pipeline is up (not during its first steps)
+STANDBY_MIN_FREE = 3 << 30  # ... on nodes with at least this much memory available (a standby takes ~0.4 GB)
 AGENT_START_S = 60.0  # ... or, for an agent just started, within this
 LOAD_TIMEOUT_S = 600.0
 CHUNK_ENV = "SPECPIPE_WEIGHT_CHUNK"  # the streamed chunk's size on the driver, e.g. 1MiB (default 8 MiB)
@@ -474,13 +475,27 @@ class RayBackend:
             self._timer.start()
 
     def _warm_standbys(self) -> None:
+        """A standby on each answering node without one that has STANDBY_MIN_FREE available: on a
+        node short of memory a standby could get a stage killed (Ray's memory monitor) or the
+        node's next stage refused; there a restart starts a new worker as before."""
+        import ray
+
         from specpipe.cluster.placement import on_node
 
         with self._lock:
+            todo = {nid: a for nid, a in self.agents.items() if nid not in self._standby and nid not in self.silent}
+        probes = {nid: a.probe.remote(self.config.device) for nid, a in todo.items()}
+        free: dict[str, int] = {}
+        for nid, ref in probes.items():
+            try:
+                free[nid] = ray.get(ref, timeout=PING_S)["free_bytes"]
+            except Exception:  # noqa: BLE001 (not answering: no standby there now)
+                pass
+        with self._lock:
             if self.state == "closed":
                 return
-            for nid in list(self.agents):
-                if nid not in self._standby and nid not in self.silent:
+            for nid, available in free.items():
+                if nid in self.agents and nid not in self._standby and available >= STANDBY_MIN_FREE:
                     actor = _stage_actor_cls().options(**on_node(nid)).remote()
                     self._standby[nid] = (actor, actor.warm.remote())
 

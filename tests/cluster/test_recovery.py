@@ -193,3 +193,23 @@ def test_a_pipeline_that_served_a_while_restarts_with_the_first_back_off(monkeyp
         with pytest.raises(StagesRestarted):
             pipe.collect()
     assert waits == [0.5, 0.5, 0.5, 1.0]
+
+
+def test_standbys_go_only_to_nodes_with_memory_to_spare(backend, monkeypatch):
+    """A standby takes a worker's memory: nodes with less than STANDBY_MIN_FREE available get
+    none (a restart there starts a new worker, as before); a silent node gets none either."""
+    from specpipe.cluster import ray_backend as rb
+
+    made = []
+    monkeypatch.setattr(rb, "_stage_actor_cls", lambda: SimpleNamespace(options=lambda **o: SimpleNamespace(
+        remote=lambda: made.append(1) or SimpleNamespace(warm=SimpleNamespace(remote=lambda: f"warm{len(made)}")))))
+    backend.agents["a"].answer = dict(probe("a"), free_bytes=rb.STANDBY_MIN_FREE - 1)
+    backend.silent = {"c"}
+    backend._warm_standbys()
+    assert set(backend._standby) == {"b"} and len(made) == 1
+    backend._warm_standbys()  # b has one already
+    assert len(made) == 1
+    backend.state = "closed"
+    backend.silent = set()
+    backend._warm_standbys()  # closed: nothing new
+    assert len(made) == 1
