@@ -39,7 +39,9 @@ SP_INLINE SP_ATTR void SP_K(tiles)(const job *jb, int64_t n0, int64_t n1, const 
             SP_K(unpack_lowbit)(jb->type, row + g * gbytes, &wt, r);
           }
           else if (type == SP_KIND_LOWBIT_S8 && jb->type == SP_IQ4_XS) SP_K(unpack_iq4_xs)(row + g * gbytes, &wt, r);
-          else if (type == SP_KIND_LOWBIT_S8) SP_K(unpack_group32_lowbit)(jb->type, row, g, jb->nblk32, &wt, r);
+          /* (the type a constant in each call: its unpacking specialised) */
+          else if (type == SP_KIND_LOWBIT_S8 && jb->type == SP_MXFP4) SP_K(unpack_group32_lowbit)(SP_MXFP4, row, g, jb->nblk32, &wt, r);
+          else if (type == SP_KIND_LOWBIT_S8) SP_K(unpack_group32_lowbit)(SP_IQ4_NL, row, g, jb->nblk32, &wt, r);
           else SP_K(unpack_group32)(type, row, g, jb->nblk32, &wt, r);
           if (is_k) SP_K(prep_scales)(&wt, r, sub16 ? 16 : 32);
         }
