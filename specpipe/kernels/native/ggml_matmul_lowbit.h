@@ -108,7 +108,8 @@ SP_INLINE void q3_k_scales(const uint8_t *s, int8_t *sc) {
 }
 
 /* 256-value low-bit block b into row r of the tile; returns 1 when q holds magnitudes whose
- * signs (one byte per 8 values) are in signs[32], for apply_signs (the IQ2 / IQ3 types). */
+ * signs (one byte per 8 values) are in sg[32], for apply_signs_portable (the IQ2 / IQ3 types;
+ * the x86 paths take those in unpack_grid_avx2 and this only for the others, sg unused). */
 SP_INLINE int unpack_lowbit(int type, const uint8_t *b, wtile *w, int r, uint8_t *restrict sg) {
   uint8_t *restrict q = w->q[r];
   int8_t *restrict sc = w->sc[r];
@@ -262,7 +263,8 @@ SP_INLINE int unpack_lowbit(int type, const uint8_t *b, wtile *w, int r, uint8_t
 /* the sub-block scales are computed for the whole block on vectors first.  The grid               */
 /* entries are not gathered (vpgatherdq / vpgatherdd): on the development EPYC the gathers took    */
 /* fewer instructions but more time than the scalar loads (docs/benchmarks.md section 15).  The    */
-/* same bytes as unpack_lowbit (+ apply_signs), which the other types still take.                 */
+/* same bytes as the portable unpack_lowbit + apply_signs_portable.  unpack_grid_avx2 takes the    */
+/* sign-free types (Q2_K, Q3_K, TQ1_0, TQ2_0) too, with unpack_lowbit's code: one switch a block. */
 
 #ifdef SP_X86
 #define SP_LB_AVX2 __attribute__((target("avx2,fma")))
