@@ -24,8 +24,9 @@ lays the dims out in another order, which the dot products do not see). YaRN sca
 attention factor (rope.py) and the softmax by mscale(factor, mscale_all_dim)^2 (MLAConfig.softmax_scale).
 
 Batch invariance: the projections are FloatLinear / QuantLinear; the per-head absorptions are
-batched matmuls over fixed tiles of ROW_TILE rows (head_matmul), so a row's result never depends on
-the rows sharing its call; attention is model/attention.attend. The native attention takes at most
+batched matmuls over fixed tiles of ROW_TILE rows (head_matmul), or, where a GGUF file stores
+llama.cpp's attn_k_b / attn_v_b quantized, one QuantLinear a head over those blocks (per_head), so
+a row's result never depends on the rows sharing its call; attention is model/attention.attend. The native attention takes at most
 native.MAX_GROUP query heads per KV head, so heads go to it in chunks of that many (a head's result
 does not depend on the other heads): DeepSeek V3's 128 heads run as two calls.
 """
@@ -39,7 +40,7 @@ import torch.nn as nn
 
 from specpipe.config import ModelConfig
 from specpipe.kernels import native
-from specpipe.kernels.qlinear import FloatLinear
+from specpipe.kernels.qlinear import FloatLinear, QuantLinear
 from specpipe.model.attention import ROW_TILE, AttentionMetadata, attend
 from specpipe.model.kv_cache import KVCache
 from specpipe.model.norm import RMSNorm
@@ -64,6 +65,11 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     for i in range(0, x.shape[0], ROW_TILE):
         out[i:i + ROW_TILE] = torch.bmm(x[i:i + ROW_TILE].transpose(0, 1), w).transpose(0, 1)
     return out[:t]
+
+
+def per_head(linears: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    """x (T, H, K) through head h's own linear (K -> N) for each h -> (T, H, N)."""
+    return torch.stack([lin(x[:, i].contiguous()) for i, lin in enumerate(linears)], dim=1)
 
 
 def attend_latent(q: torch.Tensor, latent: torch.Tensor, mask: Optional[torch.Tensor], scale: float) -> torch.Tensor:
@@ -96,8 +102,24 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, LORA_NORM_EPS)
         # Read as two per-head matrices (absorbed into queries and output), never called as a layer.
         self.kv_b_proj = FloatLinear(m.kv_lora_rank, self.h * (m.qk_nope_head_dim + m.v_head_dim), bias=False)
+        # Or, where a GGUF file stores llama.cpp's halves quantized, those kept packed (use_packed_halves).
+        self.k_b: Optional[nn.ModuleList] = None
+        self.v_b: Optional[nn.ModuleList] = None
         self.o_proj = FloatLinear(self.h * m.v_head_dim, hidden, bias=bias)
         self.interleaved = m.rope_interleave
+
+    def use_packed_halves(self, k_b: tuple, v_b: tuple) -> None:
+        """kv_b_proj's two halves as llama.cpp's files store them, kept in their GGML blocks instead
+        of joined and dequantized to float32 (loader/gguf.py kv_b_halves): k_b = (type, rows
+        (H * R, row_bytes), kernel), head h's R rows W_uk[h]^T (R, nope); v_b = (type, rows
+        (H * v, row_bytes), kernel), head h's v rows W_uv[h] (v, R). One QuantLinear a head each
+        (over a view of the rows), so the absorption is a head's own matrix times its own input, as
+        head_matmul computes it from the float kv_b_proj."""
+        (kq, kp, kk), (vq, vp, vk) = k_b, v_b
+        h, r, nope, vd = self.h, self.rank, self.nope, self.vd
+        self.kv_b_proj = None
+        self.k_b = nn.ModuleList(QuantLinear(kp[i * r:(i + 1) * r], kq, nope, r, None, kk) for i in range(h))
+        self.v_b = nn.ModuleList(QuantLinear(vp[i * vd:(i + 1) * vd], vq, r, vd, None, vk) for i in range(h))
 
     def _rotary(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         if self.interleaved:  # even dims first, then odd: DeepSeek's pairs as rotate-half's two halves
@@ -112,13 +134,19 @@ class LatentAttention(nn.Module):
         latent = self.kv_a_layernorm(ckv[:, :self.rank].contiguous())  # (T, R)
         k_rot = self._rotary(ckv[:, None, self.rank:], rope)  # (T, 1, r)
         kv.write(layer, torch.cat((latent[:, None, :], k_rot), dim=-1), None, meta.write_slots)  # (T, 1, R + r)
-        w = self.kv_b_proj.weight.view(h, nope + self.vd, self.rank)  # (H, nope + v, R)
-        q_latent = head_matmul(q[..., :nope], w[:, :nope])  # (T, H, R): W_uk^T q_nope
+        if self.k_b is None:
+            w = self.kv_b_proj.weight.view(h, nope + self.vd, self.rank)  # (H, nope + v, R)
+            q_latent = head_matmul(q[..., :nope], w[:, :nope])  # (T, H, R): W_uk^T q_nope
+        else:
+            q_latent = per_head(self.k_b, q[..., :nope])
         q_full = torch.cat((q_latent, self._rotary(q[..., nope:], rope)), dim=-1)  # (T, H, R + r)
         outs = []
         for seg in meta.segments:
             cached, _ = kv.read(layer, seg)  # (C, 1, R + r)
             outs.append(attend_latent(q_full[seg.start:seg.end], cached, seg.mask, self.scale))
         out = outs[0] if len(outs) == 1 else torch.cat(outs)  # (T, H, R + r)
-        out = head_matmul(out[..., :self.rank], w[:, nope:].transpose(1, 2))  # (T, H, v): W_uv o
+        if self.v_b is None:
+            out = head_matmul(out[..., :self.rank], w[:, nope:].transpose(1, 2))  # (T, H, v): W_uv o
+        else:
+            out = per_head(self.v_b, out[..., :self.rank])
         return self.o_proj(out.reshape(t, h * self.vd))
