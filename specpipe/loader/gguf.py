@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from specpipe.config import ConfigError, LinearRope, ModelConfig, RopeScaling, StageSpec
-from specpipe.kernels.ggml_types import BLOCKS
+from specpipe.kernels.ggml_types import BLOCKS, FLOAT_TYPES
 from specpipe.loader import gguf_families as families
 from specpipe.loader import gguf_sparse as sparse
 from specpipe.loader.checkpoint import (Checkpoint, CheckpointError, StageBytes, check_config_against_tensors,
@@ -413,6 +413,28 @@ class GGUFCheckpoint(Checkpoint):
         if w.dtype != np.float32 or not w.flags.writeable or not w.flags.c_contiguous:
             w = np.array(w, dtype=np.float32, order="C")
         return torch.from_numpy(w) if dtype is None else torch.from_numpy(w).to(dtype)
+
+    def kv_b_halves(self, name: str) -> Optional[tuple[tuple[gguf.GGMLQuantizationType, torch.Tensor], ...]]:
+        """llama.cpp's two halves of the joined kv_b_proj `name`, each (type, rows (N, row_bytes)
+        uint8) still in its GGML type: attn_k_b's H * kv_lora_rank rows of qk_nope_head_dim, then
+        attn_v_b's H * v_head_dim rows of kv_lora_rank (gguf_sparse.py); None where the file keeps
+        kv_b_proj whole or stores a half as float (load joins them). model/mla.py runs a head's
+        block of each as one matrix (stage.py)."""
+        pair = self._joined.get(name)
+        if pair is None or any(t.tensor_type in FLOAT_TYPES for t in pair):
+            return None
+        if self._file is None:
+            raise CheckpointError(f"{self.path.name}: checkpoint is closed")
+        out = []
+        for t in pair:
+            if t.tensor_type not in BLOCKS:
+                raise CheckpointError(f"{self.path.name}: tensor {t.name} has type {t.tensor_type.name}, which "
+                                      f"SpecPipe cannot compute (supported: {', '.join(q.name for q in BLOCKS)})")
+            shape = tuple(reversed(t.shape))
+            rows = int(np.prod(shape[:-1]))
+            packed = self._file.read_rows(t, 0, rows, rows).view(np.uint8).reshape(rows, -1)
+            out.append((t.tensor_type, torch.from_numpy(packed)))
+        return tuple(out)
 
     def _dequantized(self, t: Any) -> np.ndarray:
         """A whole record as float32 in its (torch-order) stored shape."""
