@@ -608,8 +608,8 @@ SP_INLINE __attribute__((target("avx2,fma"))) void lookup_nibbles16_avx2(const u
  * target attribute):
  *   unpack_group32_lowbit_<isa>: IQ4_NL / MXFP4 group g of row r (nblk 32-blocks a row), as
  *     unpack_group32;
- *   unpack_iq4_xs_<isa>: one IQ4_XS block = one group of 8 32-blocks, each with its float scale
- *     d * (ls - 32). */
+ *   unpack_iq4_xs_<isa> (SP_IQ4_XS_UNPACK; AVX2: below): one IQ4_XS block = one group of 8
+ *     32-blocks, each with its float scale d * (ls - 32). */
 #define SP_LOWBIT_S8_UNPACK(isa, attr)                                                                   \
   SP_INLINE attr void unpack_group32_lowbit_##isa(int type, const uint8_t *row, int64_t g, int64_t nblk, \
                                                   wtile *w, int r) {                                     \
@@ -622,7 +622,8 @@ SP_INLINE __attribute__((target("avx2,fma"))) void lookup_nibbles16_avx2(const u
       lookup_nibbles16_##isa(mx ? SP_FIELD(b, sp_block_mxfp4, qs) : SP_FIELD(b, sp_block_iq4_nl, qs),    \
                              mx ? sp_kvalues_mxfp4 : sp_kvalues_iq4nl, w->q[r] + 32 * j);                \
     }                                                                                                    \
-  }                                                                                                      \
+  }
+#define SP_IQ4_XS_UNPACK(isa, attr)                                                                      \
   SP_INLINE attr void unpack_iq4_xs_##isa(const uint8_t *b, wtile *w, int r) {                          \
     const float d = f16_to_f32(b);                                                                       \
     const uint8_t *h = SP_FIELD(b, sp_block_iq4_xs, scales_h);                                          \
@@ -636,10 +637,32 @@ SP_INLINE __attribute__((target("avx2,fma"))) void lookup_nibbles16_avx2(const u
     }                                                                                                    \
   }
 SP_LOWBIT_S8_UNPACK(portable, )
+SP_IQ4_XS_UNPACK(portable, )
 #define unpack_group32_lowbit_neon unpack_group32_lowbit_portable
 #define unpack_iq4_xs_neon unpack_iq4_xs_portable
 #ifdef SP_X86
 SP_LOWBIT_S8_UNPACK(avx2, __attribute__((target("avx2,fma"))))
+/* IQ4_XS on AVX2: the 8 six-bit scales and their floats d * (ls - 32) on one vector (the same
+ * products as the scalar code: one IEEE multiply each), then the lookups */
+SP_INLINE SP_LB_AVX2 void unpack_iq4_xs_avx2(const uint8_t *b, wtile *w, int r) {
+  const float d = f16_to_f32(b);
+  const uint8_t *h = SP_FIELD(b, sp_block_iq4_xs, scales_h);
+  const uint32_t sh = h[0] | (uint32_t)h[1] << 8;
+  const uint8_t *sl = SP_FIELD(b, sp_block_iq4_xs, scales_l), *qs = SP_FIELD(b, sp_block_iq4_xs, qs);
+  w->nb = 8;
+  /* int32 lane j: nibble j of sl (byte j / 2, low first) | bits 2 j, 2 j + 1 of sh << 4 */
+  const __m256i slv = _mm256_set1_epi32((int)load_u32(sl));
+  const __m256i nib = _mm256_and_si256(_mm256_srlv_epi32(slv, _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)), _mm256_set1_epi32(15));
+  const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)sh), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                      _mm256_set1_epi32(3));
+  const __m256i ls = _mm256_or_si256(nib, _mm256_slli_epi32(hi, 4));
+  float dj[8] __attribute__((aligned(32)));
+  _mm256_store_ps(dj, _mm256_mul_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32)))));
+  for (int j = 0; j < 8; j++) {
+    w->d[j][r] = dj[j];
+    lookup_nibbles16_avx2(qs + 16 * j, sp_kvalues_iq4nl, w->q[r] + 32 * j);
+  }
+}
 #define unpack_group32_lowbit_vnni unpack_group32_lowbit_avx2
 #define unpack_iq4_xs_vnni unpack_iq4_xs_avx2
 #endif
