@@ -495,9 +495,14 @@ class RayBackend:
             if self.state == "closed":
                 return
             for nid, available in free.items():
-                if nid in self.agents and nid not in self._standby and available >= STANDBY_MIN_FREE:
-                    actor = _stage_actor_cls().options(**on_node(nid)).remote()
-                    self._standby[nid] = (actor, actor.warm.remote())
+                if nid not in self.agents or nid in self._standby:
+                    continue
+                if available < STANDBY_MIN_FREE:
+                    self._say(f"no standby stage actor on node {self._name(nid)}: {available / 2**30:.1f} GB "
+                              f"available, under {STANDBY_MIN_FREE / 2**30:.0f} GB (a restart there starts a new worker)")
+                    continue
+                actor = _stage_actor_cls().options(**on_node(nid)).remote()
+                self._standby[nid] = (actor, actor.warm.remote())
 
     def _take_standby(self, nid: str):
         """The standby stage actor of node `nid` (None: there is none, or it died)."""

@@ -207,6 +207,7 @@ def test_standbys_go_only_to_nodes_with_memory_to_spare(backend, monkeypatch):
     backend.silent = {"c"}
     backend._warm_standbys()
     assert set(backend._standby) == {"b"} and len(made) == 1
+    assert any(m.startswith("no standby stage actor on node ") and "under 3 GB" in m for m in backend.said)
     backend._warm_standbys()  # b has one already
     assert len(made) == 1
     backend.state = "closed"
