@@ -29,6 +29,7 @@ from specpipe.loader.checkpoint import Checkpoint, CheckpointError, check_attent
 from specpipe.loader.weight_memory import weight_arena
 from specpipe.model.fused import fuse_layers
 from specpipe.model.llama import Attention, LlamaStage
+from specpipe.model.mla import LatentAttention
 from specpipe.model.moe import MLP
 from specpipe.model.routing import FLOAT32_PARAMS
 
@@ -108,6 +109,20 @@ def weight_kernels(ckpt: Checkpoint, device: torch.device | str = "cpu", quantiz
             k = choose_kernel(qtype, device, kernel).name
             found[qtype.name] = "dequant" if k == "int4pack" and name == "embed_tokens.weight" else k
     return found
+
+
+def _packed_kv_b(ckpt: Checkpoint, name: str, attn: LatentAttention, device, kernel: Optional[str],
+                 checked) -> None:
+    """A GGUF file's attn_k_b / attn_v_b kept in their blocks where the file quantized them
+    (model/mla.py use_packed_halves), instead of joined into kv_b_proj and dequantized to float32:
+    a layer of DeepSeek-V2-Lite's Q4_K_M (Q5_0 and Q4_K halves) holds 1.25 MiB, not 8 MiB."""
+    halves = getattr(ckpt, "kv_b_halves", None)
+    src = f"{name}.kv_b_proj.weight"
+    found = halves(src) if halves is not None else None
+    if found is None:
+        return
+    checked(src, attn.kv_b_proj.weight.shape)
+    attn.use_packed_halves(*[(q, p.to(device), choose_kernel(q, device, kernel)) for q, p in found])
 
 
 def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -197,6 +212,9 @@ def build_stage(ckpt: Checkpoint, spec: StageSpec, device: torch.device | str = 
             model.lm_head = QuantLinear(emb.packed, emb.qtype, cfg.hidden_size, cfg.vocab_size, None, k)
         else:
             model.lm_head.weight = emb.weight
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LatentAttention) and kernel != "float32":
+            _packed_kv_b(ckpt, name, module, device, kernel, checked)
     # Everything else (norms, biases of float projections) in the activations' type; the router's
     # weight and selection bias in float32, as transformers keeps them (a bfloat16 bias would move
     # experts' choices: model/routing.py).
