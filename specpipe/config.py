@@ -347,10 +347,10 @@ class EngineConfig:
             raise ConfigError(f"--restart-stages must be >= 0, got {self.restart_stages}")
         if self.stage_timeout_s <= 0:
             raise ConfigError(f"--stage-timeout must be positive, got {self.stage_timeout_s}")
-        if self.weight_chunk is not None or self.weight_cache_max is not None:
-            from specpipe.cluster.weights import check_weight_options  # the rules live with the cache
-
-            check_weight_options(self.weight_chunk, self.weight_cache_max)
+        if self.weight_chunk is not None:
+            parse_weight_chunk(self.weight_chunk)
+        if self.weight_cache_max is not None:
+            parse_cache_max(self.weight_cache_max)
         if self.draft_quantization not in (None, "int8", "int4"):
             raise ConfigError(f"--draft-quantization must be int8 or int4, got {self.draft_quantization!r}")
         if self.mode not in SPECULATIVE_MODES and (self.draft_quantization or self.draft_vocab):
@@ -416,3 +416,38 @@ def parse_bytes(text: str | int) -> int:
     if n <= 0:
         raise ConfigError(f"--kv-memory must be positive, got {text!r}")
     return n
+
+
+WEIGHT_CHUNK_MIN, WEIGHT_CHUNK_MAX = 4096, 1 << 30  # --weight-chunk's bounds
+WEIGHT_CACHE_MAX_DEFAULT = "50%"  # --weight-cache-max: of what a node's cache holds + its disk's free space
+
+
+def _option_size(text: str, option: str, example: str) -> int:
+    try:
+        return parse_bytes(text)
+    except (ConfigError, ValueError, OverflowError):
+        raise ConfigError(f"{option}: cannot read {text!r} as a positive size (e.g. {example})") from None
+
+
+def parse_weight_chunk(text: str, option: str = "--weight-chunk") -> int:
+    """The streamed weight chunk in bytes, from `text` such as 256KiB; `option` names where it came
+    from in the error (the option, or $SPECPIPE_WEIGHT_CHUNK)."""
+    n = _option_size(str(text).strip(), option, "256KiB, 8MiB")
+    if not WEIGHT_CHUNK_MIN <= n <= WEIGHT_CHUNK_MAX:
+        raise ConfigError(f"{option} {text!r}: a chunk must be between 4 KiB and 1 GiB")
+    return n
+
+
+def parse_cache_max(text: str) -> tuple[str, float]:
+    """--weight-cache-max: ("bytes", n) for a size (20GiB), ("share", f) for N% of the space a
+    node's weight cache could have (what it holds plus the disk's free space)."""
+    text = str(text).strip()
+    if text.endswith("%"):
+        try:
+            share = float(text[:-1]) / 100
+        except ValueError:
+            share = -1.0
+        if not 0 < share <= 1:
+            raise ConfigError(f"--weight-cache-max {text!r}: a share must be above 0% and at most 100%")
+        return "share", share
+    return "bytes", float(_option_size(text, "--weight-cache-max", "20GiB, 500MiB, 50%"))
