@@ -45,11 +45,12 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from specpipe.cache import cache_dir
+from specpipe.config import WEIGHT_CACHE_MAX_DEFAULT, parse_cache_max, parse_weight_chunk
 from specpipe.loader.checkpoint import StageBytes
 
 __all__ = ["StageBytes", "WeightCacheError", "cache_dir", "stage_digest", "iter_chunks", "chunk_spans",
            "chunk_hash", "WeightCache", "CacheWriter", "CacheItem", "hold_entry", "parse_weight_chunk",
-           "parse_cache_max", "check_weight_options"]
+           "parse_cache_max"]
 
 CHUNK_BYTES = 8 << 20  # reads and streamed messages: large enough to be cheap, small enough to hold
 _DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -63,53 +64,7 @@ class WeightCacheError(RuntimeError):
     """Stage bytes that cannot be hashed, streamed or cached; the message is meant for the user."""
 
 
-CHUNK_MIN, CHUNK_MAX = 4096, 1 << 30
-CACHE_MAX_DEFAULT = "50%"  # of the space the cache could have: what it holds + the disk's free space
-
-
-def _size(text: str, option: str, example: str) -> int:
-    from specpipe.config import ConfigError, parse_bytes
-
-    try:
-        return parse_bytes(text)
-    except (ConfigError, ValueError, OverflowError):
-        raise ConfigError(f"{option}: cannot read {text!r} as a positive size (e.g. {example})") from None
-
-
-def parse_weight_chunk(text: str, option: str = "--weight-chunk") -> int:
-    """The streamed chunk's size in bytes, from `text` such as 256KiB; `option` names where it came
-    from in the error (the option, or $SPECPIPE_WEIGHT_CHUNK)."""
-    from specpipe.config import ConfigError
-
-    n = _size(str(text).strip(), option, "256KiB, 8MiB")
-    if not CHUNK_MIN <= n <= CHUNK_MAX:
-        raise ConfigError(f"{option} {text!r}: a chunk must be between 4 KiB and 1 GiB")
-    return n
-
-
-def parse_cache_max(text: str) -> tuple[str, float]:
-    """--weight-cache-max: ("bytes", n) for a size (20GiB), ("share", f) for N% of the space the
-    cache could have on its node (what it holds plus the disk's free space)."""
-    from specpipe.config import ConfigError
-
-    text = str(text).strip()
-    if text.endswith("%"):
-        try:
-            share = float(text[:-1]) / 100
-        except ValueError:
-            share = -1.0
-        if not 0 < share <= 1:
-            raise ConfigError(f"--weight-cache-max {text!r}: a share must be above 0% and at most 100%")
-        return "share", share
-    return "bytes", float(_size(text, "--weight-cache-max", "20GiB, 500MiB, 50%"))
-
-
-def check_weight_options(weight_chunk: Optional[str], weight_cache_max: Optional[str]) -> None:
-    """Raise ConfigError naming the option for a value the cluster backend could not use."""
-    if weight_chunk is not None:
-        parse_weight_chunk(weight_chunk)
-    if weight_cache_max is not None:
-        parse_cache_max(weight_cache_max)
+CACHE_MAX_DEFAULT = WEIGHT_CACHE_MAX_DEFAULT  # --weight-cache-max unset (the option's rules: config.py)
 
 
 def _check_layout(sb: StageBytes) -> None:
