@@ -12,13 +12,16 @@ alone in pp (the router is batch invariant, model/moe.py): the tokens must not c
 
 Then, per family, a stage restart and a structured request: the stages die in the middle of the
 second request and the engine's RestartingPipeline starts them again (pp and two speculative
-modes, seeded), and two JSON-schema requests in every mode; both give pp's tokens.
+modes, seeded), and a JSON-schema request in every mode; both give pp's tokens. Last, DeepSeek's
+attn_k_b / attn_v_b as a quantized llama.cpp file stores them, kept packed: the file's bytes, the
+float path's tokens on exact weights, and every mode equal to pp.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
 from typing import Callable, Optional
 
 import pytest
@@ -70,12 +73,14 @@ class DiesOnce(LocalPipeline):
 
 
 def serve(ckpt, mode: str, num_stages: int, sampling: SamplingParams, cached: bool,
-          die_after: Optional[int] = None, grammar: Optional[CompiledGrammar] = None) -> list[Request]:
+          die_after: Optional[int] = None, grammar: Optional[CompiledGrammar] = None,
+          turns: int = 2) -> list[Request]:
     """A first request, then a second turn whose prompt holds the first's prompt and output, on
     fresh stages under one engine core; returns both. `die_after`: the stages die once the second
     request has that many output tokens, and the engine's RestartingPipeline (engine/restart.py)
     starts fresh ones, which recompute it from its prompt and output so far. `grammar`: both
-    requests constrained by it (structured output), each with its own matcher."""
+    requests constrained by it (structured output), each with its own matcher. `turns` = 1: the
+    first request alone."""
     def stages() -> list[StageWorker]:
         return [StageWorker(build_stage(ckpt, s), BLOCKS, BLOCK_SIZE)
                 for s in partition_layers(ckpt.config.num_layers, num_stages)]
@@ -106,6 +111,9 @@ def serve(ckpt, mode: str, num_stages: int, sampling: SamplingParams, cached: bo
 
     first = Request(0, list(PROMPT), sampling, frozenset(), grammar=matcher())
     core.run([first])
+    if turns == 1:
+        assert not any(w.slots.requests for w in workers)
+        return [first]
     second = Request(1, PROMPT + first.output_ids + [200, 201, 202], sampling, frozenset(), grammar=matcher())
     dying.append(second)
     core.run([second])
@@ -142,24 +150,24 @@ def assert_restart_equals_pp(ckpt, sampling: SamplingParams, what: str, monkeypa
 
 
 def assert_structured_equal_in_every_mode(ckpt, model_dir, what: str) -> None:
-    """Two JSON-schema-constrained requests (the second reading the first from the prefix cache):
-    every mode at S = 2 gives plain constrained pp's tokens (S = 1), the draft's candidates
-    filtered by the grammar and the target masked on every tree row; each output is JSON of the
-    schema, ended by the grammar (the random model alone writes no JSON)."""
+    """A JSON-schema-constrained request: every mode at S = 2 gives plain constrained pp's tokens
+    (S = 1), the draft's candidates filtered by the grammar and the target masked on every tree
+    row; the output is JSON of the schema, ended by the grammar (the random model alone writes no
+    JSON)."""
     import jsonschema
 
     tokenizer = Tokenizer.from_path(model_dir)
     compiler = GrammarCompiler(tokenizer, ckpt.config.vocab_size)
     try:
         grammar = compiler.compile(StructuredOutput(json_schema=SCHEMA))
-        reference = serve(ckpt, "pp", 1, STRUCTURED, cached=False, grammar=grammar)
+        reference = serve(ckpt, "pp", 1, STRUCTURED, cached=False, grammar=grammar, turns=1)
         for r in reference:
             assert r.finish_reason == "stop", (what, r.finish_reason, r.error, tokenizer.decode(r.output_ids))
             jsonschema.validate(json.loads(tokenizer.decode(r.output_ids)), SCHEMA)
-        plain = serve(ckpt, "pp", 1, STRUCTURED, cached=False)[0]
+        plain = serve(ckpt, "pp", 1, STRUCTURED, cached=False, turns=1)[0]
         assert plain.output_ids[:len(reference[0].output_ids)] != reference[0].output_ids  # the grammar steered
         for mode in MODES:
-            got = serve(ckpt, mode, 2, STRUCTURED, cached=True, grammar=grammar)
+            got = serve(ckpt, mode, 2, STRUCTURED, cached=True, grammar=grammar, turns=1)
             assert [r.output_ids for r in got] == [r.output_ids for r in reference], f"{what}: {mode}"
             assert all(r.finish_reason == "stop" and r.grammar.closed for r in got), mode
             if mode in SPECULATIVE_MODES:
@@ -183,3 +191,72 @@ def test_every_mode_equals_pp_across_a_stage_restart(tiny_model_dir, family, mon
 def test_structured_request_equal_in_every_mode(tiny_model_dir, family):
     path = tiny_model_dir(family)
     assert_structured_equal_in_every_mode(open_checkpoint(path), path, family)
+
+
+def with_quantized_halves(path, out):
+    """llama.cpp's converted file at `path` rewritten at `out` with each layer's attn_k_b in Q5_0 (as
+    llama.cpp's Q4_K_M leaves DeepSeek's: its rows of qk_nope_head_dim are no multiple of 256) and
+    attn_v_b in Q8_0 (gguf's quantizer has no Q4_K), the rest as converted (float32)."""
+    import gguf
+    import numpy as np
+
+    from specpipe.loader.gguf_metadata import read_gguf_metadata
+
+    types = {"attn_k_b.weight": gguf.GGMLQuantizationType.Q5_0, "attn_v_b.weight": gguf.GGMLQuantizationType.Q8_0}
+    meta = read_gguf_metadata(path)
+    wr = gguf.GGUFWriter(str(out), meta["general.architecture"])
+    for key, value in meta.items():
+        if key.startswith(("general.", "tokenizer.")) and key != "tokenizer.ggml.eos_token_id":
+            continue
+        {bool: wr.add_bool, int: wr.add_uint32, float: wr.add_float32, str: wr.add_string}[type(value)](key, value)
+    for t in gguf.GGUFReader(path).tensors:
+        qtype = types.get(t.name.split(".", 2)[-1])
+        data = np.array(t.data)
+        if qtype is None:
+            wr.add_tensor(t.name, data)
+        else:
+            wr.add_tensor(t.name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    return out
+
+
+def test_quantized_latent_halves_stay_packed_and_every_mode_equals_pp(tiny_model_dir, tmp_path, monkeypatch):
+    """DeepSeek-V2 converted by llama.cpp's converter, its attn_k_b / attn_v_b quantized: a stage
+    keeps them in their blocks, one matrix a head (model/mla.py use_packed_halves), holding the
+    file's bytes of them instead of a float32 kv_b_proj. On the `dequant` kernel (the exact weights,
+    float activations) the tokens are those of the halves joined and dequantized (the path before);
+    on the default kernel (8-bit activations, as llama.cpp's dot products) every mode gives pp's."""
+    import gguf
+    from llama_converter import convert
+
+    from specpipe.kernels.qlinear import QuantLinear
+    from specpipe.loader.gguf import GGUFCheckpoint
+    from specpipe.model.mla import LatentAttention
+
+    hf_dir = tiny_model_dir("deepseek_v2", qk_nope_head_dim=32)  # rows of 32: one block of Q5_0 / Q8_0
+    path = with_quantized_halves(convert(hf_dir, tmp_path / "f32.gguf"), tmp_path / "halves.gguf")
+    ckpt = open_checkpoint(path)
+    records = {t.name: t for t in gguf.GGUFReader(path).tensors}
+    stage = build_stage(ckpt, StageSpec.whole(ckpt.config))
+    latent = [m for m in stage.modules() if isinstance(m, LatentAttention)]
+    assert len(latent) == ckpt.config.num_layers
+    for i, attn in enumerate(latent):
+        assert attn.kv_b_proj is None and len(attn.k_b) == len(attn.v_b) == ckpt.config.num_heads
+        assert all(isinstance(m, QuantLinear) for m in [*attn.k_b, *attn.v_b])
+        assert {m.qtype.name for m in attn.k_b} == {"Q5_0"} and {m.qtype.name for m in attn.v_b} == {"Q8_0"}
+        held = sum(m.weight_nbytes for m in [*attn.k_b, *attn.v_b])
+        assert held == records[f"blk.{i}.attn_k_b.weight"].n_bytes + records[f"blk.{i}.attn_v_b.weight"].n_bytes
+        assert held < math.prod(ckpt.shape(f"layers.{i}.self_attn.kv_b_proj.weight")) * 4 / 3  # float32: 4 B a weight
+
+    monkeypatch.setenv("SPECPIPE_KERNEL", "dequant")
+    assert build_stage(ckpt, StageSpec.whole(ckpt.config)).layers["0"].self_attn.k_b[0].kernel == "dequant"
+    exact = [r.output_ids for r in serve(ckpt, "pp", 2, GREEDY, cached=False)]
+    with monkeypatch.context() as joined:
+        joined.setattr(GGUFCheckpoint, "kv_b_halves", lambda self, name: None)
+        assert build_stage(ckpt, StageSpec.whole(ckpt.config)).layers["0"].self_attn.k_b is None
+        assert [r.output_ids for r in serve(ckpt, "pp", 2, GREEDY, cached=False)] == exact
+    monkeypatch.delenv("SPECPIPE_KERNEL")
+    assert_every_mode_equals_pp(ckpt, GREEDY, "deepseek_v2, packed attn_k_b / attn_v_b")
