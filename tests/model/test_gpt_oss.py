@@ -284,7 +284,7 @@ def test_every_mode_equals_pp_across_a_stage_restart(tmp_path_factory, monkeypat
 
 
 def test_structured_request_equal_in_every_mode(tmp_path_factory):
-    """Two JSON-schema requests (the tiny tokenizer, llguidance's masks) in every mode at S = 2:
+    """A JSON-schema request (the tiny tokenizer, llguidance's masks) in every mode at S = 2:
     constrained pp's tokens, valid JSON of the schema (test_moe_families_lossless)."""
     path, _ = layout("mxfp4", tmp_path_factory)
     assert_structured_equal_in_every_mode(open_checkpoint(path), path, "gpt-oss mxfp4")
