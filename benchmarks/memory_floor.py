@@ -51,6 +51,30 @@ def read_bandwidth(buf: torch.Tensor, repeats: int = 5) -> float:
     return buf.numel() * 4 / best / 1e9
 
 
+def file_weight_bytes(path: str, cfg) -> dict:
+    """`synthetic.weight_bytes`' parts counted from a GGUF file's own tensors (any mix of types,
+    e.g. a file requantized to Q2_K or IQ2_XXS), rather than from a preset's shapes."""
+    from gguf import GGUFReader
+
+    layers, head, embed = 0, 0, 0
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    for name, n in tensors.items():
+        if name.startswith("blk."):
+            layers += n
+        elif name in ("output.weight", "output_norm.weight"):
+            head += n
+        elif name == "token_embd.weight":
+            embed = n
+    if "output.weight" not in tensors:
+        head += embed  # tied: the head reads the embedding's bytes
+    L = cfg.num_layers
+    if cfg.moe is not None:
+        raise SystemExit("memory_floor.py: counting a sparse model's active bytes from its file is not done; use --preset")
+    return {"layer_bytes_mean": layers / L, "layer_bytes_active_mean": layers / L, "head_bytes": head,
+            "embed_bytes": embed, "kv_bytes_per_token_layer": cfg.kv_values_per_token * 4,
+            "total_bytes": layers + head + (embed if "output.weight" in tensors else 0)}
+
+
 def bytes_per_token(b: dict, layers: int, last: bool, context: int, active: bool = True) -> float:
     per_layer = b["layer_bytes_active_mean"] if active else b["layer_bytes_mean"]
     return layers * (per_layer + b["kv_bytes_per_token_layer"] * context) + (b["head_bytes"] if last else 0)
@@ -60,6 +84,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="the Qwen2.5-Coder 1.5B Q4_K_M file")
     ap.add_argument("--preset", default="qwen2.5-coder-1.5b", help="its shapes (for the byte count)")
+    ap.add_argument("--bytes-from-file", action="store_true",
+                    help="count the bytes a token reads from the GGUF file's own tensors (a requantized file: "
+                         "Q2_K, IQ2_XXS, ...) instead of the preset's Q4_K_M types")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=5)
@@ -72,7 +99,7 @@ def main() -> None:
     ckpt = open_checkpoint(args.model)
     name, cfg = synthetic.model_config(args.preset)
     shapes = synthetic.SyntheticCheckpoint(name, cfg)  # the file's types (tests/costs/test_synthetic.py)
-    b = synthetic.weight_bytes(shapes, shapes.nbytes)
+    b = file_weight_bytes(args.model, ckpt.config) if args.bytes_from_file else synthetic.weight_bytes(shapes, shapes.nbytes)
     model = build_stage(ckpt, StageSpec.whole(ckpt.config))
     held = weight_nbytes(model)
     timer = StageTimer(model, [args.context], [1], torch.device("cpu"), torch.float32, lambda: None, 1)
@@ -93,7 +120,8 @@ def main() -> None:
               f"fraction {floor / ms:.2f}", flush=True)
     med = {k: statistics.median(x[k] for x in rounds) for k in rounds[0]}
     best_gbs = max(x["gb_s"] for x in rounds)
-    summary = {"model": args.model, "bytes_per_token": read, "weights_held": held, "context": args.context,
+    summary = {"model": args.model, "bytes_from": "file" if args.bytes_from_file else f"preset {args.preset}",
+               "bytes_per_token": read, "weights_held": held, "context": args.context,
                "median": med, "best_gb_s": best_gbs, "fraction_of_medians": read / (med["gb_s"] * 1e6) / med["decode_ms"]}
     print(f"Qwen 1.5B: {read / 1e6:.1f} MB a token (held {held / 1e6:.1f} MB); median read {med['gb_s']:.2f} GB/s "
           f"(best {best_gbs:.2f}), decode {med['decode_ms']:.2f} ms, floor {read / (med['gb_s'] * 1e6):.2f} ms, "
