@@ -8,7 +8,8 @@ multiple_choice, metric acc) over a JSONL written to a temporary folder: that te
 (ll.jsonl) and --items more built from the repo's own docs (docs/*.md, sorted; nothing is
 downloaded): each sentence of at least 11 words in a prose paragraph (no tables, lists, code)
 gives an item whose context is its first 8 words and whose choices are its next 3 words and the
-3 words after the 8th of two other sentences, in an order drawn by a seeded generator. The items are written into the result file.
+3 words after the 8th of two other sentences, in an order drawn by a seeded generator. The items are written into the result file, and
+--items-from FILE runs a result file's items again (the docs change; the same items do not).
 
 Backends (--backends, any of):
   specpipe          `python -m specpipe.entrypoints.cli serve --model GGUF` (its default mode
@@ -293,6 +294,7 @@ def main() -> None:
     ap.add_argument("--items", type=int, default=40, help="items built from docs/*.md, besides the test's three")
     ap.add_argument("--backends", nargs="+", default=["specpipe", "llamacpp-server", "llamacpp", "transformers"],
                     choices=BACKENDS)
+    ap.add_argument("--items-from", help="a result file of this script: run its task_items again (docs/*.md change)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -309,7 +311,7 @@ def main() -> None:
     tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=f)
     tok_dir = Path(tempfile.mkdtemp(prefix="gguf_tokenizer_"))
     tok.save_pretrained(tok_dir)  # lm_eval's huggingface tokenizer backend for llama.cpp's server
-    items = repo_items(args.items)
+    items = json.load(open(args.items_from))["task_items"] if args.items_from else repo_items(args.items)
     folder = task_folder(items)
     reqs = requests_of(items, tok)
     texts = [it["context"] + c for it in items for c in it["choices"]]
