@@ -125,6 +125,23 @@ def test_thread_count_invariance(qtype):
         assert torch.equal(y, ys[0])
 
 
+def test_the_one_thread_threshold_keeps_the_bits():
+    """Under the library's default threshold (2 MiB of weights x rows) a call runs on one thread:
+    a matrix below it (1 and 8 rows), one above it at 8 rows only, one above it at any rows,
+    each at 2 threads, equal to the same call split across both threads (threshold 0)."""
+    for n, k in ((64, 512), (520, 4096), (2000, 2048)):  # 18 KiB, 1.14 MiB, 2.2 MiB of Q4_K rows
+        packed = random_packed(Q.Q4_K, n, k, seed=n)
+        x = torch.randn(8, k, generator=torch.Generator().manual_seed(k))
+        split = [run(x[:t], packed, Q.Q4_K, threads=2) for t in (1, 8)]
+        native.set_parallel_min_bytes(2 << 20)
+        try:
+            alone = [run(x[:t], packed, Q.Q4_K, threads=2) for t in (1, 8)]
+        finally:
+            native.set_parallel_min_bytes(0)
+        for a, b in zip(alone, split):
+            assert torch.equal(a, b), (n, k)
+
+
 @pytest.mark.parametrize("qtype,k", [(q, 768) for q in ALL_TYPES] +  # 288: a short last group
                          [(q, 288) for q in ALL_TYPES if q not in TYPES_K], ids=lambda v: getattr(v, "name", str(v)))
 def test_isa_paths_bitwise_equal(qtype, k):

@@ -36,7 +36,7 @@ from specpipe.kernels import ggml_types
 _HERE = Path(__file__).resolve().parent
 LIBRARY = _HERE / "libspecpipe_native.so"
 # ggml_matmul.h SP_ABI_VERSION: the interface these bindings (and layer.py's) are written for
-ABI_VERSION = 3
+ABI_VERSION = 4
 REBUILD = "python3 -m specpipe.kernels.native.build (or ./install.sh)"
 
 _ISA_CODES = {"portable": 0, "avx2": 1, "avx512vnni": 2, "neon": 3, "amx": 4}
@@ -67,6 +67,7 @@ _SIGNATURES = {
     "sp_type_supported": ([_i32], _i32),
     "sp_best_isa": ([], _i32),
     "sp_has_openmp": ([], _i32),
+    "sp_set_parallel_min_bytes": ([_i64], None),
     "sp_block_layout": ([_i32, ctypes.c_char_p, _i64], _i32),
     "sp_decoder_layer": (None, None),
     "sp_silu_mul": (None, None),
@@ -218,6 +219,12 @@ def supported_isas() -> list[str]:
     """Every path this CPU can run, the portable one first."""
     lib = _require()
     return [name for name, code in _ISA_CODES.items() if lib.sp_isa_supported(code)]
+
+
+def set_parallel_min_bytes(nbytes: int) -> None:
+    """Matmul calls of fewer weight bytes x activation rows than `nbytes` run on one thread (the
+    library's default: 2 MiB); 0 lets every call use the threads it is given."""
+    _require().sp_set_parallel_min_bytes(int(nbytes))
 
 
 def has_openmp() -> bool:

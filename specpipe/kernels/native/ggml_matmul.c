@@ -1286,6 +1286,19 @@ static void run_parallel_lanes(lanes_fn fn, const job *jb, const void *xl, int64
 }
 #endif
 
+/* A call whose weight bytes times activation rows are fewer than this runs on one thread: a
+ * parallel region wakes the other threads (asleep under OMP_WAIT_POLICY=passive, specpipe/cpus.py)
+ * on every call, which costs more than splitting a small matrix saves (AMD EPYC, 2 threads, idle,
+ * one-row decode: SmolLM2-135M 11.2 -> 6.9 ms a token with 2 MiB, 1 thread 7.5; Qwen2.5-Coder-1.5B
+ * 35.7 -> 34.0; docs/benchmarks.md section 16).  Which thread computes a row never changes its
+ * bits, so this moves time only. */
+#ifndef SP_PAR_MIN_BYTES
+#define SP_PAR_MIN_BYTES (2 << 20)
+#endif
+static int64_t par_min_bytes = SP_PAR_MIN_BYTES;
+
+void sp_set_parallel_min_bytes(int64_t bytes) { par_min_bytes = bytes < 0 ? 0 : bytes; }
+
 int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, int64_t n,
               int64_t row_bytes, float *y, int threads, int isa) {
   int64_t bbytes, rb, tk, tn;
@@ -1308,6 +1321,7 @@ int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, 
     return SP_OK;
   }
   if (threads < 1) threads = 1;
+  if (tn * row_bytes < par_min_bytes) threads = 1; /* tn = t * n, checked above */
 
   const int64_t kp = (k + 255) / 256 * 256;
   job jb = {type, t, k, n, row_bytes, k / 32, w, {kp, t, 0, 0, 0, 0, 0}, y};

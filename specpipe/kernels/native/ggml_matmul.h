@@ -23,7 +23,7 @@ enum { SP_OK = 0, SP_ERR_TYPE = 1, SP_ERR_SHAPE = 2, SP_ERR_ISA = 3, SP_ERR_MEMO
  * ABI_VERSION (a library built from older sources), and falls back to the portable path.
  * Change both together whenever the interface changes. */
 #ifndef SP_ABI_VERSION
-#define SP_ABI_VERSION 3
+#define SP_ABI_VERSION 4
 #endif
 int sp_abi_version(void);
 
@@ -41,6 +41,9 @@ static inline int sp_range_ok(int64_t first, int64_t c, int64_t n) {
  * row-major and contiguous.  threads: OpenMP threads for this call (1 = the calling thread). */
 int sp_matmul(int type, const float *x, int64_t t, int64_t k, const uint8_t *w, int64_t n,
               int64_t row_bytes, float *y, int threads, int isa);
+/* Calls of fewer weight bytes x activation rows than `bytes` run on one thread (default 2 MiB;
+ * 0: every call takes the threads it is given, as the thread-invariance tests need). */
+void sp_set_parallel_min_bytes(int64_t bytes);
 /* The most query heads per KV head the attention takes (a thread's scratch holds a block of rows'
  * scores for all of them). */
 #define SP_MAX_GROUP 64
