@@ -250,3 +250,18 @@ def thinking_server(tiny_model_dir, tmp_path_factory):
     yield server
     server.stop()
     engine.close()
+
+
+@pytest.fixture
+def split_every_call():
+    """Every native matmul call takes the threads it is given: the thread-invariance tests use
+    matrices far below the size under which the library runs a call on one thread (2 MiB of
+    weights x rows), so without this they would not run the split paths at all."""
+    from specpipe.kernels import native
+
+    if not native.available():
+        yield
+        return
+    native.set_parallel_min_bytes(0)
+    yield
+    native.set_parallel_min_bytes(2 << 20)

@@ -28,6 +28,8 @@ from specpipe.kernels.ggml_lowbit import c_tables
 from specpipe.kernels.ggml_types import LAYOUTS, LOWBIT_TYPES, dequantize
 from specpipe.kernels.torch_kernels import DequantKernel
 
+pytestmark = pytest.mark.usefixtures("split_every_call")  # tests/conftest.py
+
 Q = gguf.GGMLQuantizationType
 TYPES = list(LOWBIT_TYPES)
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native library not built: {native.unavailable_reason()}")

@@ -21,9 +21,10 @@ from gguf import quants
 
 from specpipe.kernels import native
 
-pytestmark = pytest.mark.skipif(
-    not native.available(), reason=f"native library not built: {native.unavailable_reason()}"
-)
+pytestmark = [
+    pytest.mark.skipif(not native.available(), reason=f"native library not built: {native.unavailable_reason()}"),
+    pytest.mark.usefixtures("split_every_call"),  # tests/conftest.py
+]
 
 Q = gguf.GGMLQuantizationType
 TYPES_32 = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0]
