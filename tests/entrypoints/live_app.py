@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import contextmanager
 import socket
 import threading
 import time
 from pathlib import Path
 
+import httpx
+import openai
 import uvicorn
 
 from specpipe.config import EngineConfig
@@ -32,9 +35,14 @@ THINKING_TEMPLATE = (
 )
 
 
+def tiny_llama(tiny_model_dir) -> Path:
+    """The tiny llama the API tests serve (tests/conftest.py's `tiny_model_dir`)."""
+    return tiny_model_dir("llama", num_hidden_layers=2, max_position_embeddings=1024)
+
+
 def thinking_model(tiny_model_dir, tmp_path: Path) -> Path:
     """A copy of the tiny llama whose template is THINKING_TEMPLATE."""
-    src = tiny_model_dir("llama", num_hidden_layers=2, max_position_embeddings=1024)
+    src = tiny_llama(tiny_model_dir)
     dst = tmp_path / "thinking"
     shutil.copytree(src, dst)
     cfg_path = dst / "tokenizer_config.json"
@@ -50,9 +58,15 @@ def engine_of(model: Path) -> Engine:
                                kv_memory="8MiB", max_context=1024))
 
 
+def plain_engine(model: Path) -> Engine:
+    """Plain pp decoding in this process, one request at a time: what a server's answer must equal."""
+    return Engine(EngineConfig(model=str(model), mode="pp", transport="inproc", kv_memory="8MiB", max_context=1024))
+
+
 class LiveServer:
     def __init__(self, engine: Engine, options: ServerOptions = ServerOptions(api_keys=(KEY,)),
                  names: tuple[str, ...] = (NAME,)) -> None:
+        self.key = options.api_keys[0] if options.api_keys else None
         self.metrics = EngineMetrics(lambda: self.aengine.snapshot, lambda: self.aengine.dead is None, names[0])
         self.aengine = AsyncEngine(engine.core(), observer=self.metrics, admit_timeout_s=30)
         self.app = build_app(engine, self.aengine, self.metrics, names, options)
@@ -65,10 +79,30 @@ class LiveServer:
         while not self.server.started:
             time.sleep(0.01)
 
+    def client(self) -> openai.OpenAI:
+        """The official client, with the server's first API key (if it has any)."""
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.key or "none", max_retries=0, timeout=120)
+
+    def post(self, path: str, **kw) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
+        return httpx.post(self.url + path, headers=headers, timeout=120, **kw)
+
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
         self.aengine.shutdown()
+
+
+@contextmanager
+def serving(model: Path, options: ServerOptions = ServerOptions(api_keys=(KEY,)), names: tuple[str, ...] = (NAME,)):
+    """A LiveServer over engine_of(model), stopped and its engine closed on the way out."""
+    engine = engine_of(model)
+    server = LiveServer(engine, options, names)
+    try:
+        yield server
+    finally:
+        server.stop()
+        engine.close()
 
 
 def float32_log_softmax(model: Path):

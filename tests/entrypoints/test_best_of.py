@@ -10,8 +10,6 @@ import httpx
 import openai
 import pytest
 
-from specpipe.config import EngineConfig
-from specpipe.engine.engine import Engine
 from specpipe.entrypoints.openai.api_server import ServerOptions
 from specpipe.sampling import SamplingParams
 
@@ -23,23 +21,20 @@ PROMPT = "the cat sat on the mat and the dog sat on the log"
 
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
-    return tiny_model_dir("llama", num_hidden_layers=2, max_position_embeddings=1024)
+    return live_app.tiny_llama(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
 def server(model):
-    engine = live_app.engine_of(model)
-    s = live_app.LiveServer(engine, ServerOptions())
-    yield s
-    s.stop()
-    engine.close()
+    with live_app.serving(model, ServerOptions()) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def alone(model):
     """Plain decoding in this process, one request at a time, with each token's log-probability:
     (text, cumulative log-probability) of a sample sent alone."""
-    engine = Engine(EngineConfig(model=str(model), mode="pp", transport="inproc", kv_memory="8MiB", max_context=1024))
+    engine = live_app.plain_engine(model)
 
     def run(prompt, **sampling):
         out = engine.generate(prompt, SamplingParams(logprobs=0, **sampling), chat=False, ignore_eos=True)
@@ -49,12 +44,8 @@ def alone(model):
     engine.close()
 
 
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
-
-
 def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.url + path, json={"model": NAME, **body}, timeout=120)
+    return server.post(path, json={"model": NAME, **body})
 
 
 def top(samples: list[tuple[str, float]], n: int) -> list[tuple[str, float]]:
@@ -67,14 +58,14 @@ def test_best_of_returns_the_top_n_by_cumulative_logprob(server, alone):
     want = top(samples, n)
     # the test means something only if ranking picks other samples than the first n
     assert [t for t, _ in want] != [t for t, _ in samples[:n]]
-    out = client(server).completions.create(model=NAME, prompt=PROMPT, n=n, best_of=best_of, seed=seed,
+    out = server.client().completions.create(model=NAME, prompt=PROMPT, n=n, best_of=best_of, seed=seed,
                                             temperature=1.0, max_tokens=8, extra_body={"ignore_eos": True})
     assert [c.index for c in out.choices] == [0, 1]
     assert [c.text for c in out.choices] == [t for t, _ in want]
     assert all(c.logprobs is None for c in out.choices)  # computed to rank, shown only when asked
     assert out.usage.completion_tokens == best_of * 8  # every sample was generated
     # asked for: each choice's own token log-probabilities, summing to its rank's value
-    shown = client(server).completions.create(model=NAME, prompt=PROMPT, n=n, best_of=best_of, seed=seed,
+    shown = server.client().completions.create(model=NAME, prompt=PROMPT, n=n, best_of=best_of, seed=seed,
                                               temperature=1.0, max_tokens=8, logprobs=1, extra_body={"ignore_eos": True})
     assert [c.text for c in shown.choices] == [t for t, _ in want]
     for c, (_, cum) in zip(shown.choices, want):
@@ -83,7 +74,7 @@ def test_best_of_returns_the_top_n_by_cumulative_logprob(server, alone):
 
 def test_best_of_one_choice_and_several_prompts(server, alone):
     prompts = [[5, 17, 42, 99, 7], [130, 64, 12, 250, 33, 8, 9]]
-    out = client(server).completions.create(model=NAME, prompt=prompts, best_of=3, seed=9, temperature=1.0,
+    out = server.client().completions.create(model=NAME, prompt=prompts, best_of=3, seed=9, temperature=1.0,
                                             max_tokens=6, extra_body={"ignore_eos": True})
     want = [top([alone(q, temperature=1.0, seed=9 + i, max_tokens=6) for i in range(3)], 1)[0][0] for q in prompts]
     assert [c.text for c in out.choices] == want
@@ -93,7 +84,7 @@ def test_best_of_one_choice_and_several_prompts(server, alone):
 
 def test_best_of_equal_to_n_streams_as_n(server, alone):
     texts = ["", ""]
-    for c in client(server).completions.create(model=NAME, prompt=PROMPT, n=2, best_of=2, seed=3, temperature=1.0,
+    for c in server.client().completions.create(model=NAME, prompt=PROMPT, n=2, best_of=2, seed=3, temperature=1.0,
                                                max_tokens=5, stream=True, extra_body={"ignore_eos": True}):
         for choice in c.choices:
             texts[choice.index] += choice.text

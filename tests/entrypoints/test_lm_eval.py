@@ -25,7 +25,6 @@ import httpx
 import pytest
 
 import live_app  # tests/entrypoints is on sys.path for its tests
-from live_app import LiveServer
 from specpipe.entrypoints.openai.api_server import ServerOptions
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -36,16 +35,13 @@ NAME = "tiny"
 
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
-    return tiny_model_dir("llama", num_hidden_layers=2, max_position_embeddings=1024)
+    return live_app.tiny_llama(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
 def server(model):
-    engine = live_app.engine_of(model)
-    s = LiveServer(engine, ServerOptions(), names=(NAME,))
-    yield s
-    s.stop()
-    engine.close()
+    with live_app.serving(model, ServerOptions(), names=(NAME,)) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")

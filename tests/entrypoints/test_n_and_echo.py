@@ -9,13 +9,9 @@ specpipe-db with an n-gram source) and the official `openai` client:
 
 from __future__ import annotations
 
-
-import httpx
 import openai
 import pytest
 
-from specpipe.config import EngineConfig
-from specpipe.engine.engine import Engine
 from specpipe.entrypoints.openai.api_server import ServerOptions
 from specpipe.sampling import SamplingParams
 
@@ -26,37 +22,21 @@ NAME = "tiny"
 PROMPT = "the cat sat on the mat and the dog sat on the log, and then the cat saw the dog and ran far away home"
 
 
-class LiveServer(live_app.LiveServer):
-    """build_app on uvicorn in a background thread, on a free loopback port, without API keys."""
-
-    def __init__(self, engine: Engine) -> None:
-        super().__init__(engine, ServerOptions())
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=120)
-
-    def post(self, path: str, **kw) -> httpx.Response:
-        return httpx.post(self.url + path, timeout=120, **kw)
-
-
 @pytest.fixture(scope="module")
 def model(tiny_model_dir):
-    return tiny_model_dir("llama", num_hidden_layers=2, max_position_embeddings=1024)
+    return live_app.tiny_llama(tiny_model_dir)
 
 
 @pytest.fixture(scope="module")
 def server(model):
-    engine = live_app.engine_of(model)
-    s = LiveServer(engine)
-    yield s
-    s.stop()
-    engine.close()
+    with live_app.serving(model, ServerOptions()) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def alone(model):
     """Plain decoding in this process, one request at a time: what the server must give."""
-    engine = Engine(EngineConfig(model=str(model), mode="pp", transport="inproc", kv_memory="8MiB", max_context=1024))
+    engine = live_app.plain_engine(model)
 
     def run(prompt, **sampling):
         return engine.generate(prompt, SamplingParams(**sampling), chat=False)
