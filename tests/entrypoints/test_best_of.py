@@ -7,7 +7,6 @@ below n, over n's limit, and on chat."""
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 
 from specpipe.entrypoints.openai.api_server import ServerOptions

@@ -9,7 +9,6 @@ specpipe-db with an n-gram source) and the official `openai` client:
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 from specpipe.entrypoints.openai.api_server import ServerOptions
