@@ -162,39 +162,6 @@ def test_a_restart_takes_the_nodes_standby_actor(backend, monkeypatch):
     assert backend._take_standby("b") is None and backend._standby == {}
 
 
-def test_a_pipeline_that_served_a_while_restarts_with_the_first_back_off(monkeypatch):
-    """Faults minutes apart are each a first restart (0.5 s), not a doubling series, even when
-    the pipeline took fewer than HEALTHY_STEPS steps meanwhile; faults in quick succession still
-    double."""
-    from specpipe.distributed.remote_pipeline import PipelineError
-    from specpipe.engine import restart
-    from specpipe.messages import StagesRestarted
-
-    clock = [0.0]
-    waits = []
-    monkeypatch.setattr(restart.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(restart.time, "sleep", waits.append)
-
-    class Broken:
-        num_stages, concurrent, reported, steps = 2, True, None, 3
-
-        def submit(self, control, rows):
-            pass
-
-        def collect(self):
-            raise PipelineError("stage 2 died")
-
-        def close(self):
-            pass
-
-    pipe = restart.RestartingPipeline(Broken, 5, lambda _m: None)
-    for at in (1.0, 60.0, 120.0, 121.0):  # failures at these times
-        clock[0] = at
-        with pytest.raises(StagesRestarted):
-            pipe.collect()
-    assert waits == [0.5, 0.5, 0.5, 1.0]
-
-
 def test_standbys_go_only_to_nodes_with_memory_to_spare(backend, monkeypatch):
     """A standby takes a worker's memory: nodes with less than STANDBY_MIN_FREE available get
     none (a restart there starts a new worker, as before); a silent node gets none either."""

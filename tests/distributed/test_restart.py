@@ -152,6 +152,25 @@ class BrokenPipeline:
         pass
 
 
+def test_a_pipeline_that_served_a_while_restarts_with_the_first_back_off(monkeypatch):
+    """Faults minutes apart are each a first restart (0.5 s), not a doubling series, even when
+    the pipeline took fewer than HEALTHY_STEPS steps meanwhile; faults in quick succession still
+    double."""
+    from specpipe.engine import restart
+    from specpipe.messages import StagesRestarted
+
+    clock = [0.0]
+    waits = []
+    monkeypatch.setattr(restart.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(restart.time, "sleep", waits.append)
+    pipe = restart.RestartingPipeline(BrokenPipeline, 5, lambda _m: None)
+    for at in (1.0, 60.0, 120.0, 121.0):  # failures at these times
+        clock[0] = at
+        with pytest.raises(StagesRestarted):
+            pipe.collect()
+    assert waits == [0.5, 0.5, 0.5, 1.0]
+
+
 def restarting(starts, restarts, monkeypatch):
     """A RestartingPipeline over a broken pipeline whose restarts run `starts` in turn (a
     callable raises, anything else is the new pipeline); the waits and messages it made."""
