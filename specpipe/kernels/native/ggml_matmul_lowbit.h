@@ -79,6 +79,13 @@ SP_INLINE void put8_iq1(uint8_t *q, uint64_t grid, int delta) {
  * crumb + 4 * (bit hbit0 + k of hm[l]). */
 typedef uint8_t v32u8 __attribute__((vector_size(32)));
 typedef uint8_t v4u8 __attribute__((vector_size(4)));
+/* IQ1_M keeps its f16 block scale in the top 4 bits of its four 16-bit scale words: the block's
+ * factor (the scale / 8), and the words in u for the sub-block scales. */
+SP_INLINE float iq1_m_scale(const uint8_t *s, uint16_t u[4]) {
+  memcpy(u, s, 8);
+  return f16_table[(uint16_t)((u[0] >> 12) | ((u[1] >> 8) & 0xf0) | ((u[2] >> 4) & 0xf00) | (u[3] & 0xf000))] * 0.125f;
+}
+
 SP_INLINE void unpack_crumbs32(const uint8_t *qs, uint8_t *q, const uint8_t *hm, int hbit0, uint8_t add) {
   v32u8 v, m = {0};
   memcpy(&v, qs, 32);
@@ -209,9 +216,7 @@ SP_INLINE int unpack_lowbit(int type, const uint8_t *b, wtile *w, int r, uint8_t
     const uint8_t *qs = SP_FIELD(b, sp_block_iq1_m, qs), *qh = SP_FIELD(b, sp_block_iq1_m, qh);
     const uint8_t *s = SP_FIELD(b, sp_block_iq1_m, scales);
     uint16_t u[4];
-    memcpy(u, s, 8);
-    const uint16_t dbits = (uint16_t)((u[0] >> 12) | ((u[1] >> 8) & 0xf0) | ((u[2] >> 4) & 0xf00) | (u[3] & 0xf000));
-    w->d[0][r] = f16_table[dbits] * 0.125f;
+    w->d[0][r] = iq1_m_scale(s, u);
     for (int j = 0; j < 16; j++) sc[j] = (int8_t)(2 * ((u[j / 4] >> (3 * (j % 4))) & 7) + 1);
     for (int g = 0; g < 32; g++) {
       const int nib = (qh[g / 2] >> (4 * (g & 1))) & 15;
@@ -488,9 +493,7 @@ SP_INLINE SP_LB_AVX2 int unpack_grid_avx2(int type, const uint8_t *b, wtile *w, 
     const uint8_t *qs = SP_FIELD(b, sp_block_iq1_m, qs), *qh = SP_FIELD(b, sp_block_iq1_m, qh);
     const uint8_t *s = SP_FIELD(b, sp_block_iq1_m, scales);
     uint16_t u[4];
-    memcpy(u, s, 8);
-    const uint16_t dbits = (uint16_t)((u[0] >> 12) | ((u[1] >> 8) & 0xf0) | ((u[2] >> 4) & 0xf00) | (u[3] & 0xf000));
-    w->d[0][r] = f16_table[dbits] * 0.125f;
+    w->d[0][r] = iq1_m_scale(s, u);
     /* sc[j] = 2 * (3-bit field j % 4 of u[j / 4]) + 1: u[j / 4] in int16 lane j, its field
      * brought to bits 13-15 by a multiply, then down */
     const __m128i sv = _mm_loadl_epi64((const __m128i *)s);
